@@ -1,0 +1,79 @@
+"""Daily feature DAG: wait for raw partitions → validate → aggregates → 30-day window → sequences → examples."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import DAG, Param
+from airflow.timetables.interval import CronDataIntervalTimetable
+
+from operators import config
+from operators.assets import EXAMPLES
+from operators.errors import retry_policy
+from operators.features import FeatureBuildOperator, RawPartitionSensor, ValidatePartitionOperator
+
+DS = "{{ params.ds or ds }}"
+_validation = config.section("validation")
+
+with DAG(
+    dag_id="pin_daily_features",
+    doc_md="""
+### Daily features
+
+For the day `ds` (the run's data interval, or the `ds` param): waits for the raw events, pins and users
+partitions, validates each with its Great Expectations suite (a failing partition stops the day: nothing
+downstream runs), then builds with DuckDB, each step written atomically:
+
+1. `features/user_daily`, `features/pin_daily` — per-day aggregates;
+2. `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`;
+3. `features/user_sequence` — each user's last N engagements as of the end of `ds`;
+4. `examples` — impressions of `ds` with labels, joined with features as of the end of `ds-1`.
+
+Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --dag-id pin_daily_features
+--from-date 2026-11-01 --to-date 2026-11-07`. Emits the `pinflow_examples` asset.
+""",
+    schedule=CronDataIntervalTimetable("@daily", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=4,
+    tags=["pinflow", "features"],
+    default_args={
+        "owner": "data-eng",
+        "retries": 2,
+        "retry_delay": timedelta(minutes=2),
+        "retry_exponential_backoff": 2.0,
+        "retry_policy": retry_policy(),
+    },
+    params={
+        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD)."),
+        "negative_downsample": Param(None, type=["null", "number"], minimum=0.01, maximum=1.0, description="Keep this fraction of impressions without a label (default: config)."),
+        "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description="Engagements kept per user sequence (default: config)."),
+    },
+    render_template_as_native_obj=True,
+) as dag:
+    wait = RawPartitionSensor(
+        task_id="wait_for_raw",
+        datasets=["raw/events", "raw/pins", "raw/users"],
+        ds=DS,
+        mode="reschedule",
+        poke_interval=int(_validation["sensor_poke_seconds"]),
+        timeout=int(_validation["sensor_timeout_seconds"]),
+    )
+    validations = [
+        ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0)
+        for name in ("events", "pins", "users")
+    ]
+    overrides = {
+        "negative_downsample": "{{ params.negative_downsample }}",
+        "sequence_length": "{{ params.sequence_length }}",
+    }
+    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS)
+    window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS)
+    sequences = FeatureBuildOperator(task_id="user_sequences", step="sequences", ds=DS, overrides=overrides)
+    # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
+    examples = FeatureBuildOperator(
+        task_id="training_examples", step="examples", ds=DS, overrides=overrides,
+        depends_on_past=True, outlets=[EXAMPLES],
+    )
+    wait >> validations >> daily >> [window, sequences] >> examples

@@ -1,0 +1,1 @@
+"""Data contracts, validation, feature computation and the synthetic world. No Airflow imports."""

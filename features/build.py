@@ -1,0 +1,764 @@
+"""Feature computation (DESIGN.md §2–3): daily aggregates → window features → sequences → examples.
+
+Each step is a function of explicit arguments (storage root, day, parameters) that reads complete input
+partitions, computes one output with DuckDB SQL, writes it atomically with its metadata
+(``_metadata.json``: rows, inputs used, missing days, parameters) and returns that metadata as a summary.
+Rerunning a day replaces that day's outputs and nothing else.
+
+    python -m features.build --root /data/pinflow --ds 2024-01-31 --step all
+
+Point-in-time rule: the examples of day ``ds`` join features as of the end of ``ds-1`` only, so nothing
+of day ``ds`` leaks into its own features. Raw partitions are assumed to hold the events whose ``ts``
+lies in their day (the validation step checks it); sequences additionally cut on ``ts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from features.contracts import (
+    ACTIONS,
+    COUNT_COLUMNS,
+    DENSE_FEATURES,
+    ENGAGEMENTS,
+    EVENTS,
+    EXAMPLES,
+    LABELS,
+    PIN_DAILY,
+    PIN_WINDOW,
+    PINS,
+    USER_DAILY,
+    USER_SEQUENCE,
+    USER_WINDOW,
+)
+from features.storage import (
+    data_files,
+    day_range,
+    ds_str,
+    is_complete,
+    partition_path,
+    read_metadata,
+    shift_ds,
+    write_table,
+)
+
+RAW_EVENTS = "raw/events"
+RAW_PINS = "raw/pins"
+USER_DAILY_DS = "features/user_daily"
+PIN_DAILY_DS = "features/pin_daily"
+USER_WINDOW_DS = "features/user_window"
+PIN_WINDOW_DS = "features/pin_window"
+USER_SEQUENCE_DS = "features/user_sequence"
+EXAMPLES_DS = "examples"
+
+# Category and creator of a pin that is not in the day's pins snapshot.
+UNKNOWN_ID = -1
+# Global rates used as the prior when no pin_window metadata is there to provide them (cold start).
+DEFAULT_GLOBAL_RATES: dict[str, float] = {"ctr": 0.0, "repin_rate": 0.0, "hide_rate": 0.0}
+# Exit code of the CLI when an input partition is missing or malformed; the same value as
+# training.failures.ExitCode.DATA (sysexits EX_DATAERR), so every backend classifies it as DATA.
+EXIT_DATA = 65
+
+Step = Literal["daily", "window", "sequences", "examples", "all"]
+
+
+class MissingInputError(FileNotFoundError):
+    """A required input partition is missing or incomplete (a DATA failure: fail now, do not retry)."""
+
+
+class InputDataError(ValueError):
+    """An input partition is there but its content cannot be used (a DATA failure)."""
+
+
+@dataclass(frozen=True)
+class DuckDBSettings:
+    """Resources of the DuckDB engine of one build step.
+
+    ``temp_directory`` is the parent folder for spill files; each connection spills into its own fresh
+    subfolder (removed afterwards), so concurrent builds never share files. Default: the system tmp.
+    """
+
+    threads: int = 2
+    memory_limit: str = "4GB"
+    temp_directory: str | None = None
+
+
+@contextmanager
+def connect(settings: DuckDBSettings | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB connection with the given resources, in UTC."""
+    settings = settings or DuckDBSettings()
+    spill = tempfile.mkdtemp(prefix="pinflow-duckdb-", dir=settings.temp_directory)
+    try:
+        con = duckdb.connect(
+            config={
+                "threads": settings.threads,
+                "memory_limit": settings.memory_limit,
+                "temp_directory": spill,
+            }
+        )
+        try:
+            con.execute("SET TimeZone = 'UTC'")
+            yield con
+        finally:
+            con.close()
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+# --- SQL ------------------------------------------------------------------------------------------------
+# Column lists come from features.contracts so that the SQL cannot drift from the schemas.
+
+_ACTION_OF_COUNT = dict(zip(COUNT_COLUMNS, ACTIONS, strict=True))  # "clicks" -> "click"
+_RATE_OF_ACTION = {"click": "ctr", "repin": "repin_rate", "hide": "hide_rate"}
+
+
+def _sql_list(values: Sequence[str]) -> str:
+    return ", ".join(f"'{v}'" for v in values)
+
+
+def _indent(lines: Sequence[str], spaces: int) -> str:
+    return (",\n" + " " * spaces).join(lines)
+
+
+_DAILY_COUNTS = _indent([f"count(*) FILTER (WHERE action = '{a}') AS {c}" for c, a in _ACTION_OF_COUNT.items()], 7)
+_WINDOW_SUMS = _indent([f"sum({c})::BIGINT AS {c}" for c in COUNT_COLUMNS], 9)
+_ACTION_INDEX = " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS))
+
+# Daily aggregates of one day's events. Input view: events (raw/events of ds).
+USER_DAILY_SQL = f"""
+SELECT user_id,
+       {_DAILY_COUNTS},
+       count(DISTINCT pin_id) AS distinct_pins
+FROM events
+GROUP BY user_id
+ORDER BY user_id
+"""
+
+PIN_DAILY_SQL = f"""
+SELECT pin_id,
+       {_DAILY_COUNTS},
+       count(DISTINCT user_id) AS distinct_users
+FROM events
+GROUP BY pin_id
+ORDER BY pin_id
+"""
+
+# Window features: sums of the daily aggregates of the window's days. Input view: user_daily / pin_daily.
+USER_WINDOW_SQL = f"""
+WITH sums AS (
+  SELECT user_id,
+         {_WINDOW_SUMS}
+  FROM user_daily
+  GROUP BY user_id
+)
+SELECT *,
+       CASE WHEN impressions > 0 THEN clicks::DOUBLE / impressions ELSE 0.0 END AS ctr
+FROM sums
+ORDER BY user_id
+"""
+
+# Totals over every pin of the window: the global rates that smooth each pin's rates.
+PIN_TOTALS_SQL = """
+SELECT coalesce(sum(impressions), 0)::BIGINT AS impressions,
+       coalesce(sum(clicks), 0)::BIGINT AS clicks,
+       coalesce(sum(repins), 0)::BIGINT AS repins,
+       coalesce(sum(hides), 0)::BIGINT AS hides
+FROM pin_daily
+"""
+
+# rate = (k + prior * global) / (n + prior): a pin with few impressions stays near the global rate.
+SMOOTHED_MACRO = """
+CREATE OR REPLACE TEMP MACRO smoothed(k, n, prior, global_rate) AS
+  CASE WHEN n + prior > 0 THEN (k + prior * global_rate) / (n + prior) ELSE global_rate END
+"""
+
+PIN_WINDOW_SQL = f"""
+WITH sums AS (
+  SELECT pin_id,
+         {_WINDOW_SUMS}
+  FROM pin_daily
+  GROUP BY pin_id
+)
+SELECT *,
+       smoothed(clicks, impressions, $prior, $global_ctr) AS ctr,
+       smoothed(repins, impressions, $prior, $global_repin_rate) AS repin_rate,
+       smoothed(hides, impressions, $prior, $global_hide_rate) AS hide_rate
+FROM sums
+ORDER BY pin_id
+"""
+
+# Sequences. View items(user_id, pin_id, action_idx, ts) holds candidate engagements: either the
+# previous day's sequences plus the day's engagements (incremental) or every engagement of the window's
+# raw days (full). The same ranking then applies to both, so both give the same result.
+ENGAGEMENTS_SQL = f"""
+SELECT user_id, pin_id,
+       (CASE action {_ACTION_INDEX} END)::INTEGER AS action_idx,
+       ts
+FROM events
+WHERE action IN ({_sql_list(ENGAGEMENTS)})
+"""
+
+PREVIOUS_ITEMS_SQL = """
+SELECT user_id,
+       unnest(seq_pin_ids) AS pin_id,
+       unnest(seq_actions) AS action_idx,
+       unnest(seq_ts) AS ts
+FROM previous_sequence
+"""
+
+# A total order on a user's actions (ts, then pin, then action, all descending), so that truncation to
+# the top N is the same whichever way the candidates were gathered. Categories always come from the
+# pins snapshot of ds, also for actions carried over from the previous state.
+USER_SEQUENCE_SQL = """
+WITH kept AS (
+  SELECT * FROM items WHERE ts >= $window_start AND ts < $window_end
+),
+ranked AS (
+  SELECT k.user_id, k.pin_id, k.action_idx, k.ts,
+         coalesce(p.category, $unknown)::INTEGER AS category,
+         row_number() OVER (
+           PARTITION BY k.user_id ORDER BY k.ts DESC, k.pin_id DESC, k.action_idx DESC
+         ) AS pos
+  FROM kept AS k
+  LEFT JOIN pins AS p ON p.pin_id = k.pin_id
+)
+SELECT user_id,
+       list(pin_id ORDER BY pos) AS seq_pin_ids,
+       list(action_idx ORDER BY pos) AS seq_actions,
+       list(category ORDER BY pos) AS seq_categories,
+       list(ts ORDER BY pos) AS seq_ts
+FROM ranked
+WHERE pos <= $sequence_length
+GROUP BY user_id
+ORDER BY user_id
+"""
+
+# Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
+# md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages.
+KEEP_HASH_MACRO = """
+CREATE OR REPLACE TEMP MACRO keep_hash(impression_id, seed) AS
+  ('0x' || substr(md5(seed::VARCHAR || ':' || impression_id::VARCHAR), 1, 13))::BIGINT::DOUBLE
+  / 4503599627370496.0
+"""
+
+_LABEL_COLUMNS = _indent([f"max((action = '{a}')::TINYINT) AS {a}" for a in LABELS], 9)
+_USER_FEATURES = _indent(
+    [f"coalesce(u.{c}, 0)::FLOAT AS u_{c}" for c in COUNT_COLUMNS] + ["coalesce(u.ctr, 0.0)::FLOAT AS u_ctr"],
+    7,
+)
+_PIN_FEATURES = _indent(
+    [f"coalesce(pw.{c}, 0)::FLOAT AS p_{c}" for c in COUNT_COLUMNS]
+    + [
+        f"coalesce(pw.{rate}, smoothed(0, 0, $prior, $global_{rate}))::FLOAT AS p_{rate}"
+        for rate in _RATE_OF_ACTION.values()
+    ],
+    7,
+)
+_LABEL_VALUES = _indent([f"coalesce(l.{a}, 0)::TINYINT AS {a}" for a in LABELS], 7)
+_ANY_POSITIVE = " OR ".join(f"{a} = 1" for a in LABELS)
+
+# Examples: impressions of ds (view events) + labels of ds + features as of ds-1 (views user_window,
+# pin_window, user_sequence: empty when missing) + pin attributes of the ds snapshot (view pins).
+EXAMPLES_SQL = f"""
+WITH impressions AS (
+  SELECT impression_id, ts, user_id, pin_id, surface
+  FROM events
+  WHERE action = 'impression'
+),
+labels AS (
+  SELECT impression_id,
+         {_LABEL_COLUMNS}
+  FROM events
+  WHERE action <> 'impression'
+  GROUP BY impression_id
+),
+joined AS (
+  SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
+       coalesce(p.category, $unknown)::INTEGER AS category,
+       coalesce(p.creator_id, $unknown)::BIGINT AS creator_id,
+       i.surface,
+       {_USER_FEATURES},
+       {_PIN_FEATURES},
+       coalesce(s.seq_pin_ids, []::BIGINT[]) AS seq_pin_ids,
+       coalesce(s.seq_actions, []::INTEGER[]) AS seq_actions,
+       coalesce(s.seq_categories, []::INTEGER[]) AS seq_categories,
+       coalesce(
+         list_transform(s.seq_ts, lambda t: date_diff('microsecond', t, i.ts) / 3600e6),
+         []::DOUBLE[]
+       )::FLOAT[] AS seq_age_hours,
+       {_LABEL_VALUES}
+  FROM impressions AS i
+  LEFT JOIN labels AS l ON l.impression_id = i.impression_id
+  LEFT JOIN pins AS p ON p.pin_id = i.pin_id
+  LEFT JOIN user_window AS u ON u.user_id = i.user_id
+  LEFT JOIN pin_window AS pw ON pw.pin_id = i.pin_id
+  LEFT JOIN user_sequence AS s ON s.user_id = i.user_id
+)
+SELECT *
+FROM joined
+WHERE {_ANY_POSITIVE} OR keep_hash(impression_id, $seed) < $negative_downsample
+ORDER BY impression_id
+"""
+
+IMPRESSION_COUNTS_SQL = """
+SELECT count(*) AS impressions,
+       count(*) FILTER (WHERE pin_id NOT IN (SELECT pin_id FROM pins)) AS unknown_pin
+FROM events
+WHERE action = 'impression'
+"""
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+
+def _ref(dataset: str, ds: str) -> str:
+    return f"{dataset}/ds={ds}"
+
+
+def _require(root: str | os.PathLike[str], dataset: str, ds: str, hint: str) -> list[Path]:
+    """The Parquet files of a required input partition, or a MissingInputError saying what to do."""
+    path = partition_path(root, dataset, ds)
+    if not is_complete(root, dataset, ds):
+        raise MissingInputError(
+            f"required input {dataset} for ds={ds} is missing or incomplete (no _SUCCESS marker in {path}); {hint}"
+        )
+    files = data_files(root, dataset, ds)
+    if not files:
+        raise MissingInputError(f"input {dataset} for ds={ds} has a _SUCCESS marker but no Parquet file in {path}")
+    return files
+
+
+def _view(con: duckdb.DuckDBPyConnection, name: str, files: Sequence[Path], schema: pa.Schema) -> None:
+    """Expose Parquet files as view ``name``; no files gives an empty view with the contract's schema."""
+    if files:
+        paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM read_parquet([{paths}])")
+    else:
+        con.register(name, schema.empty_table())
+
+
+def _query(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | None = None) -> pa.Table:
+    relation = con.sql(sql, params=params)
+    assert relation is not None, "a SELECT returns a relation"
+    return relation.to_arrow_table()
+
+
+def _row(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[Any, ...]:
+    """The single row of a query that returns exactly one (an aggregate)."""
+    rows = con.execute(sql).fetchall()
+    assert len(rows) == 1, f"expected one row, got {len(rows)}"
+    return tuple(rows[0])
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Cast to the contract schema exactly (column order, types, nullability: raises on a null)."""
+    return table.select(schema.names).cast(schema)
+
+
+def _day_start(ds: str) -> dt.datetime:
+    return dt.datetime.combine(dt.date.fromisoformat(ds), dt.time(), tzinfo=dt.UTC)
+
+
+def _check_positive(name: str, value: float, flag: str, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}; set {flag}")
+
+
+def _check_unique_pins(con: duckdb.DuckDBPyConnection, ds: str) -> None:
+    (duplicates,) = _row(con, "SELECT count(*) - count(DISTINCT pin_id) FROM pins")
+    if duplicates:
+        raise InputDataError(
+            f"{RAW_PINS} ds={ds} has {duplicates} duplicated pin_id rows; a pin snapshot holds each pin "
+            "once: fix or re-validate the snapshot before building features"
+        )
+
+
+def _events_hint(ds: str) -> str:
+    return f"wait for the upstream event log of {ds} to land and pass validation, then rerun this day"
+
+
+def _pins_hint(ds: str) -> str:
+    return f"wait for the pin corpus snapshot of {ds} to land and pass validation, then rerun this day"
+
+
+# --- steps ----------------------------------------------------------------------------------------------
+
+
+def build_daily(
+    root: str | os.PathLike[str], ds: str | dt.date, *, engine: DuckDBSettings | None = None
+) -> dict[str, Any]:
+    """Write ``features/user_daily`` and ``features/pin_daily`` of ``ds`` from that day's events only."""
+    ds = ds_str(ds)
+    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    with connect(engine) as con:
+        _view(con, "events", events, EVENTS)
+        user_daily = _conform(_query(con, USER_DAILY_SQL), USER_DAILY)
+        pin_daily = _conform(_query(con, PIN_DAILY_SQL), PIN_DAILY)
+        (events_rows,) = _row(con, "SELECT count(*) FROM events")
+    base = {
+        "step": "daily",
+        "ds": ds,
+        "inputs": [_ref(RAW_EVENTS, ds)],
+        "missing_days": [],
+        "events": int(events_rows),
+    }
+    summary = {
+        USER_DAILY_DS: {**base, "dataset": USER_DAILY_DS, "rows": user_daily.num_rows},
+        PIN_DAILY_DS: {**base, "dataset": PIN_DAILY_DS, "rows": pin_daily.num_rows},
+    }
+    write_table(root, USER_DAILY_DS, ds, user_daily, metadata=summary[USER_DAILY_DS])
+    write_table(root, PIN_DAILY_DS, ds, pin_daily, metadata=summary[PIN_DAILY_DS])
+    return summary
+
+
+def build_window(
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    window_days: int = 30,
+    prior_impressions: float = 20.0,
+    *,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Write ``features/user_window`` and ``features/pin_window`` as of the end of ``ds``.
+
+    Sums the daily aggregates of the days ``[ds-window_days+1, ds]`` that exist (never rescans raw
+    events); the daily partitions of ``ds`` itself are required, missing earlier days are recorded in
+    ``missing_days``. Pin rates are smoothed towards the window's global rates with ``prior_impressions``
+    pseudo-impressions; the global rates are recorded in the pin_window metadata (``global_rates``).
+    """
+    ds = ds_str(ds)
+    _check_positive("window_days", window_days, "--window-days")
+    _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
+    days = day_range(shift_ds(ds, -(window_days - 1)), ds)
+    params = {"window_days": window_days, "prior_impressions": prior_impressions}
+    summary: dict[str, Any] = {}
+    with connect(engine) as con:
+        tables: dict[str, pa.Table] = {}
+        for name, daily, schema in (
+            ("user", USER_DAILY_DS, USER_DAILY),
+            ("pin", PIN_DAILY_DS, PIN_DAILY),
+        ):
+            hint = f"run `python -m features.build --step daily --ds {ds}` first"
+            files = _require(root, daily, ds, hint)
+            present = [d for d in days[:-1] if is_complete(root, daily, d)]
+            for day in present:
+                files += data_files(root, daily, day)
+            _view(con, f"{name}_daily", files, schema)
+            used = [*present, ds]
+            summary[f"features/{name}_window"] = {
+                "step": "window",
+                "dataset": f"features/{name}_window",
+                "ds": ds,
+                "window_start": days[0],
+                "window_end": ds,
+                "inputs": [_ref(daily, d) for d in used],
+                "missing_days": sorted(set(days) - set(used)),
+                **params,
+            }
+        tables[USER_WINDOW_DS] = _conform(_query(con, USER_WINDOW_SQL), USER_WINDOW)
+
+        totals_row = _row(con, PIN_TOTALS_SQL)
+        totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
+        if totals["impressions"] > 0:
+            global_rates = {
+                "ctr": totals["clicks"] / totals["impressions"],
+                "repin_rate": totals["repins"] / totals["impressions"],
+                "hide_rate": totals["hides"] / totals["impressions"],
+            }
+            source = "window"
+        else:
+            global_rates, source = dict(DEFAULT_GLOBAL_RATES), "defaults"
+        con.execute(SMOOTHED_MACRO)
+        pin_params = {"prior": prior_impressions} | {f"global_{k}": v for k, v in global_rates.items()}
+        tables[PIN_WINDOW_DS] = _conform(_query(con, PIN_WINDOW_SQL, pin_params), PIN_WINDOW)
+    summary[PIN_WINDOW_DS] |= {"totals": totals, "global_rates": global_rates, "global_rates_source": source}
+    for dataset, table in tables.items():
+        summary[dataset]["rows"] = table.num_rows
+        write_table(root, dataset, ds, table, metadata=summary[dataset])
+    return summary
+
+
+def build_sequences(
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    sequence_length: int = 50,
+    window_days: int = 30,
+    *,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Write ``features/user_sequence`` as of the end of ``ds``: each user's last N engagements.
+
+    Incremental when the sequences of ``ds-1`` are complete and were built with the same parameters:
+    they are merged with the engagements of ``ds``. Otherwise a full recompute from the raw events of the
+    window's days that exist (missing ones recorded). Both drop actions before the window's first day
+    and rank by (ts, pin_id, action) descending, so an incremental build equals a full recompute.
+    Users without any action left are not written.
+    """
+    ds = ds_str(ds)
+    _check_positive("sequence_length", sequence_length, "--sequence-length")
+    _check_positive("window_days", window_days, "--window-days")
+    window_start = shift_ds(ds, -(window_days - 1))
+    days = day_range(window_start, ds)
+    previous_ds = shift_ds(ds, -1)
+    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+
+    params = {"sequence_length": sequence_length, "window_days": window_days}
+    mode, reason = "full", f"{_ref(USER_SEQUENCE_DS, previous_ds)} is missing"
+    if is_complete(root, USER_SEQUENCE_DS, previous_ds):
+        previous_meta = read_metadata(root, USER_SEQUENCE_DS, previous_ds)
+        previous_params = {k: previous_meta.get(k) for k in params}
+        if previous_params == params:
+            mode, reason = (
+                "incremental",
+                f"merged {_ref(USER_SEQUENCE_DS, previous_ds)} with {_ref(RAW_EVENTS, ds)}",
+            )
+        else:
+            reason = f"{_ref(USER_SEQUENCE_DS, previous_ds)} was built with {previous_params}, not {params}"
+
+    with connect(engine) as con:
+        _view(con, "pins", pins, PINS)
+        _check_unique_pins(con, ds)
+        if mode == "incremental":
+            _view(con, "events", events, EVENTS)
+            _view(con, "previous_sequence", data_files(root, USER_SEQUENCE_DS, previous_ds), USER_SEQUENCE)
+            con.execute(f"CREATE TEMP VIEW items AS {PREVIOUS_ITEMS_SQL} UNION ALL {ENGAGEMENTS_SQL}")
+            inputs = [_ref(USER_SEQUENCE_DS, previous_ds), _ref(RAW_EVENTS, ds)]
+            carried = previous_meta.get("missing_days", [])
+            missing_days = sorted(d for d in carried if d >= window_start)
+        else:
+            present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d)]
+            for day in present:
+                events = events + data_files(root, RAW_EVENTS, day)
+            _view(con, "events", events, EVENTS)
+            con.execute(f"CREATE TEMP VIEW items AS {ENGAGEMENTS_SQL}")
+            inputs = [_ref(RAW_EVENTS, d) for d in [*present, ds]]
+            missing_days = sorted(set(days) - set(present) - {ds})
+        table = _query(
+            con,
+            USER_SEQUENCE_SQL,
+            {
+                "window_start": _day_start(window_start),
+                "window_end": _day_start(shift_ds(ds, 1)),
+                "sequence_length": sequence_length,
+                "unknown": UNKNOWN_ID,
+            },
+        )
+    table = _conform(table, USER_SEQUENCE)
+    summary = {
+        "step": "sequences",
+        "dataset": USER_SEQUENCE_DS,
+        "ds": ds,
+        "mode": mode,
+        "mode_reason": reason,
+        "window_start": window_start,
+        "window_end": ds,
+        "inputs": [*inputs, _ref(RAW_PINS, ds)],
+        "missing_days": missing_days,
+        "rows": table.num_rows,
+        **params,
+    }
+    write_table(root, USER_SEQUENCE_DS, ds, table, metadata=summary)
+    return {USER_SEQUENCE_DS: summary}
+
+
+def build_examples(
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    prior_impressions: float = 20.0,
+    negative_downsample: float = 1.0,
+    seed: int = 0,
+    *,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Write ``examples`` of ``ds``: one row per impression of ds with its labels and its features.
+
+    Features are those of ``ds-1`` only (point in time). When a ds-1 feature partition is missing, its
+    users/pins get zero counts, the prior rates (the global rates of the ds-1 pin_window metadata, else
+    DEFAULT_GLOBAL_RATES) and an empty sequence, and the partition is listed in ``missing_inputs``.
+    Impressions without a positive label are kept with probability ``negative_downsample`` (a hash of
+    ``impression_id`` and ``seed``, so a rerun keeps the same rows); the rate is in the metadata.
+    """
+    ds = ds_str(ds)
+    _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
+    if not 0.0 <= negative_downsample <= 1.0:
+        raise ValueError(
+            f"negative_downsample must be in [0, 1], got {negative_downsample!r}; set --negative-downsample"
+        )
+    features_ds = shift_ds(ds, -1)
+    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+
+    inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
+    missing_inputs: list[str] = []
+    global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
+    with connect(engine) as con:
+        _view(con, "events", events, EVENTS)
+        _view(con, "pins", pins, PINS)
+        _check_unique_pins(con, ds)
+        for name, dataset, schema in (
+            ("user_window", USER_WINDOW_DS, USER_WINDOW),
+            ("pin_window", PIN_WINDOW_DS, PIN_WINDOW),
+            ("user_sequence", USER_SEQUENCE_DS, USER_SEQUENCE),
+        ):
+            if is_complete(root, dataset, features_ds):
+                _view(con, name, data_files(root, dataset, features_ds), schema)
+                inputs.append(_ref(dataset, features_ds))
+            else:
+                _view(con, name, [], schema)
+                missing_inputs.append(_ref(dataset, features_ds))
+        if _ref(PIN_WINDOW_DS, features_ds) in inputs:
+            recorded = read_metadata(root, PIN_WINDOW_DS, features_ds).get("global_rates")
+            if recorded:
+                global_rates = {k: float(recorded[k]) for k in DEFAULT_GLOBAL_RATES}
+                rates_source = _ref(PIN_WINDOW_DS, features_ds)
+        con.execute(SMOOTHED_MACRO)
+        con.execute(KEEP_HASH_MACRO)
+        params = {
+            "prior": prior_impressions,
+            "unknown": UNKNOWN_ID,
+            "seed": seed,
+            "negative_downsample": negative_downsample,
+        } | {f"global_{k}": v for k, v in global_rates.items()}
+        table = _conform(_query(con, EXAMPLES_SQL, params), EXAMPLES)
+        counts = _row(con, IMPRESSION_COUNTS_SQL)
+    summary = {
+        "step": "examples",
+        "dataset": EXAMPLES_DS,
+        "ds": ds,
+        "features_ds": features_ds,
+        "inputs": inputs,
+        "missing_inputs": missing_inputs,
+        "missing_days": [features_ds] if missing_inputs else [],
+        "rows": table.num_rows,
+        "impressions": int(counts[0]),
+        "impressions_unknown_pin": int(counts[1]),
+        "positives": {label: int(pc.sum(table[label]).as_py() or 0) for label in LABELS},
+        "negative_downsample": negative_downsample,
+        "seed": seed,
+        "prior_impressions": prior_impressions,
+        "global_rates": global_rates,
+        "global_rates_source": rates_source,
+        "dense_features": list(DENSE_FEATURES),
+    }
+    write_table(root, EXAMPLES_DS, ds, table, metadata=summary)
+    return {EXAMPLES_DS: summary}
+
+
+def build_day(
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    *,
+    window_days: int = 30,
+    sequence_length: int = 50,
+    prior_impressions: float = 20.0,
+    negative_downsample: float = 1.0,
+    seed: int = 0,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Run daily → window → sequences → examples for ``ds``; the summaries of every output, by dataset."""
+    return {
+        **build_daily(root, ds, engine=engine),
+        **build_window(root, ds, window_days, prior_impressions, engine=engine),
+        **build_sequences(root, ds, sequence_length, window_days, engine=engine),
+        **build_examples(root, ds, prior_impressions, negative_downsample, seed, engine=engine),
+    }
+
+
+# --- CLI ------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m features.build",
+        description="Build the feature partitions of one day (daily aggregates, windows, sequences, examples).",
+    )
+    parser.add_argument("--root", required=True, help="storage root: a local folder or a file:// URL")
+    parser.add_argument("--ds", required=True, help="the partition day, YYYY-MM-DD")
+    parser.add_argument(
+        "--step",
+        choices=("daily", "window", "sequences", "examples", "all"),
+        default="all",
+        help="which output to build (default: all, in order)",
+    )
+    parser.add_argument(
+        "--window-days", type=int, default=30, help="days in the window features and sequences (default: 30)"
+    )
+    parser.add_argument("--sequence-length", type=int, default=50, help="engagements kept per user (default: 50)")
+    parser.add_argument(
+        "--prior-impressions",
+        type=float,
+        default=20.0,
+        help="pseudo-impressions at the global rate that smooth each pin's rates (default: 20)",
+    )
+    parser.add_argument(
+        "--negative-downsample",
+        type=float,
+        default=1.0,
+        help="probability of keeping an example without a positive label, in [0, 1] (default: 1, keep all)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the negative downsampling hash (default: 0)")
+    parser.add_argument("--threads", type=int, default=2, help="DuckDB threads (default: 2)")
+    parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit, e.g. 4GB (default: 4GB)")
+    parser.add_argument(
+        "--temp-directory",
+        default=None,
+        help="parent folder for DuckDB spill files (default: the system temporary folder)",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    engine = DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit, temp_directory=args.temp_directory)
+    step: Step = args.step
+    if step == "daily":
+        return build_daily(args.root, args.ds, engine=engine)
+    if step == "window":
+        return build_window(args.root, args.ds, args.window_days, args.prior_impressions, engine=engine)
+    if step == "sequences":
+        return build_sequences(args.root, args.ds, args.sequence_length, args.window_days, engine=engine)
+    if step == "examples":
+        return build_examples(
+            args.root, args.ds, args.prior_impressions, args.negative_downsample, args.seed, engine=engine
+        )
+    return build_day(
+        args.root,
+        args.ds,
+        window_days=args.window_days,
+        sequence_length=args.sequence_length,
+        prior_impressions=args.prior_impressions,
+        negative_downsample=args.negative_downsample,
+        seed=args.seed,
+        engine=engine,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (MissingInputError, InputDataError) as exc:
+        print(f"features.build: DATA error: {exc}", file=sys.stderr)
+        return EXIT_DATA
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

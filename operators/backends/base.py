@@ -1,0 +1,95 @@
+"""The backend-agnostic job description and the interface every compute backend implements."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from training.failures import FailureClass
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, where and with what resources; the same for every backend.
+
+    ``command`` is the container's argument list after the interpreter, e.g.
+    ``["-m", "training.train", "--config", "/jobs/x/RUN.json"]``. With ``distributed`` the backend starts it
+    under ``torchrun`` with ``nodes`` × ``procs_per_node`` processes; otherwise it runs once.
+    """
+
+    name: str
+    command: list[str]
+    team: str
+    image: str = "pinflow-training:latest"
+    distributed: bool = False
+    nodes: int = 1
+    procs_per_node: int = 1
+    cpus_per_node: int = 2
+    memory_gb_per_node: int = 8
+    gpus_per_node: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: int = 6 * 3600
+    checkpoint_dir: str | None = None
+
+    def validate(self) -> None:
+        """Fail before anything is submitted, saying which setting to change."""
+        problems = []
+        if not _NAME_RE.match(self.name):
+            problems.append(f"name {self.name!r} must be 1-63 chars of a-z, 0-9 and '-'")
+        if not self.command:
+            problems.append("command is empty")
+        if self.nodes < 1:
+            problems.append(f"nodes={self.nodes}: need at least 1 (training.nodes)")
+        if self.procs_per_node < 1:
+            problems.append(f"procs_per_node={self.procs_per_node}: need at least 1 (training.procs_per_node)")
+        if not self.distributed and self.nodes * self.procs_per_node != 1:
+            problems.append("a job that is not distributed runs exactly one process: set distributed=True")
+        if self.gpus_per_node < 0:
+            problems.append(f"gpus_per_node={self.gpus_per_node} is negative")
+        if self.timeout_s <= 0:
+            problems.append(f"timeout_s={self.timeout_s} must be positive")
+        if problems:
+            raise ValueError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    job_id: str
+    state: JobState
+    failure_class: FailureClass | None = None
+    reason: str = ""
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    name: str
+
+    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
+        """The native request for ``spec``; pure, so a test can assert the whole thing."""
+
+    def find(self, job_name: str) -> str | None:
+        """The id of an existing job with this name, so a retried task never submits a duplicate."""
+
+    def submit(self, spec: JobSpec) -> str:
+        """Submit (or find the job already submitted under ``spec.name``) and return its id."""
+
+    def status(self, job_id: str) -> JobStatus: ...
+
+    def logs(self, job_id: str, tail: int = 50) -> str: ...
+
+    def cancel(self, job_id: str) -> None: ...

@@ -1,0 +1,159 @@
+"""The embedded default backend: the job's processes run on this machine.
+
+A distributed job starts one ``training.launch`` agent per node, the agents meeting through a c10d
+rendezvous on localhost (several agents stand for several nodes). Every job has a folder
+``<home>/jobs/<name>/`` holding its request, each node's pid, log and exit code, so a restarted Airflow
+worker finds the job again and never starts it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+from operators.backends.base import JobSpec, JobState, JobStatus
+from training.failures import FailureClass, classify_exit_code
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The node wrapper: run the command, then record its exit code atomically, even if the worker that
+# started it is gone by then.
+_WRAPPER = '"$@"; code=$?; echo $code > "$0.tmp" && mv "$0.tmp" "$0"; exit $code'
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, home: str | os.PathLike[str]) -> None:
+        self.jobs_dir = Path(home) / "jobs"
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_dir / job_id
+
+    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
+        spec.validate()
+        job_dir = self.job_dir(spec.name)
+        if spec.distributed:
+            # A fixed port per job name keeps the dry run pure; collisions across jobs are unlikely.
+            port = 20000 + zlib.crc32(spec.name.encode()) % 20000
+            nodes = [
+                [
+                    sys.executable, "-m", "training.launch",
+                    f"--nproc-per-node={spec.procs_per_node}", f"--nnodes={spec.nodes}",
+                    f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={spec.name}",
+                    "--", *spec.command,
+                ]
+                for rank in range(spec.nodes)
+            ]
+        else:
+            nodes = [[sys.executable, *spec.command]]
+        return {
+            "job_name": spec.name,
+            "job_dir": str(job_dir),
+            "team": spec.team,
+            "timeout_s": spec.timeout_s,
+            "env": {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **spec.env},
+            "nodes": [
+                {"argv": argv, "log": str(job_dir / f"node-{rank}.log"), "exit_file": str(job_dir / f"node-{rank}.exit")}
+                for rank, argv in enumerate(nodes)
+            ],
+        }
+
+    def find(self, job_name: str) -> str | None:
+        return job_name if (self.job_dir(job_name) / "request.json").exists() else None
+
+    def submit(self, spec: JobSpec) -> str:
+        existing = self.find(spec.name)
+        if existing:
+            return existing
+        request = self.dry_run(spec)
+        job_dir = self.job_dir(spec.name)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **request["env"]}
+        pids = []
+        for node in request["nodes"]:
+            with open(node["log"], "ab") as log:
+                proc = subprocess.Popen(
+                    ["/bin/sh", "-c", _WRAPPER, node["exit_file"], *node["argv"]],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, cwd=REPO_ROOT, start_new_session=True,
+                )
+            pids.append(proc.pid)
+        request["pids"] = pids
+        # Written last: a job folder without request.json was never started.
+        tmp = job_dir / "request.json.tmp"
+        tmp.write_text(json.dumps(request, indent=2))
+        tmp.replace(job_dir / "request.json")
+        return spec.name
+
+    def _request(self, job_id: str) -> dict[str, Any]:
+        path = self.job_dir(job_id) / "request.json"
+        if not path.exists():
+            raise LookupError(f"local job {job_id!r} not found: no {path}")
+        return json.loads(path.read_text())
+
+    def status(self, job_id: str) -> JobStatus:
+        request = self._request(job_id)
+        codes: dict[str, int | None] = {}
+        lost = []
+        for rank, (node, pid) in enumerate(zip(request["nodes"], request["pids"], strict=True)):
+            exit_file = Path(node["exit_file"])
+            _reap(pid)
+            if exit_file.exists():
+                codes[f"node-{rank}"] = int(exit_file.read_text().strip() or 1)
+            else:
+                codes[f"node-{rank}"] = None
+                if not _alive(pid):
+                    lost.append(rank)
+        failed = {k: c for k, c in codes.items() if c not in (None, 0)}
+        if failed:
+            # The node whose code names a class beats nodes that only saw their peer go away.
+            node, code = min(failed.items(), key=lambda kv: classify_exit_code(kv[1]) == FailureClass.INFRA)
+            klass = classify_exit_code(code)
+            return JobStatus(job_id, JobState.FAILED, klass, f"{node} exited with code {code}", codes)
+        if lost:
+            reason = f"node(s) {lost} disappeared without an exit code (process killed or host lost)"
+            return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA, reason, codes)
+        if all(code == 0 for code in codes.values()):
+            return JobStatus(job_id, JobState.SUCCEEDED, None, "", codes)
+        return JobStatus(job_id, JobState.RUNNING, None, "", codes)
+
+    def logs(self, job_id: str, tail: int = 50) -> str:
+        request = self._request(job_id)
+        parts = []
+        for rank, node in enumerate(request["nodes"]):
+            path = Path(node["log"])
+            lines = path.read_text(errors="replace").splitlines()[-tail:] if path.exists() else []
+            parts.append(f"--- node {rank} ({path}) ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def cancel(self, job_id: str) -> None:
+        request = self._request(job_id)
+        for pid in request["pids"]:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap(pid: int) -> None:
+    """Collect our own finished child, so it does not linger as a zombie that looks alive."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

@@ -1,0 +1,118 @@
+"""Operators of the daily feature DAG: wait for raw partitions, validate them, build the features.
+
+On the embedded default the work runs in the task's process (DuckDB on this machine); the same
+functions run as ``python -m features.build`` / ``python -m features.validate`` container jobs elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import BaseOperator, BaseSensorOperator, Context
+
+from operators import config
+from operators.errors import DataFailure
+
+FEATURE_STEPS = ("daily", "window", "sequences", "examples")
+
+
+class RawPartitionSensor(BaseSensorOperator):
+    """Wait until every raw partition of the day has its completion marker.
+
+    :param datasets: raw datasets to wait for, e.g. ``["raw/events", "raw/pins"]``.
+    :param ds: the partition day, YYYY-MM-DD (templated).
+    """
+
+    template_fields: Sequence[str] = ("ds",)
+
+    def __init__(self, *, datasets: Sequence[str], ds: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.datasets = list(datasets)
+        self.ds = ds
+
+    def poke(self, context: Context) -> bool:
+        from features.storage import is_complete, partition_path
+
+        root = config.storage_root()
+        missing = [d for d in self.datasets if not is_complete(root, d, self.ds)]
+        for dataset in missing:
+            self.log.info("waiting for %s (no _SUCCESS marker yet)", partition_path(root, dataset, self.ds))
+        return not missing
+
+
+class ValidatePartitionOperator(BaseOperator):
+    """Validate one raw partition with its Great Expectations suite; a failure stops the day.
+
+    The report (every check, observed value, pass/fail) is written under ``reports/validation/`` and a
+    short summary is pushed to XCom before a failure is raised, so the UI shows why.
+
+    :param dataset: ``events``, ``pins`` or ``users``.
+    :param ds: the partition day (templated).
+    """
+
+    template_fields: Sequence[str] = ("ds",)
+    ui_color = "#fde8c8"
+
+    def __init__(self, *, dataset: str, ds: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dataset = dataset
+        self.ds = ds
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from features.validate import validate_partition
+
+        report = validate_partition(config.storage_root(), self.dataset, self.ds)
+        summary = report.summary()
+        context["ti"].xcom_push(key="validation", value=summary)
+        self.log.info("validation report: %s", report.report_path)
+        if not report.success:
+            raise DataFailure(report.failure_message())
+        return summary
+
+
+class FeatureBuildOperator(BaseOperator):
+    """Build one feature step of a day (DuckDB), written atomically; rerunning replaces that day only.
+
+    :param step: one of ``daily``, ``window``, ``sequences``, ``examples``.
+    :param ds: the partition day (templated).
+    :param overrides: feature settings that win over ``config/platform.yaml`` (templated), e.g. from params.
+    """
+
+    template_fields: Sequence[str] = ("ds", "overrides")
+
+    def __init__(self, *, step: str, ds: str, overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if step not in FEATURE_STEPS:
+            raise ValueError(f"unknown feature step {step!r}: choose one of {FEATURE_STEPS}")
+        self.step = step
+        self.ds = ds
+        self.overrides = overrides or {}
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from features import build
+
+        settings = {**config.section("features"), **{k: v for k, v in self.overrides.items() if v is not None}}
+        root = config.storage_root()
+        try:
+            if self.step == "daily":
+                summary = build.build_daily(root, self.ds)
+            elif self.step == "window":
+                summary = build.build_window(
+                    root, self.ds, window_days=int(settings["window_days"]),
+                    prior_impressions=float(settings["pin_prior_impressions"]),
+                )
+            elif self.step == "sequences":
+                summary = build.build_sequences(
+                    root, self.ds, sequence_length=int(settings["sequence_length"]),
+                    window_days=int(settings["window_days"]),
+                )
+            else:
+                summary = build.build_examples(
+                    root, self.ds, prior_impressions=float(settings["pin_prior_impressions"]),
+                    negative_downsample=float(settings["negative_downsample"]),
+                )
+        except FileNotFoundError as err:
+            raise DataFailure(f"feature step {self.step} for ds={self.ds}: {err}") from err
+        self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
+        return summary

@@ -1,0 +1,365 @@
+"""Unit tests of features.build on a tiny hand-made world of four days, checked against hand-computed values."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from features import build
+from features.contracts import (
+    ACTIONS,
+    DENSE_FEATURES,
+    EMBEDDING_DIM,
+    EVENTS,
+    EXAMPLES,
+    PIN_DAILY,
+    PIN_WINDOW,
+    PINS,
+    USER_DAILY,
+    USER_SEQUENCE,
+    USER_WINDOW,
+)
+from features.storage import partition_path, read_metadata, read_table, write_table
+
+D1, D2, D3, D4 = "2024-01-01", "2024-01-02", "2024-01-03", "2024-01-04"
+DAYS = (D1, D2, D3, D4)
+ENGINE = build.DuckDBSettings(threads=1, memory_limit="256MB")
+
+# (event_id, impression_id, user_id, pin_id, action, day, "HH:MM")
+EVENT_ROWS = [
+    (1, 1, 1, 10, "impression", D1, "08:00"),
+    (2, 1, 1, 10, "click", D1, "08:01"),
+    (3, 3, 2, 10, "impression", D1, "09:00"),
+    (4, 3, 2, 10, "click", D1, "09:01"),
+    (5, 5, 1, 11, "impression", D1, "10:00"),
+    (6, 6, 4, 11, "impression", D1, "11:00"),
+    (7, 6, 4, 11, "click", D1, "11:01"),  # user 4 is never seen again
+    (8, 8, 1, 11, "impression", D2, "08:00"),
+    (9, 8, 1, 11, "repin", D2, "08:02"),
+    (10, 10, 1, 12, "impression", D2, "09:00"),
+    (11, 10, 1, 12, "hide", D2, "09:01"),
+    (12, 12, 1, 10, "impression", D3, "08:00"),
+    (13, 12, 1, 10, "closeup", D3, "08:01"),
+    (14, 12, 1, 10, "click", D3, "08:02"),
+    (15, 15, 1, 13, "impression", D3, "08:00"),
+    (16, 15, 1, 13, "click", D3, "08:01"),  # same ts as event 13: the tie is broken by pin_id desc
+    (17, 17, 2, 11, "impression", D3, "09:00"),
+    (18, 17, 2, 11, "click", D3, "09:05"),
+    (19, 19, 1, 12, "impression", D4, "10:00"),
+    (20, 19, 1, 12, "click", D4, "10:01"),
+    (21, 21, 2, 10, "impression", D4, "11:00"),
+    (22, 22, 3, 10, "impression", D4, "12:00"),  # user 3 has no history
+    (23, 23, 1, 11, "impression", D4, "13:00"),
+]
+CATEGORIES = {10: 100, 11: 110, 12: 120, 13: 130}
+
+
+def ts(day: str, hhmm: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(f"{day}T{hhmm}:00+00:00")
+
+
+def events_table(rows: Sequence[tuple[int, int, int, int, str, str, str]]) -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "event_id": e,
+                "impression_id": i,
+                "user_id": u,
+                "pin_id": p,
+                "action": a,
+                "surface": "home_feed",
+                "ts": ts(day, hhmm),
+            }
+            for e, i, u, p, a, day, hhmm in rows
+        ],
+        schema=EVENTS,
+    )
+
+
+def pins_table() -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "pin_id": pin,
+                "embedding": [0.0] * EMBEDDING_DIM,
+                "category": category,
+                "creator_id": pin * 1000,
+                "created_at": ts("2023-12-01", "00:00"),
+            }
+            for pin, category in CATEGORIES.items()
+        ],
+        schema=PINS,
+    )
+
+
+Row = tuple[int, int, int, int, str, str, str]
+
+
+def write_events(root: Path, day: str, extra: Sequence[Row] = ()) -> None:
+    rows = [r for r in EVENT_ROWS if r[5] == day] + list(extra)
+    write_table(root, build.RAW_EVENTS, day, events_table(rows))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    for day in DAYS:
+        write_events(tmp_path, day)
+        write_table(tmp_path, build.RAW_PINS, day, pins_table())
+    return tmp_path
+
+
+def rows_by(table: pa.Table, key: str) -> dict[int, dict]:
+    return {row[key]: row for row in table.to_pylist()}
+
+
+def build_all(root: Path, **params) -> None:
+    for day in DAYS:
+        build.build_day(root, day, engine=ENGINE, **params)
+
+
+# --- daily ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_daily_counts_and_distinct(root: Path) -> None:
+    summary = build.build_daily(root, D1, engine=ENGINE)
+
+    users = read_table(root, build.USER_DAILY_DS, D1)
+    pins = read_table(root, build.PIN_DAILY_DS, D1)
+    assert users.schema.equals(USER_DAILY) and pins.schema.equals(PIN_DAILY)
+    assert rows_by(users, "user_id")[1] == {
+        "user_id": 1,
+        "impressions": 2,
+        "clicks": 1,
+        "repins": 0,
+        "hides": 0,
+        "closeups": 0,
+        "distinct_pins": 2,
+    }
+    assert rows_by(pins, "pin_id")[10] == {
+        "pin_id": 10,
+        "impressions": 2,
+        "clicks": 2,
+        "repins": 0,
+        "hides": 0,
+        "closeups": 0,
+        "distinct_users": 2,
+    }
+    assert summary[build.USER_DAILY_DS]["rows"] == 3  # users 1, 2, 4
+    assert read_metadata(root, build.PIN_DAILY_DS, D1)["inputs"] == [f"raw/events/ds={D1}"]
+
+
+# --- window ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
+    for day in DAYS:
+        build.build_daily(root, day, engine=ENGINE)
+    summary = build.build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE)
+
+    users = read_table(root, build.USER_WINDOW_DS, D4)
+    pins = read_table(root, build.PIN_WINDOW_DS, D4)
+    assert users.schema.equals(USER_WINDOW) and pins.schema.equals(PIN_WINDOW)
+    # D2..D4; D1 (2 impressions, 1 click of user 1) lies outside the window.
+    u1 = rows_by(users, "user_id")[1]
+    assert (u1["impressions"], u1["clicks"], u1["repins"], u1["hides"], u1["closeups"]) == (6, 3, 1, 1, 1)
+    assert u1["ctr"] == pytest.approx(0.5)
+    assert 4 not in rows_by(users, "user_id")
+
+    # Global over every pin of D2..D4: 9 impressions, 4 clicks, 1 repin, 1 hide.
+    g_ctr, g_repin, g_hide = 4 / 9, 1 / 9, 1 / 9
+    p10 = rows_by(pins, "pin_id")[10]
+    assert (p10["impressions"], p10["clicks"], p10["closeups"]) == (3, 1, 1)
+    assert p10["ctr"] == pytest.approx((1 + 20 * g_ctr) / (3 + 20))
+    assert p10["repin_rate"] == pytest.approx((0 + 20 * g_repin) / (3 + 20))
+    assert p10["hide_rate"] == pytest.approx((0 + 20 * g_hide) / (3 + 20))
+
+    meta = summary[build.PIN_WINDOW_DS]
+    assert meta["global_rates"] == pytest.approx({"ctr": g_ctr, "repin_rate": g_repin, "hide_rate": g_hide})
+    assert meta["missing_days"] == [] and meta["window_start"] == D2
+    assert read_metadata(root, build.PIN_WINDOW_DS, D4)["global_rates"] == meta["global_rates"]
+
+
+@pytest.mark.unit
+def test_window_records_missing_daily_partitions(root: Path) -> None:
+    for day in (D1, D3, D4):
+        build.build_daily(root, day, engine=ENGINE)
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
+
+    assert summary[build.USER_WINDOW_DS]["missing_days"] == [D2]
+    assert read_metadata(root, build.PIN_WINDOW_DS, D4)["missing_days"] == [D2]
+    u1 = rows_by(read_table(root, build.USER_WINDOW_DS, D4), "user_id")[1]
+    assert (u1["impressions"], u1["repins"], u1["hides"]) == (4, 0, 0)
+
+
+# --- sequences ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
+    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
+    assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
+    assert summary[build.USER_SEQUENCE_DS]["missing_days"] == []
+
+    table = read_table(root, build.USER_SEQUENCE_DS, D4)
+    assert table.schema.equals(USER_SEQUENCE)
+    seqs = rows_by(table, "user_id")
+    # User 1 in D3..D4: click 12 (D4 10:01), click 10 (D3 08:02), click 13 and closeup 10 (both D3 08:01,
+    # pin 13 first); truncated to 3. Impressions and D2's repin/hide are not there.
+    assert seqs[1]["seq_pin_ids"] == [12, 10, 13]
+    assert seqs[1]["seq_actions"] == [ACTIONS.index("click")] * 3
+    assert seqs[1]["seq_categories"] == [120, 100, 130]
+    assert seqs[1]["seq_ts"] == [ts(D4, "10:01"), ts(D3, "08:02"), ts(D3, "08:01")]
+    assert seqs[2]["seq_pin_ids"] == [11]  # user 2's D1 click is older than the window
+    assert set(seqs) == {1, 2}  # user 4 (D1 only) and user 3 (impressions only) have no sequence
+
+
+@pytest.mark.unit
+def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
+    incremental = {}
+    for day in DAYS:
+        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
+        assert summary[build.USER_SEQUENCE_DS]["mode"] == ("full" if day == D1 else "incremental")
+        incremental[day] = read_table(root, build.USER_SEQUENCE_DS, day)
+
+    for day in (D4, D3, D2):
+        shutil.rmtree(partition_path(root, build.USER_SEQUENCE_DS, build.shift_ds(day, -1)))
+        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
+        assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
+        assert read_table(root, build.USER_SEQUENCE_DS, day).equals(incremental[day]), day
+
+    # D3 truncation dropped closeup 10 at the tie; D2's actions left the window at D4.
+    assert rows_by(incremental[D4], "user_id")[1]["seq_pin_ids"] == [12, 10]
+    assert 4 not in rows_by(incremental[D3], "user_id")
+
+
+@pytest.mark.unit
+def test_sequences_recompute_when_parameters_change(root: Path) -> None:
+    build.build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE)
+    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
+    assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
+
+
+# --- examples -------------------------------------------------------------------------------------------
+
+FEATURE_COLUMNS = [
+    "category",
+    "creator_id",
+    *DENSE_FEATURES,
+    "seq_pin_ids",
+    "seq_actions",
+    "seq_categories",
+    "seq_age_hours",
+]
+
+
+@pytest.mark.unit
+def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> None:
+    build_all(root, window_days=2, sequence_length=3)
+
+    table = read_table(root, build.EXAMPLES_DS, D4)
+    assert table.schema.equals(EXAMPLES)
+    assert table["impression_id"].to_pylist() == [19, 21, 22, 23]
+    rows = rows_by(table, "impression_id")
+    assert [rows[i]["click"] for i in (19, 21, 22, 23)] == [1, 0, 0, 0]
+    assert all(rows[i][label] == 0 for i in rows for label in ("repin", "hide"))
+
+    # Impression 19: user 1 at D4 10:00, features as of the end of D3 (window D2..D3).
+    ex = rows[19]
+    assert (ex["category"], ex["creator_id"]) == (120, 12000)
+    assert (ex["u_impressions"], ex["u_clicks"], ex["u_repins"], ex["u_hides"]) == (4.0, 2.0, 1.0, 1.0)
+    assert ex["u_ctr"] == pytest.approx(0.5)
+    p_window = rows_by(read_table(root, build.PIN_WINDOW_DS, D3), "pin_id")[12]
+    assert ex["p_impressions"] == 1.0 and ex["p_hide_rate"] == pytest.approx(p_window["hide_rate"])
+    # The sequence of D3 (D4's click on pin 12 at 10:01 is not in it).
+    assert ex["seq_pin_ids"] == [10, 13, 10]
+    assert ex["seq_actions"] == [1, 1, 4]
+    assert ex["seq_age_hours"] == pytest.approx([25 + 58 / 60, 25 + 59 / 60, 25 + 59 / 60], rel=1e-6)
+
+    # Impression 22: user 3 has no history: zeros, ctr 0 and an empty sequence.
+    cold = rows[22]
+    assert all(cold[f] == 0.0 for f in DENSE_FEATURES if f.startswith("u_"))
+    assert cold["seq_pin_ids"] == [] and cold["seq_age_hours"] == []
+
+    meta = read_metadata(root, build.EXAMPLES_DS, D4)
+    assert meta["missing_inputs"] == [] and meta["features_ds"] == D3
+    assert meta["global_rates_source"] == f"features/pin_window/ds={D3}"
+
+
+@pytest.mark.unit
+def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
+    build_all(root, window_days=2, sequence_length=3)
+    before = read_table(root, build.EXAMPLES_DS, D4)
+    features_d3 = {d: read_table(root, d, D3) for d in (build.USER_WINDOW_DS, build.USER_SEQUENCE_DS)}
+
+    # An extra click of user 2 on pin 10 during D4, before impression 21 (11:00) and under its id.
+    write_events(root, D4, extra=[(24, 21, 2, 10, "click", D4, "10:30")])
+    build.build_day(root, D3, window_days=2, sequence_length=3, engine=ENGINE)
+    build.build_day(root, D4, window_days=2, sequence_length=3, engine=ENGINE)
+
+    for dataset, table in features_d3.items():
+        assert read_table(root, dataset, D3).equals(table)
+    after = read_table(root, build.EXAMPLES_DS, D4)
+    assert after.select(["impression_id", *FEATURE_COLUMNS]).equals(before.select(["impression_id", *FEATURE_COLUMNS]))
+    assert rows_by(after, "impression_id")[21]["click"] == 1
+    assert rows_by(before, "impression_id")[21]["click"] == 0
+
+
+@pytest.mark.unit
+def test_examples_without_previous_features_use_priors_and_record_missing(root: Path) -> None:
+    summary = build.build_examples(root, D1, engine=ENGINE)[build.EXAMPLES_DS]
+    prev = "2023-12-31"
+    assert summary["missing_inputs"] == [
+        f"features/user_window/ds={prev}",
+        f"features/pin_window/ds={prev}",
+        f"features/user_sequence/ds={prev}",
+    ]
+    assert summary["global_rates_source"] == "defaults"
+    table = read_table(root, build.EXAMPLES_DS, D1)
+    assert table.schema.equals(EXAMPLES)
+    assert set(table["p_ctr"].to_pylist()) == {build.DEFAULT_GLOBAL_RATES["ctr"]}
+    assert set(map(len, table["seq_pin_ids"].to_pylist())) == {0}
+    assert table["click"].to_pylist() == [1, 1, 0, 1]
+
+
+@pytest.mark.unit
+def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) -> None:
+    positives = {1, 3, 6}  # D1 impressions with a click; impression 5 is the only negative
+    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE)[build.EXAMPLES_DS]
+    assert set(read_table(root, build.EXAMPLES_DS, D1)["impression_id"].to_pylist()) == positives
+    assert zero["negative_downsample"] == 0.0 and zero["impressions"] == 4 and zero["rows"] == 3
+
+    for seed in (0, 1, 2, 3):
+        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
+        first = read_table(root, build.EXAMPLES_DS, D1)
+        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
+        assert read_table(root, build.EXAMPLES_DS, D1).equals(first)
+        digest = hashlib.md5(f"{seed}:5".encode()).hexdigest()
+        kept_5 = int(digest[:13], 16) / 2**52 < 0.5
+        assert set(first["impression_id"].to_pylist()) == positives | ({5} if kept_5 else set())
+
+
+# --- errors and CLI -------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_missing_events_partition_names_the_day(root: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"raw/events for ds=2024-01-05"):
+        build.build_daily(root, "2024-01-05", engine=ENGINE)
+    with pytest.raises(build.MissingInputError, match=r"--step daily --ds 2024-01-05"):
+        build.build_window(root, "2024-01-05", engine=ENGINE)
+
+
+@pytest.mark.unit
+def test_cli_prints_summary_and_exits_data_on_missing_input(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert build.main(["--root", str(root), "--ds", D1, "--step", "daily"]) == 0
+    assert '"features/user_daily"' in capsys.readouterr().out
+    assert build.main(["--root", str(root), "--ds", "2024-02-01"]) == build.EXIT_DATA
+    assert "ds=2024-02-01" in capsys.readouterr().err

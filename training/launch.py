@@ -1,0 +1,130 @@
+"""Start a distributed job on one node: ``python -m training.launch [launch options] -- -m training.train ...``.
+
+This is the container entry point on every backend. It derives torchrun's rendezvous from what the
+platform sets, runs ``torchrun`` for this node, and exits with the code of the first worker that failed
+(``training.failures.ExitCode``) instead of torchrun's bare 1, so every backend classifies the same way:
+
+- local: ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint`` given by the local backend;
+- AWS Batch multi-node: ``AWS_BATCH_JOB_NUM_NODES``, ``AWS_BATCH_JOB_NODE_INDEX`` and
+  ``AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS`` (the main node's own address is not set on it);
+- Kubeflow PyTorchJob: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` (nodes) and ``RANK`` (node rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from training.failures import ExitCode
+
+DEFAULT_PORT = 29400
+
+
+def rendezvous_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
+    """Node count, node rank and rendezvous endpoint from a platform's variables, if it set them."""
+    if "AWS_BATCH_JOB_NUM_NODES" in env:
+        index = env.get("AWS_BATCH_JOB_NODE_INDEX", "0")
+        # Batch sets the main node's address on the other nodes only: the main node hosts the rendezvous.
+        main = env.get("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS") or "127.0.0.1"
+        return {
+            "nnodes": env["AWS_BATCH_JOB_NUM_NODES"],
+            "node_rank": index,
+            "endpoint": f"{main}:{env.get('PINFLOW_RDZV_PORT', DEFAULT_PORT)}",
+        }
+    if "MASTER_ADDR" in env and "WORLD_SIZE" in env:
+        return {
+            "nnodes": env["WORLD_SIZE"],
+            "node_rank": env.get("RANK", "0"),
+            "endpoint": f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', DEFAULT_PORT)}",
+        }
+    return None
+
+
+def torchrun_args(
+    command: Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "pinflow",
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The torchrun argument list for this node; explicit arguments win over the platform's variables."""
+    found = rendezvous_from_env(env if env is not None else os.environ) or {}
+    nnodes = nnodes if nnodes is not None else int(found.get("nnodes", 1))
+    node_rank = node_rank if node_rank is not None else int(found.get("node_rank", 0))
+    endpoint = rdzv_endpoint or found.get("endpoint")
+    if nnodes == 1 and not endpoint:
+        rdzv = ["--standalone"]
+    else:
+        if not endpoint:
+            raise ValueError(
+                f"a job on {nnodes} nodes needs a rendezvous endpoint: pass --rdzv-endpoint or run where "
+                "AWS Batch or a PyTorchJob sets the main node's address"
+            )
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+    return [
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--max-restarts=0",
+        *rdzv,
+        *command,
+    ]
+
+
+def exit_code_of_failures(exit_codes: Sequence[int]) -> int:
+    """One exit code for a node from its workers' codes: a class code a worker chose beats a signal."""
+    chosen = [c for c in exit_codes if c > 0 and c != ExitCode.USER] or [c for c in exit_codes if c != 0]
+    if not chosen:
+        return ExitCode.OK
+    code = chosen[0]
+    # A worker killed by a signal (negative code) was killed from outside: the node or process was lost.
+    return int(ExitCode.INFRA) if code < 0 else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="worker processes on this node")
+    parser.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: from the platform)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: from the platform)")
+    parser.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous")
+    parser.add_argument("--rdzv-id", default="pinflow", help="a job-unique rendezvous id")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. -m training.train")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the worker command after --, e.g. -- -m training.train --config RUN.json")
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    torch_args = parse_args(
+        torchrun_args(
+            command,
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+        )
+    )
+    try:
+        run(torch_args)
+    except ChildFailedError as err:
+        codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
+        code = exit_code_of_failures(codes)
+        print(f"pinflow launch: workers failed with exit codes {codes}; node exits {code}", file=sys.stderr)
+        return code
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
