@@ -16,7 +16,7 @@ export AIRFLOW__API__PORT := 8080
 export GX_ANALYTICS_ENABLED := False
 export PATH := $(BIN):$(PATH)
 
-.PHONY: help install demo test lint airflow constraints clean
+.PHONY: help install demo test lint airflow constraints clean print-env
 
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
@@ -56,3 +56,9 @@ constraints:
 
 clean:
 	rm -rf $(PINFLOW_HOME)
+
+# The environment of these targets, for running airflow commands by hand: eval "$$(make -s print-env)"
+print-env:
+	@for v in PINFLOW_HOME AIRFLOW_HOME AIRFLOW__CORE__DAGS_FOLDER AIRFLOW__CORE__PLUGINS_FOLDER \
+	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN GX_ANALYTICS_ENABLED PATH; do \
+	  echo "export $$v='$${!v}'"; done

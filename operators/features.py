@@ -94,25 +94,28 @@ class FeatureBuildOperator(BaseOperator):
 
         settings = {**config.section("features"), **{k: v for k, v in self.overrides.items() if v is not None}}
         root = config.storage_root()
+        engine = build.DuckDBSettings(
+            threads=int(settings["duckdb_threads"]), memory_limit=str(settings["duckdb_memory_limit"])
+        )
         try:
             if self.step == "daily":
-                summary = build.build_daily(root, self.ds)
+                summary = build.build_daily(root, self.ds, engine=engine)
             elif self.step == "window":
                 summary = build.build_window(
                     root, self.ds, window_days=int(settings["window_days"]),
-                    prior_impressions=float(settings["pin_prior_impressions"]),
+                    prior_impressions=float(settings["pin_prior_impressions"]), engine=engine,
                 )
             elif self.step == "sequences":
                 summary = build.build_sequences(
                     root, self.ds, sequence_length=int(settings["sequence_length"]),
-                    window_days=int(settings["window_days"]),
+                    window_days=int(settings["window_days"]), engine=engine,
                 )
             else:
                 summary = build.build_examples(
                     root, self.ds, prior_impressions=float(settings["pin_prior_impressions"]),
-                    negative_downsample=float(settings["negative_downsample"]),
+                    negative_downsample=float(settings["negative_downsample"]), engine=engine,
                 )
-        except FileNotFoundError as err:
+        except (build.MissingInputError, build.InputDataError) as err:
             raise DataFailure(f"feature step {self.step} for ds={self.ds}: {err}") from err
         self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
         return summary
