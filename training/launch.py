@@ -77,13 +77,16 @@ def torchrun_args(
 
 
 def exit_code_of_failures(exit_codes: Sequence[int]) -> int:
-    """One exit code for a node from its workers' codes: a class code a worker chose beats a signal."""
-    chosen = [c for c in exit_codes if c > 0 and c != ExitCode.USER] or [c for c in exit_codes if c != 0]
-    if not chosen:
-        return ExitCode.OK
-    code = chosen[0]
-    # A worker killed by a signal (negative code) was killed from outside: the node or process was lost.
-    return int(ExitCode.INFRA) if code < 0 else code
+    """One exit code for a node from its workers' codes.
+
+    A class code a worker chose (DATA, INFRA, NaN, OOM) wins; then a worker killed by a signal (negative
+    code: killed from outside, the node or process was lost: INFRA); a bare 1 only when nothing else.
+    """
+    for pick in (lambda c: c > 1, lambda c: c < 0, lambda c: c != 0):
+        chosen = [c for c in exit_codes if pick(c)]
+        if chosen:
+            return int(ExitCode.INFRA) if chosen[0] < 0 else chosen[0]
+    return int(ExitCode.OK)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

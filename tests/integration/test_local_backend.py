@@ -1,0 +1,76 @@
+"""The local backend with real torchrun agents: two "nodes" meeting through a c10d rendezvous."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from operators.backends import JobSpec, JobState, get_backend
+from training.failures import ExitCode, FailureClass
+
+WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
+
+
+def wait(backend, job_id, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = backend.status(job_id)
+        if status.state.terminal:
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still running after {timeout}s:\n{backend.logs(job_id)}")
+
+
+def make_spec(name, out, **env):
+    return JobSpec(name=name, command=[WORKER], team="ranking", distributed=True, nodes=2, procs_per_node=1,
+                   env={"WORKER_OUT": str(out), "OMP_NUM_THREADS": "1", **env})
+
+
+@pytest.mark.integration
+def test_two_nodes_rendezvous_and_all_reduce(tmp_path):
+    backend = get_backend("local", str(tmp_path))
+    job = backend.submit(make_spec("allreduce-ok", tmp_path))
+    status = wait(backend, job)
+    assert status.state is JobState.SUCCEEDED, backend.logs(job)
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*.txt")) == ["2 3.0", "2 3.0"]
+    # Submitting the same name again finds the job instead of starting a second one.
+    assert backend.submit(make_spec("allreduce-ok", tmp_path)) == job
+    assert len(list((tmp_path / "jobs").iterdir())) == 1
+
+
+@pytest.mark.integration
+def test_worker_exit_code_classifies_the_job(tmp_path):
+    backend = get_backend("local", str(tmp_path))
+    job = backend.submit(make_spec("allreduce-nan", tmp_path, WORKER_FAIL_RANK="1", WORKER_EXIT=str(int(ExitCode.NAN_LOSS))))
+    status = wait(backend, job)
+    assert status.state is JobState.FAILED
+    assert status.failure_class is FailureClass.USER
+    assert int(ExitCode.NAN_LOSS) in status.exit_codes.values()
+
+
+@pytest.mark.integration
+def test_killed_node_is_infra_and_cancel_stops_everything(tmp_path):
+    backend = get_backend("local", str(tmp_path))
+    job = backend.submit(make_spec("allreduce-kill", tmp_path, WORKER_SLEEP="60"))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.txt"))) < 2:
+        assert time.monotonic() < deadline, backend.logs(job)
+        time.sleep(0.2)
+    # Kill node 1's whole process group, as a lost host would.
+    import json
+
+    pids = json.loads((tmp_path / "jobs" / job / "request.json").read_text())["pids"]
+    os.killpg(pids[1], signal.SIGKILL)
+    time.sleep(1)
+    status = backend.status(job)
+    assert status.state is JobState.FAILED and status.failure_class is FailureClass.INFRA, status
+    backend.cancel(job)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pids[0]}").exists() and "Z" not in Path(f"/proc/{pids[0]}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "node 0 still running after cancel"
+        time.sleep(0.2)
+    assert backend.status(job).failure_class is FailureClass.INFRA

@@ -1,0 +1,110 @@
+"""Local backend requests (dry run), the launch contract, and failure classification."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from operators.backends import JobSpec, get_backend
+from operators.jobs import job_name
+from training.failures import ExitCode, FailureClass, classify_exit_code
+from training.launch import exit_code_of_failures, rendezvous_from_env, torchrun_args
+
+
+def spec(**kw):
+    base = dict(name="train-abc", command=["-m", "training.train", "--config", "/x/RUN.json"], team="ranking",
+                distributed=True, nodes=2, procs_per_node=3)
+    return JobSpec(**{**base, **kw})
+
+
+@pytest.mark.unit
+def test_local_dry_run_is_the_whole_request(tmp_path):
+    request = get_backend("local", str(tmp_path)).dry_run(spec())
+    port = int(request["nodes"][0]["argv"][6].rsplit(":", 1)[1])
+    assert request == {
+        "job_name": "train-abc",
+        "job_dir": str(tmp_path / "jobs" / "train-abc"),
+        "team": "ranking",
+        "timeout_s": 6 * 3600,
+        "env": {"PYTHONPATH": request["env"]["PYTHONPATH"], "PYTHONUNBUFFERED": "1"},
+        "nodes": [
+            {
+                "argv": [sys.executable, "-m", "training.launch", "--nproc-per-node=3", "--nnodes=2",
+                         f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=train-abc",
+                         "--", "-m", "training.train", "--config", "/x/RUN.json"],
+                "log": str(tmp_path / "jobs" / "train-abc" / f"node-{rank}.log"),
+                "exit_file": str(tmp_path / "jobs" / "train-abc" / f"node-{rank}.exit"),
+            }
+            for rank in range(2)
+        ],
+    }
+    # Pure: the same spec gives the same request.
+    assert get_backend("local", str(tmp_path)).dry_run(spec()) == request
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"name": "Bad_Name"}, "name"),
+        ({"nodes": 0}, "training.nodes"),
+        ({"procs_per_node": 0}, "training.procs_per_node"),
+        ({"distributed": False}, "distributed=True"),
+        ({"command": []}, "command is empty"),
+    ],
+)
+def test_invalid_spec_fails_before_submit_naming_the_setting(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        get_backend("local", str(tmp_path)).submit(spec(**change))
+    assert not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.unit
+def test_unknown_backend_lists_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="choose one of local"):
+        get_backend("slurm", str(tmp_path))
+
+
+@pytest.mark.unit
+def test_job_names_are_deterministic_and_safe():
+    a = job_name("train", "pin_ranker_training", "manual__2026-11-05T00:00:00+00:00", "try1")
+    assert a == job_name("train", "pin_ranker_training", "manual__2026-11-05T00:00:00+00:00", "try1")
+    assert a != job_name("train", "pin_ranker_training", "manual__2026-11-05T00:00:00+00:00", "try2")
+    assert len(a) <= 63 and a.replace("-", "").isalnum() and a == a.lower()
+
+
+@pytest.mark.unit
+def test_rendezvous_from_platform_variables():
+    batch_child = {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "2",
+                   "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.0.0.5"}
+    assert rendezvous_from_env(batch_child) == {"nnodes": "4", "node_rank": "2", "endpoint": "10.0.0.5:29400"}
+    batch_main = {"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "0"}
+    assert rendezvous_from_env(batch_main)["endpoint"] == "127.0.0.1:29400"
+    pytorchjob = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1"}
+    assert rendezvous_from_env(pytorchjob) == {"nnodes": "3", "node_rank": "1", "endpoint": "job-master-0:23456"}
+    assert rendezvous_from_env({}) is None
+    args = torchrun_args(["-m", "training.train"], nproc_per_node=8, env=pytorchjob)
+    assert args[:3] == ["--nnodes=3", "--node-rank=1", "--nproc-per-node=8"]
+    assert args[4:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "job-master-0:23456", "--rdzv-id", "pinflow",
+                        "-m", "training.train"]
+    assert torchrun_args(["x.py"], nproc_per_node=2, env={})[4] == "--standalone"
+    with pytest.raises(ValueError, match="rendezvous endpoint"):
+        torchrun_args(["x.py"], nproc_per_node=2, nnodes=2, env={})
+
+
+@pytest.mark.unit
+def test_exit_codes_map_to_failure_classes():
+    assert classify_exit_code(0) is None
+    assert classify_exit_code(ExitCode.INFRA) is FailureClass.INFRA
+    assert classify_exit_code(ExitCode.DATA) is FailureClass.DATA
+    assert classify_exit_code(ExitCode.NAN_LOSS) is FailureClass.USER
+    assert classify_exit_code(ExitCode.OOM) is FailureClass.OOM
+    assert classify_exit_code(1) is FailureClass.USER
+    assert classify_exit_code(-9) is FailureClass.INFRA
+    # A node's code: the worker that chose a class beats peers that only saw it go (1) or were killed.
+    assert exit_code_of_failures([1, ExitCode.NAN_LOSS]) == ExitCode.NAN_LOSS
+    assert exit_code_of_failures([-9, 1]) == ExitCode.INFRA
+    assert exit_code_of_failures([1, -9]) == ExitCode.INFRA
+    assert exit_code_of_failures([1, 1]) == 1
+    assert exit_code_of_failures([]) == 0
