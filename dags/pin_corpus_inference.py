@@ -60,4 +60,4 @@ use only manifested outputs.
 
         return publish(list(shard_results))
 
-    publish(score_shard.expand(work=plan_shards()))
+    publish(score_shard.expand(work=plan_shards()))  # type: ignore[arg-type]  # resolved at run time

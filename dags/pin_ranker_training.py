@@ -84,4 +84,4 @@ bug, a NaN loss, missing data or OOM fail at once with the reason.
         return decision
 
     plan_run() >> train
-    promote(train.output)
+    promote(train.output)  # type: ignore[arg-type]  # XComArg resolves to the dict at run time

@@ -75,4 +75,5 @@ def publish(shard_results: list[dict[str, Any]]) -> dict[str, Any]:
 
     plan = shard_results[0]
     manifest = publish_manifest(plan["out_dir"], plan["shards"], plan["model_uri"], plan["ds"])
-    return {k: manifest[k] for k in manifest if k != "parts"}
+    summary = {k: v for k, v in manifest.items() if k != "parts"}
+    return {**summary, "manifest": str(Path(plan["out_dir"]) / "_MANIFEST.json")}

@@ -46,8 +46,9 @@ def wait_for_job(
 ) -> JobStatus:
     """Poll until the job ends; raise the failure class's error, or InfraFailure after a stall.
 
-    A stall is no heartbeat progress (a step counter that does not move) for ``stall_seconds`` while
-    the job runs; the job is cancelled first so a retry does not race it.
+    A stall is no heartbeat progress (the ranks' ``progress`` counters, which also move during the final
+    evaluation, stand still) for ``stall_seconds`` while the job runs; the job is cancelled first so a
+    retry does not race it.
     """
     last_progress = time.monotonic()
     last_steps: tuple[int, ...] = ()
@@ -58,7 +59,7 @@ def wait_for_job(
             break
         if output_dir is not None:
             beats = read_heartbeats(output_dir)
-            steps = tuple(int(b.get("step", 0)) for b in beats)
+            steps = tuple(int(b.get("progress", b.get("step", 0))) for b in beats)
             if steps != last_steps:
                 last_steps, last_progress = steps, time.monotonic()
             if beats and time.monotonic() - last_log > 30:

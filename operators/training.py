@@ -170,7 +170,7 @@ def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any
     cfg = config.load()
     client = MlflowClient(tracking_uri=cfg["mlflow"]["tracking_uri"], registry_uri=cfg["mlflow"]["tracking_uri"])
     name, version = result["model_name"], str(result["model_version"])
-    new_auc = _mean_auc(result["metrics"])
+    new_auc = float(result["metrics"]["mean_auc"])
     decision: dict[str, Any] = {"model_name": name, "model_version": version, "auc": new_auc}
     try:
         champion = client.get_model_version_by_alias(name, "champion")
@@ -179,7 +179,7 @@ def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any
     if champion is None:
         promote, why = True, "no champion yet"
     else:
-        champ_run = client.get_run(champion.run_id)
+        champ_run = client.get_run(str(champion.run_id))
         champ_auc = float(champ_run.data.metrics.get("eval_mean_auc", float("nan")))
         same_day = champ_run.data.params.get("eval_ds") == result.get("eval_ds")
         decision.update(champion_version=champion.version, champion_auc=champ_auc)
@@ -194,8 +194,3 @@ def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any
         client.set_registered_model_alias(name, "champion", version)
     decision.update(promoted=promote, reason=why)
     return decision
-
-
-def _mean_auc(metrics: dict[str, Any]) -> float:
-    auc = metrics["auc"]
-    return float(sum(auc.values()) / len(auc))

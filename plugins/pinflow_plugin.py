@@ -23,7 +23,7 @@ def _record(task_instance: Any, state: str, error: BaseException | str | None = 
     from operators.config import pinflow_home
 
     start = getattr(task_instance, "start_date", None)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     row = {
         "time": now.isoformat(),
         "dag_id": task_instance.dag_id,

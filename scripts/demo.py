@@ -12,9 +12,8 @@ also written to ``<storage root>/demo-summary.json``. Airflow's task logs go to 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,25 @@ sys.path.insert(0, str(REPO))
 
 from operators import config  # noqa: E402
 
+# The terminal: Airflow's own output goes to the demo log instead (see send_output_to).
+CONSOLE = sys.stdout
+
 
 def say(message: str) -> None:
-    print(f"[pinflow demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    print(f"[pinflow demo {time.strftime('%H:%M:%S')}] {message}", file=CONSOLE, flush=True)
+
+
+def send_output_to(log_file: Path) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at the log file, keeping the
+    terminal for ``say``. At the descriptor level, because Airflow's loggers keep their own handles."""
+    global CONSOLE
+    CONSOLE = os.fdopen(os.dup(1), "w")
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def load_dags() -> dict[str, Any]:
@@ -39,20 +54,17 @@ def load_dags() -> dict[str, Any]:
     return bag.dags
 
 
+class DemoFailed(Exception):
+    pass
+
+
 def run_dag(dag: Any, log_file: Path, **kwargs: Any) -> Any:
-    """One DAG run through dag.test(); Airflow's own output goes to the log file."""
-    with log_file.open("a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        root_logger = logging.getLogger()
-        handler = logging.StreamHandler(log)
-        saved = root_logger.handlers[:]
-        root_logger.handlers = [handler]
-        try:
-            dag_run = dag.test(**kwargs)
-        finally:
-            root_logger.handlers = saved
+    """One DAG run through dag.test(); raises DemoFailed naming the failed tasks."""
+    dag_run = dag.test(**kwargs)
     if dag_run.state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if ti.state == "failed"]
-        raise SystemExit(f"{dag.dag_id} run {dag_run.run_id} ended {dag_run.state}; failed tasks {failed}; see {log_file}")
+        raise DemoFailed(f"{dag.dag_id} run {dag_run.run_id} ended {dag_run.state}; failed tasks {failed}; "
+                         f"the task logs are in {log_file}")
     return dag_run
 
 
@@ -69,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 0 even if the model does not beat the baseline (tiny worlds in tests)")
     args = parser.parse_args(argv)
 
-    import pendulum
-
-    from features.storage import complete_days, read_metadata, write_json_atomic
+    from features.storage import write_json_atomic
     from features.synthetic import WorldConfig, generate_world
 
     started = time.monotonic()
@@ -92,8 +102,23 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(world_file, {"config": world.__dict__, "summary": world_summary})
     days: list[str] = list(world_summary["days"])
 
-    dags = load_dags()
     say(f"Airflow task logs: {log_file}")
+    send_output_to(log_file)
+    try:
+        return run_chain(args, root, log_file, days, world_summary, started)
+    except DemoFailed as err:
+        say(f"FAILED: {err}")
+        return 1
+
+
+def run_chain(
+    args: argparse.Namespace, root: Path, log_file: Path, days: list[str], world_summary: dict[str, Any], started: float
+) -> int:
+    import pendulum
+
+    from features.storage import complete_days, read_metadata, write_json_atomic
+
+    dags = load_dags()
     for ds in days:
         t0 = time.monotonic()
         run_dag(dags["pin_daily_features"], log_file, logical_date=pendulum.parse(ds, tz="UTC"))
@@ -140,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         "promoted": bool(promotion),
         "corpus_pins": int(world_summary["pins"]),
         "pins_scored": int(manifest["rows"]),
-        "inference_manifest": str(Path(manifest.get("out_dir", "")) / "_MANIFEST.json") if manifest.get("out_dir") else None,
+        "inference_manifest": manifest["manifest"],
         "seconds": round(time.monotonic() - started, 1),
     }
     write_json_atomic(root / "demo-summary.json", summary)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2), file=CONSOLE, flush=True)
     beats = all(metrics["auc"][k] > metrics["baseline_auc"][k] for k in metrics["auc"])
     if summary["pins_scored"] != summary["corpus_pins"] or not (beats or args.no_quality_check):
         say("the demo's checks failed: every pin must be scored and the model must beat the baseline on each head")

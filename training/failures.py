@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 
-class FailureClass(str, enum.Enum):
+class FailureClass(enum.StrEnum):
     """Why a job ended badly, and so what a retry can do about it."""
 
     INFRA = "INFRA"  # node lost, spot reclaimed, preflight failed, collective timeout, stall: retry + resume

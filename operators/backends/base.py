@@ -56,7 +56,7 @@ class JobSpec:
             raise ValueError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
 
 
-class JobState(str, enum.Enum):
+class JobState(enum.StrEnum):
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"

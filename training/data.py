@@ -1,0 +1,353 @@
+"""Streaming training examples from the ``examples`` Parquet partitions into batches of tensors.
+
+:class:`ExampleStream` never reads a whole day: its unit of work is a Parquet row group (or a slice of
+one, when there are too few row groups to spread over every rank and worker). From the Parquet footers
+alone it plans, for each epoch, which units every rank and every DataLoader worker reads, in an order that
+depends only on ``(seed, epoch)``. Because the plan is known up front, every rank can compute how many
+batches each rank will produce and all stop at the same step (:meth:`ExampleStream.steps_per_epoch`):
+no rank waits in a collective for a rank that ran out of data.
+
+Pin content embeddings come from a :class:`PinEmbeddings` table built from one ``raw/pins`` snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from features.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
+from features.storage import complete_days, data_files, ds_str
+from training.failures import DataError
+
+EXAMPLES = "examples"
+PINS = "raw/pins"
+
+EXAMPLE_COLUMNS: tuple[str, ...] = (
+    "impression_id",
+    "user_id",
+    "pin_id",
+    "category",
+    "creator_id",
+    "surface",
+    *DENSE_FEATURES,
+    "seq_pin_ids",
+    "seq_actions",
+    "seq_categories",
+    "seq_age_hours",
+    *LABELS,
+)
+
+
+def latest_complete_day(root: str | os.PathLike[str], dataset: str, ds: str) -> str | None:
+    """The newest complete partition of ``dataset`` on or before ``ds``."""
+    days = [d for d in complete_days(root, dataset) if d <= ds_str(ds)]
+    return days[-1] if days else None
+
+
+class PinEmbeddings:
+    """Content embedding of every pin of one ``raw/pins`` snapshot: a float32 [n, 32] array + sorted ids.
+
+    ``lookup`` maps any array of pin ids to their embeddings (zeros for pins not in the snapshot) with a
+    vectorised binary search, so the table costs 8 + 128 bytes per pin and no Python dict.
+    """
+
+    def __init__(self, pin_ids: np.ndarray, vectors: np.ndarray, ds: str | None = None) -> None:
+        order = np.argsort(pin_ids, kind="stable")
+        self.pin_ids = np.ascontiguousarray(pin_ids[order], dtype=np.int64)
+        self.vectors = np.ascontiguousarray(vectors[order], dtype=np.float32)
+        if self.vectors.shape != (len(self.pin_ids), EMBEDDING_DIM):
+            raise ValueError(f"pin embeddings must be [n, {EMBEDDING_DIM}], got {self.vectors.shape}")
+        self.ds = ds
+
+    @classmethod
+    def from_snapshot(cls, root: str | os.PathLike[str], ds: str) -> PinEmbeddings:
+        """The newest complete ``raw/pins`` snapshot on or before ``ds``; DataError if there is none."""
+        day = latest_complete_day(root, PINS, ds)
+        if day is None:
+            raise DataError(f"no complete {PINS} snapshot on or before ds={ds} under {root}")
+        ids, vectors = [], []
+        for path in data_files(root, PINS, day):
+            table = pq.read_table(path, columns=["pin_id", "embedding"])
+            ids.append(table.column("pin_id").to_numpy())
+            emb = table.column("embedding").combine_chunks()
+            vectors.append(emb.flatten().to_numpy().reshape(-1, EMBEDDING_DIM))
+        if not ids:
+            raise DataError(f"{PINS} snapshot ds={day} under {root} has no Parquet file")
+        return cls(np.concatenate(ids), np.concatenate(vectors), ds=day)
+
+    def __len__(self) -> int:
+        return len(self.pin_ids)
+
+    def rows(self, pin_ids: np.ndarray) -> np.ndarray:
+        """Row of each id in the table, -1 where the pin is unknown."""
+        if len(self.pin_ids) == 0:
+            return np.full(np.shape(pin_ids), -1, dtype=np.int64)
+        pos = np.searchsorted(self.pin_ids, pin_ids)
+        pos = np.minimum(pos, len(self.pin_ids) - 1)
+        return np.where(self.pin_ids[pos] == pin_ids, pos, -1)
+
+    def lookup(self, pin_ids: np.ndarray) -> np.ndarray:
+        """Embeddings of ``pin_ids`` (any shape) as float32 [..., 32]; unknown pins get zeros."""
+        pin_ids = np.asarray(pin_ids, dtype=np.int64)
+        rows = self.rows(pin_ids)
+        if len(self.pin_ids) == 0:
+            return np.zeros((*pin_ids.shape, EMBEDDING_DIM), dtype=np.float32)
+        out = self.vectors[np.maximum(rows, 0)]
+        out[rows < 0] = 0.0
+        return out
+
+
+# --- turning rows into tensors -------------------------------------------------------------------
+
+
+def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    flat = arr.values.to_numpy(zero_copy_only=False)
+    lengths = np.minimum(np.diff(offsets), steps)
+    pos = np.arange(steps)
+    mask = pos[None, :] < lengths[:, None]
+    if flat.size == 0:
+        return np.zeros(mask.shape, dtype=dtype), mask
+    idx = np.where(mask, offsets[:-1, None] + pos[None, :], 0)
+    return np.where(mask, flat[idx], 0).astype(dtype), mask
+
+
+def surface_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Index of each surface in ``SURFACES`` + 1; 0 for an unknown surface."""
+    idx = pc.index_in(column, value_set=pa.array(SURFACES))
+    return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+
+
+def encode_batch(table: pa.Table, pins: PinEmbeddings, sequence_length: int) -> dict[str, torch.Tensor]:
+    """Rows of the ``examples`` schema → the model's input tensors (see ``training.model``) + labels."""
+
+    def col(name: str, dtype: type) -> np.ndarray:
+        return np.array(table.column(name).to_numpy(), dtype=dtype)
+
+    seq_pins, mask = _pad_lists(table.column("seq_pin_ids"), sequence_length, np.int64)
+    actions, _ = _pad_lists(table.column("seq_actions"), sequence_length, np.int64)
+    categories, _ = _pad_lists(table.column("seq_categories"), sequence_length, np.int64)
+    ages, _ = _pad_lists(table.column("seq_age_hours"), sequence_length, np.float32)
+    pin_ids = col("pin_id", np.int64)
+    arrays = {
+        "seq_pin_emb": pins.lookup(seq_pins) * mask[..., None],
+        "seq_actions": np.where(mask, actions + 1, 0),
+        "seq_categories": np.where(mask, categories, -1),
+        "seq_age_hours": np.where(mask, ages, 0.0).astype(np.float32),
+        "seq_mask": mask,
+        "cand_pin_emb": pins.lookup(pin_ids),
+        "pin_id": pin_ids,
+        "user_id": col("user_id", np.int64),
+        "category": col("category", np.int64),
+        "creator_id": col("creator_id", np.int64),
+        "surface": surface_ids(table.column("surface")),
+        "dense": np.stack([col(name, np.float32) for name in DENSE_FEATURES], axis=1),
+        "labels": np.stack([col(label, np.float32) for label in LABELS], axis=1),
+        "impression_id": col("impression_id", np.int64),
+    }
+    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+
+
+# --- planning the work ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """Rows [start, stop) of one row group of one Parquet file."""
+
+    path: str
+    row_group: int
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def example_units(root: str | os.PathLike[str], days: Sequence[str], min_units: int = 1) -> list[WorkUnit]:
+    """Work units of the ``examples`` partitions of ``days`` in a fixed order, read from the footers only.
+
+    Row groups are split into equal slices only when there are fewer than ``min_units`` of them, so that
+    every rank and worker gets something to read.
+    """
+    groups: list[tuple[str, int, int]] = []
+    for ds in days:
+        try:
+            files = data_files(root, EXAMPLES, ds)
+        except FileNotFoundError as e:
+            raise DataError(str(e)) from None
+        if not files:
+            raise DataError(f"{EXAMPLES} partition ds={ds} under {root} has a marker but no Parquet file")
+        for path in files:
+            parquet = pq.ParquetFile(path)
+            meta = parquet.metadata
+            missing = [c for c in EXAMPLE_COLUMNS if c not in parquet.schema_arrow.names]
+            if missing:
+                raise DataError(f"{path} lacks the examples column(s) {', '.join(missing)}")
+            for rg in range(meta.num_row_groups):
+                rows = meta.row_group(rg).num_rows
+                if rows:
+                    groups.append((str(path), rg, rows))
+    split = max(1, -(-min_units // max(1, len(groups))))
+    units = []
+    for name, rg, rows in groups:
+        pieces = min(split, rows)
+        bounds = np.linspace(0, rows, pieces + 1).astype(int)
+        units += [WorkUnit(name, rg, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return units
+
+
+def balance(units: Sequence[WorkUnit], parts: int) -> list[list[WorkUnit]]:
+    """Deal units (in the given order) to ``parts`` bins, each to the bin with the fewest rows so far."""
+    bins: list[list[WorkUnit]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for unit in units:
+        i = min(range(parts), key=lambda j: (load[j], j))
+        bins[i].append(unit)
+        load[i] += unit.rows
+    return bins
+
+
+class ExampleStream(IterableDataset):
+    """Batches (dicts of tensors, see :func:`encode_batch`) of one rank's share of the examples of ``days``.
+
+    Use it with ``DataLoader(stream, batch_size=None, num_workers=stream.num_workers)``: the stream batches
+    by itself, every worker reads its own units and yields full batches, the last one of each worker may be
+    short. Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
+    number on every rank; ranks with more data drop their tail for that epoch).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        days: Sequence[str],
+        pins: PinEmbeddings,
+        *,
+        batch_size: int,
+        sequence_length: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.root = str(root)
+        self.days = [ds_str(d) for d in days]
+        self.pins = pins
+        self.batch_size = batch_size
+        self.sequence_length = sequence_length
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.units = example_units(root, self.days, min_units=4 * world_size * max(1, num_workers))
+        self._unit_index = {unit: i for i, unit in enumerate(self.units)}
+
+    @property
+    def total_rows(self) -> int:
+        return sum(u.rows for u in self.units)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _rng(self, *key: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *key])
+
+    def plan(self, epoch: int) -> list[list[list[WorkUnit]]]:
+        """Units per rank per worker for ``epoch``: ``plan[rank][worker]``."""
+        order = list(self.units)
+        if self.shuffle:
+            order = [order[i] for i in self._rng(epoch).permutation(len(order))]
+        return [balance(rank_units, max(1, self.num_workers)) for rank_units in balance(order, self.world_size)]
+
+    def rank_units(self, epoch: int, rank: int | None = None) -> list[WorkUnit]:
+        return [u for worker in self.plan(epoch)[self.rank if rank is None else rank] for u in worker]
+
+    def batches_per_rank(self, epoch: int) -> list[int]:
+        bs = self.batch_size
+        return [sum(-(-sum(u.rows for u in w) // bs) for w in workers) for workers in self.plan(epoch)]
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        """Batches every rank yields in ``epoch``: the smallest count of any rank."""
+        return min(self.batches_per_rank(epoch))
+
+    # ----------------------------------------------------------------------------------------------
+    def _read(self, unit: WorkUnit, epoch: int) -> pa.Table:
+        table = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=list(EXAMPLE_COLUMNS))
+        table = table.slice(unit.start, unit.rows)
+        if self.shuffle:
+            key = self._unit_index[unit]
+            table = table.take(pa.array(self._rng(epoch, key).permutation(table.num_rows)))
+        return table
+
+    def iter_tables(self, units: Sequence[WorkUnit], epoch: int) -> Iterator[pa.Table]:
+        """Tables of ``batch_size`` rows (the last may be short) over ``units`` in order."""
+        pending: list[pa.Table] = []
+        have = 0
+        for unit in units:
+            table = self._read(unit, epoch)
+            pending.append(table)
+            have += table.num_rows
+            while have >= self.batch_size:
+                merged = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+                yield merged.slice(0, self.batch_size)
+                rest = merged.slice(self.batch_size)
+                pending, have = ([rest] if rest.num_rows else []), rest.num_rows
+        if have:
+            yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        workers = self.plan(self.epoch)[self.rank]
+        info = get_worker_info()
+        if info is not None:
+            if info.num_workers != len(workers):
+                raise ValueError(
+                    f"ExampleStream planned for {self.num_workers} workers but the DataLoader has "
+                    f"{info.num_workers}: pass num_workers=stream.num_workers"
+                )
+            torch.set_num_threads(1)
+            workers = [workers[info.id]]
+        for units in workers:
+            for table in self.iter_tables(units, self.epoch):
+                yield encode_batch(table, self.pins, self.sequence_length)
+
+
+def history_priors(root: str | os.PathLike[str], ds: str) -> dict[str, float]:
+    """The rate features the feature build gives a user or pin without history (its prior), as observed.
+
+    Read from the first row group of the ``examples`` partition of ``ds``: the median rate of the rows
+    with zero impressions (the median of all rows if there are none). Inference uses these for the
+    non-personalised context.
+    """
+    files = data_files(root, EXAMPLES, ds)
+    if not files:
+        raise DataError(f"{EXAMPLES} partition ds={ds} under {root} has no Parquet file")
+    rates = {
+        "u_ctr": "u_impressions",
+        "p_ctr": "p_impressions",
+        "p_repin_rate": "p_impressions",
+        "p_hide_rate": "p_impressions",
+    }
+    table = pq.ParquetFile(files[0]).read_row_group(0, columns=sorted({*rates, *rates.values()}))
+    out = {}
+    for rate, count in rates.items():
+        values = table.column(rate).to_numpy()
+        fresh = values[table.column(count).to_numpy() == 0]
+        out[rate] = float(np.median(fresh if fresh.size else values)) if values.size else 0.0
+    return out

@@ -1,0 +1,177 @@
+"""Offline evaluation of a PinRanker on one day of examples.
+
+Per head: AUC (tie-aware), log loss and calibration of the model; the AUC of the popularity baseline (the
+example's own pin rate feature) and, when the synthetic world's ``truth`` partition of that day exists,
+the AUC of the true probabilities (the oracle: the best any model can do on these labels).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+from features.contracts import DENSE_FEATURES, LABELS
+from features.storage import data_files, is_complete
+from training.data import ExampleStream, PinEmbeddings
+
+TRUTH = "truth"
+# The popularity baseline of each head: the candidate pin's own smoothed rate.
+BASELINE_FEATURE = {"click": "p_ctr", "repin": "p_repin_rate", "hide": "p_hide_rate"}
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve; tied scores count one half (Mann-Whitney U with mid-ranks).
+
+    NaN when the labels hold only one class.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(bool)
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    # Mid-rank of each run of equal scores: ranks are 1-based, a run [i, j) gets (i + 1 + j) / 2.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], sorted_scores.size]
+    mid = (starts + 1 + ends) / 2.0
+    ranks = np.empty(scores.size, dtype=np.float64)
+    ranks[order] = np.repeat(mid, ends - starts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def log_loss(probs: np.ndarray, labels: np.ndarray, eps: float = 1e-7) -> float:
+    p = np.clip(np.asarray(probs, dtype=np.float64), eps, 1 - eps)
+    y = np.asarray(labels, dtype=np.float64)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))) if y.size else math.nan
+
+
+def calibration(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean predicted / mean observed: 1.0 is calibrated, above 1 over-predicts."""
+    observed = float(np.mean(labels)) if np.size(labels) else 0.0
+    return float(np.mean(probs)) / observed if observed > 0 else math.nan
+
+
+def _finite(value: float) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def load_truth(root: str | os.PathLike[str], ds: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sorted impression ids and their true probabilities [n, len(LABELS)], or None without truth."""
+    if not is_complete(root, TRUTH, ds):
+        return None
+    ids, probs = [], []
+    for path in data_files(root, TRUTH, ds):
+        table = pq.read_table(path, columns=["impression_id", *(f"p_{label}" for label in LABELS)])
+        ids.append(table.column("impression_id").to_numpy())
+        probs.append(np.stack([table.column(f"p_{label}").to_numpy() for label in LABELS], axis=1))
+    if not ids:
+        return None
+    all_ids = np.concatenate(ids)
+    order = np.argsort(all_ids, kind="stable")
+    return all_ids[order], np.concatenate(probs)[order]
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    stream: ExampleStream,
+    device: torch.device | str = "cpu",
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Probabilities, labels, baseline features and impression ids of every example of ``stream``."""
+    was_training = model.training
+    model.eval()
+    probs: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    dense: list[np.ndarray] = []
+    ids: list[np.ndarray] = []
+    try:
+        for i, batch in enumerate(stream):
+            inputs = {k: v.to(device) for k, v in batch.items()}
+            logits = model(inputs)
+            probs.append(torch.stack([torch.sigmoid(logits[lb].float()) for lb in LABELS], 1).cpu().numpy())
+            labels.append(batch["labels"].numpy())
+            dense.append(batch["dense"].numpy())
+            ids.append(batch["impression_id"].numpy())
+            if on_batch is not None:
+                on_batch(i)
+    finally:
+        model.train(was_training)
+    width = len(LABELS)
+    return {
+        "probs": np.concatenate(probs) if probs else np.zeros((0, width)),
+        "labels": np.concatenate(labels) if labels else np.zeros((0, width)),
+        "dense": np.concatenate(dense) if dense else np.zeros((0, len(DENSE_FEATURES))),
+        "impression_id": np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64),
+    }
+
+
+def evaluate(
+    model: nn.Module,
+    root: str | os.PathLike[str],
+    eval_ds: str,
+    *,
+    sequence_length: int,
+    batch_size: int = 1024,
+    pins: PinEmbeddings | None = None,
+    device: torch.device | str = "cpu",
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model`` (a PinRanker, not DDP-wrapped) on the examples of ``eval_ds``.
+
+    Returns ``{"auc", "baseline_auc", "oracle_auc", "logloss", "calibration": {label: float | None},
+    "examples": n}``; a metric that is undefined (one class only, no truth) is None. ``oracle_auc`` is
+    ``{}`` when there is no ``truth`` partition for ``eval_ds``.
+    """
+    pins = pins or PinEmbeddings.from_snapshot(root, eval_ds)
+    stream = ExampleStream(root, [eval_ds], pins, batch_size=batch_size, sequence_length=sequence_length, shuffle=False)
+    out = predict(model, stream, device=device, on_batch=on_batch)
+    probs, labels, dense = out["probs"], out["labels"], out["dense"]
+    result: dict[str, Any] = {
+        "auc": {},
+        "baseline_auc": {},
+        "oracle_auc": {},
+        "logloss": {},
+        "calibration": {},
+        "examples": int(labels.shape[0]),
+    }
+    for i, label in enumerate(LABELS):
+        y = labels[:, i]
+        result["auc"][label] = _finite(auc(probs[:, i], y))
+        result["logloss"][label] = _finite(log_loss(probs[:, i], y))
+        result["calibration"][label] = _finite(calibration(probs[:, i], y))
+        baseline = dense[:, DENSE_FEATURES.index(BASELINE_FEATURE[label])]
+        result["baseline_auc"][label] = _finite(auc(baseline, y))
+
+    truth = load_truth(root, eval_ds)
+    if truth is not None:
+        truth_ids, truth_probs = truth
+        ids = out["impression_id"]
+        pos = np.minimum(np.searchsorted(truth_ids, ids), max(len(truth_ids) - 1, 0))
+        found = truth_ids[pos] == ids if len(truth_ids) else np.zeros(len(ids), dtype=bool)
+        result["oracle_coverage"] = float(found.mean()) if len(ids) else 0.0
+        for i, label in enumerate(LABELS):
+            result["oracle_auc"][label] = _finite(auc(truth_probs[pos[found], i], labels[found, i]))
+    return result
+
+
+def flat_metrics(result: dict[str, Any], prefix: str = "eval_") -> dict[str, float]:
+    """``{"auc": {"click": x}}`` → ``{"eval_auc_click": x}``, dropping undefined values (for MLflow)."""
+    flat: dict[str, float] = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            for label, v in value.items():
+                if v is not None:
+                    flat[f"{prefix}{key}_{label}"] = float(v)
+        elif value is not None:
+            flat[f"{prefix}{key}"] = float(value)
+    return flat

@@ -1,0 +1,278 @@
+"""Batch inference over the pin corpus, one shard per process: ``python -m training.inference``.
+
+Every pin of the ``raw/pins`` snapshot of ``ds`` with ``pin_id % num_shards == shard`` is scored by the
+registered model in a **non-personalised context**, so the scores are each pin's prior engagement
+probabilities, comparable across pins:
+
+- no user: an empty action sequence, user id absent (the model's zero "absent" embedding), the user
+  counts zero and the user rate at the prior the feature build gives users without history (recorded in
+  the model's feature spec);
+- the candidate is the pin itself: its content embedding, category and creator from the snapshot;
+- its own engagement counts and rates from ``features/pin_window`` of ``ds`` when that partition is
+  complete, else zero counts and the prior rates (a pin without history);
+- surface ``home_feed``.
+
+The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` (pin_id, p_click, p_repin, p_hide) through
+a temporary file and a rename; a shard whose part exists is skipped, so a rerun only scores what is
+missing. One JSON line on stdout reports the shard. :func:`publish_manifest` (``--publish``) writes
+``_MANIFEST.json`` last, once every part is there. Exit codes as ``training.failures.ExitCode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.contracts import COUNT_COLUMNS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
+from features.storage import data_files, is_complete, write_json_atomic
+from training.failures import DataError, ExitCode
+from training.runtime import exit_code_for, setup_logging
+
+log = logging.getLogger("training.inference")
+
+PINS = "raw/pins"
+PIN_WINDOW = "features/pin_window"
+MANIFEST = "_MANIFEST.json"
+CONTEXT_SURFACE = "home_feed"
+OUTPUT_SCHEMA = pa.schema(
+    [pa.field("pin_id", pa.int64(), nullable=False)]
+    + [pa.field(f"p_{label}", pa.float32(), nullable=False) for label in LABELS]
+)
+
+
+def part_name(shard: int) -> str:
+    return f"part-{shard:05d}.parquet"
+
+
+def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
+    """The exported serving module and its feature spec (from the MLflow model's metadata)."""
+    import mlflow
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    info = mlflow.models.get_model_info(model_uri)
+    spec = (info.metadata or {}).get("feature_spec")
+    if not spec:
+        raise ValueError(f"model {model_uri} has no feature_spec in its metadata: was it logged by training.train?")
+    return mlflow.pytorch.load_model(model_uri), spec
+
+
+def _pin_window(root: str, ds: str) -> pa.Table | None:
+    if not is_complete(root, PIN_WINDOW, ds):
+        log.info("no complete %s partition for ds=%s: every pin scored as a pin without history", PIN_WINDOW, ds)
+        return None
+    columns = ["pin_id", *COUNT_COLUMNS, "ctr", "repin_rate", "hide_rate"]
+    return pa.concat_tables([pq.read_table(p, columns=columns) for p in data_files(root, PIN_WINDOW, ds)])
+
+
+def context_dense(pin_ids: np.ndarray, window: pa.Table | None, priors: dict[str, float]) -> np.ndarray:
+    """The dense features (DENSE_FEATURES order) of the non-personalised context for each pin."""
+    n = len(pin_ids)
+    values: dict[str, np.ndarray] = {name: np.zeros(n, dtype=np.float32) for name in DENSE_FEATURES}
+    values["u_ctr"][:] = priors.get("u_ctr", 0.0)
+    for rate in ("p_ctr", "p_repin_rate", "p_hide_rate"):
+        values[rate][:] = priors.get(rate, 0.0)
+    if window is not None and window.num_rows and n:
+        ids = window.column("pin_id").to_numpy()
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        pos = np.minimum(np.searchsorted(ids, pin_ids), len(ids) - 1)
+        found = ids[pos] == pin_ids
+        rows = order[pos[found]]
+        for column in COUNT_COLUMNS:
+            values[f"p_{column}"][found] = window.column(column).to_numpy()[rows]
+        for column, name in (("ctr", "p_ctr"), ("repin_rate", "p_repin_rate"), ("hide_rate", "p_hide_rate")):
+            values[name][found] = window.column(column).to_numpy()[rows]
+    return np.stack([values[name] for name in DENSE_FEATURES], axis=1).astype(np.float32)
+
+
+def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The serving inputs (``spec["serving_inputs"]``) of a batch of pins in the non-personalised context."""
+    n, steps = pins.num_rows, int(spec["sequence_length"])
+    emb = pins.column("embedding").combine_chunks().flatten().to_numpy().reshape(n, EMBEDDING_DIM)
+    return {
+        "seq_pin_emb": np.zeros((n, steps, EMBEDDING_DIM), dtype=np.float32),
+        "seq_actions": np.zeros((n, steps), dtype=np.int64),
+        "seq_categories": np.full((n, steps), -1, dtype=np.int64),
+        "seq_age_hours": np.zeros((n, steps), dtype=np.float32),
+        "seq_mask": np.zeros((n, steps), dtype=bool),
+        "cand_pin_emb": emb.astype(np.float32),
+        "pin_id": pins.column("pin_id").to_numpy().astype(np.int64),
+        "user_id": np.full(n, -1, dtype=np.int64),  # absent: the model's zero embedding
+        "category": pins.column("category").to_numpy().astype(np.int64),
+        "creator_id": pins.column("creator_id").to_numpy().astype(np.int64),
+        "surface": np.full(n, SURFACES.index(CONTEXT_SURFACE) + 1, dtype=np.int64),
+        "dense": dense,
+    }
+
+
+def shard_pins(root: str, ds: str, shard: int, num_shards: int) -> Iterator[pa.Table]:
+    """The pins of the shard, one row group of the snapshot at a time."""
+    try:
+        files = data_files(root, PINS, ds)
+    except FileNotFoundError as e:
+        raise DataError(str(e)) from None
+    columns = ["pin_id", "embedding", "category", "creator_id"]
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        for rg in range(parquet.num_row_groups):
+            table = parquet.read_row_group(rg, columns=columns)
+            keep = np.mod(table.column("pin_id").to_numpy(), num_shards) == shard
+            if keep.any():
+                yield table.filter(pa.array(keep))
+
+
+def score_shard(
+    *,
+    model_uri: str,
+    tracking_uri: str,
+    root: str,
+    ds: str,
+    shard: int,
+    num_shards: int,
+    out_dir: str | os.PathLike[str],
+    batch_size: int = 4096,
+) -> dict[str, Any]:
+    """Score one shard into ``out_dir/part-{shard:05d}.parquet`` (skipped if it exists); return a summary."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
+    started = time.monotonic()
+    out = Path(out_dir)
+    final = out / part_name(shard)
+    summary: dict[str, Any] = {"shard": shard, "num_shards": num_shards, "ds": ds, "path": str(final)}
+    if final.exists():
+        return {**summary, "rows": pq.ParquetFile(final).metadata.num_rows, "skipped": True, "seconds": 0.0}
+
+    import torch
+
+    module, spec = load_model(model_uri, tracking_uri)
+    window = _pin_window(root, ds)
+    priors = spec.get("priors", {})
+    names = spec["serving_inputs"]
+    ids: list[np.ndarray] = []
+    scores: list[np.ndarray] = []
+    with torch.no_grad():
+        for table in shard_pins(root, ds, shard, num_shards):
+            for start in range(0, table.num_rows, batch_size):
+                batch = table.slice(start, batch_size)
+                pin_ids = batch.column("pin_id").to_numpy()
+                inputs = context_inputs(batch, context_dense(pin_ids, window, priors), spec)
+                out_t = module(*(torch.from_numpy(inputs[name]) for name in names))
+                ids.append(pin_ids)
+                scores.append(np.stack([out_t[f"p_{label}"].float().numpy() for label in LABELS], axis=1))
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    all_scores = np.concatenate(scores) if scores else np.zeros((0, len(LABELS)), dtype=np.float32)
+    result = pa.table(
+        {"pin_id": all_ids, **{f"p_{label}": all_scores[:, i].astype(np.float32) for i, label in enumerate(LABELS)}},
+        schema=OUTPUT_SCHEMA,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        pq.write_table(result, tmp)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {**summary, "rows": result.num_rows, "skipped": False, "seconds": round(time.monotonic() - started, 3)}
+
+
+def publish_manifest(out_dir: str | os.PathLike[str], num_shards: int, model_uri: str, ds: str) -> dict[str, Any]:
+    """Check that every part exists, count the rows, and write ``_MANIFEST.json`` last (atomically).
+
+    Readers treat the output as present only once the manifest is there. Raises FileNotFoundError
+    naming the missing parts.
+    """
+    out = Path(out_dir)
+    missing = [part_name(i) for i in range(num_shards) if not (out / part_name(i)).exists()]
+    if missing:
+        raise FileNotFoundError(
+            f"cannot publish {out}: {len(missing)} of {num_shards} part(s) missing ({', '.join(missing[:10])}); "
+            "score those shards first"
+        )
+    parts = [
+        {"file": part_name(i), "rows": pq.ParquetFile(out / part_name(i)).metadata.num_rows} for i in range(num_shards)
+    ]
+    manifest = {
+        "ds": ds,
+        "model_uri": model_uri,
+        "num_shards": num_shards,
+        "parts": parts,
+        "rows": sum(p["rows"] for p in parts),
+        "columns": OUTPUT_SCHEMA.names,
+        "created": dt.datetime.now(dt.UTC).isoformat(),
+    }
+    write_json_atomic(out / MANIFEST, manifest)
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.inference",
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=(__doc__ or "").split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model-uri", required=True, help="MLflow model URI, e.g. models:/pin_ranker/3")
+    parser.add_argument("--tracking-uri", help="MLflow tracking and registry URI (required unless --publish)")
+    parser.add_argument("--root", help="storage root holding raw/pins (required unless --publish)")
+    parser.add_argument("--ds", required=True, help="day of the raw/pins snapshot (YYYY-MM-DD)")
+    parser.add_argument("--shard", type=int, help="this shard's index in [0, num-shards)")
+    parser.add_argument("--num-shards", type=int, required=True, help="pins with pin_id %% N == shard are scored")
+    parser.add_argument("--out-dir", required=True, help="folder of the part files and the manifest")
+    parser.add_argument("--batch-size", type=int, default=4096, help="pins per forward pass")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument(
+        "--publish", action="store_true", help="do not score: check every part exists and write _MANIFEST.json"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(0)
+    try:
+        if args.publish:
+            manifest = publish_manifest(args.out_dir, args.num_shards, args.model_uri, args.ds)
+            print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
+            return int(ExitCode.OK)
+        if args.shard is None or not args.tracking_uri or not args.root:
+            parser.error("--shard, --tracking-uri and --root are required to score a shard")
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        summary = score_shard(
+            model_uri=args.model_uri,
+            tracking_uri=args.tracking_uri,
+            root=args.root,
+            ds=args.ds,
+            shard=args.shard,
+            num_shards=args.num_shards,
+            out_dir=args.out_dir,
+            batch_size=args.batch_size,
+        )
+        print(json.dumps(summary), flush=True)
+        return int(ExitCode.OK)
+    except Exception as exc:
+        code = exit_code_for(exc)
+        log.error("inference failed (%s, exit %d): %s", code.name, int(code), exc, exc_info=exc)
+        return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""PinRanker: a TransAct-style multi-task ranker (user action sequence + sparse ids + dense counts).
+
+Per example the model reads (names are the keys of a batch, see ``training.data.encode_batch``):
+
+- the user's last N engagements, most recent first: ``seq_pin_emb`` [B, N, 32] (content embedding of each
+  engaged pin), ``seq_actions`` [B, N] (index into ``ACTIONS`` + 1; 0 = padding), ``seq_categories`` [B, N],
+  ``seq_age_hours`` [B, N] (impression time - action time) and ``seq_mask`` [B, N] (True = a real step);
+- the candidate pin: ``cand_pin_emb`` [B, 32] and the raw ids ``pin_id``, ``category``, ``creator_id``;
+- the context: ``user_id``, ``surface`` (index into ``SURFACES`` + 1; 0 = unknown);
+- ``dense`` [B, len(DENSE_FEATURES)]: the counts and rates of ``DENSE_FEATURES``, untransformed.
+
+Raw ids go in and are hashed inside the model (a fixed universal hash into ``buckets - 1`` rows; row 0 is
+reserved for "absent", i.e. negative ids, and stays zero), so a serving caller needs no hashing code.
+
+Sequence tower (TransAct): every step is the sum of an action-type embedding, a projection of the engaged
+pin's content embedding, a projection of the *candidate's* content embedding (early fusion: every step sees
+what is being ranked), a category embedding, an encoding of log1p(age in hours) and a position embedding.
+A small ``nn.TransformerEncoder`` with a padding mask runs over the steps; its output is the first K steps
+flattened plus a max-pool over the valid steps. Users without history (all padding) get zeros, not NaN.
+
+The sequence output, the sparse embeddings, the transformed dense features (log1p of counts, rates as is)
+and the candidate content embedding are concatenated, crossed by a DCN-v2 cross network, passed through an
+MLP, and read by one logit head per label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from features.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
+
+# The inputs of the exported serving model, in this order (also the names of the MLflow signature).
+SERVING_INPUTS: tuple[str, ...] = (
+    "seq_pin_emb",
+    "seq_actions",
+    "seq_categories",
+    "seq_age_hours",
+    "seq_mask",
+    "cand_pin_emb",
+    "pin_id",
+    "user_id",
+    "category",
+    "creator_id",
+    "surface",
+    "dense",
+)
+# Dense features that are counts (log1p-transformed in the model); the others are rates in [0, 1].
+COUNT_FEATURES: tuple[str, ...] = tuple(
+    name for name in DENSE_FEATURES if not (name.endswith("ctr") or name.endswith("_rate"))
+)
+
+# A universal hash h(x) = ((x mod P) * A + C) mod P, then mod (buckets - 1) + 1. P = 2^31 - 1 keeps every
+# product below 2^62, so nothing overflows int64 (in eager mode, under torch.export and on CUDA alike).
+_HASH_P = 2_147_483_647
+_HASH_A = 48_271
+_HASH_C = 12_345
+
+
+def hash_ids(ids: torch.Tensor, buckets: int) -> torch.Tensor:
+    """Map raw int64 ids to rows 1..buckets-1 of an embedding table; negative ids (absent) map to row 0."""
+    h = torch.remainder(torch.remainder(ids, _HASH_P) * _HASH_A + _HASH_C, _HASH_P)
+    rows = torch.remainder(h, buckets - 1) + 1
+    return torch.where(ids < 0, torch.zeros_like(rows), rows)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of a PinRanker; defaults are small enough for CPU training."""
+
+    sequence_length: int = 50
+    d_model: int = 32
+    n_heads: int = 2
+    n_layers: int = 1
+    ff_dim: int = 64
+    first_k: int = 4
+    dropout: float = 0.0
+    sparse_dim: int = 16
+    pin_buckets: int = 20011
+    user_buckets: int = 20011
+    creator_buckets: int = 5003
+    category_buckets: int = 1009
+    cross_layers: int = 2
+    mlp_hidden: tuple[int, ...] = (64, 32)
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+class CrossNetV2(nn.Module):
+    """DCN-v2 cross network: x_{l+1} = x_0 * (W_l x_l + b_l) + x_l, full-rank W_l."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        linears = [nn.Linear(dim, dim) for _ in range(layers)]
+        for layer in linears:
+            nn.init.xavier_uniform_(layer.weight, gain=0.1)
+            nn.init.zeros_(layer.bias)
+        self.layers = nn.ModuleList(linears)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer in self.layers:
+            x = x0 * layer(x) + x
+        return x
+
+
+class PinRanker(nn.Module):
+    """TransAct sequence tower + hashed sparse ids + dense features → DCN-v2 → MLP → one head per label."""
+
+    first_position: torch.Tensor
+    dense_is_count: torch.Tensor
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or ModelConfig()
+        d, n, s = config.d_model, config.sequence_length, config.sparse_dim
+        self.labels = LABELS
+
+        # Sequence tower.
+        self.action_emb = nn.Embedding(len(ACTIONS) + 1, d, padding_idx=0)
+        self.seq_category_emb = nn.Embedding(config.category_buckets, d, padding_idx=0)
+        self.seq_pin_proj = nn.Linear(EMBEDDING_DIM, d)
+        self.cand_proj = nn.Linear(EMBEDDING_DIM, d)
+        self.age_proj = nn.Linear(1, d)
+        self.position_emb = nn.Parameter(torch.zeros(n, d))
+        layer = nn.TransformerEncoderLayer(
+            d, config.n_heads, config.ff_dim, config.dropout, batch_first=True, norm_first=True
+        )
+        # No nested tensors: they are data-dependent (bad for torch.export) and do not pay off at this size.
+        self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
+        self.register_buffer("first_position", torch.arange(n) == 0, persistent=False)
+
+        # Sparse ids (row 0 = absent, kept at zero by padding_idx).
+        self.pin_emb = nn.Embedding(config.pin_buckets, s, padding_idx=0)
+        self.user_emb = nn.Embedding(config.user_buckets, s, padding_idx=0)
+        self.category_emb = nn.Embedding(config.category_buckets, s, padding_idx=0)
+        self.creator_emb = nn.Embedding(config.creator_buckets, s, padding_idx=0)
+        self.surface_emb = nn.Embedding(len(SURFACES) + 1, s, padding_idx=0)
+        for emb in (
+            self.action_emb,
+            self.seq_category_emb,
+            self.pin_emb,
+            self.user_emb,
+            self.category_emb,
+            self.creator_emb,
+            self.surface_emb,
+        ):
+            nn.init.normal_(emb.weight, std=0.05)
+            with torch.no_grad():
+                emb.weight[0].zero_()
+        nn.init.normal_(self.position_emb, std=0.02)
+
+        # Dense features: which columns are counts.
+        is_count = torch.tensor([name in COUNT_FEATURES for name in DENSE_FEATURES])
+        self.register_buffer("dense_is_count", is_count, persistent=False)
+
+        seq_dim = (config.first_k + 1) * d
+        joint = seq_dim + 5 * s + len(DENSE_FEATURES) + EMBEDDING_DIM
+        self.cross = CrossNetV2(joint, config.cross_layers)
+        mlp: list[nn.Module] = []
+        width = joint
+        for hidden in config.mlp_hidden:
+            mlp += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(config.dropout)]
+            width = hidden
+        self.mlp = nn.Sequential(*mlp)
+        self.heads = nn.ModuleDict({label: nn.Linear(width, 1) for label in LABELS})
+
+    # ----------------------------------------------------------------------------------------------
+    def sequence_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        cfg = self.config
+        mask = batch["seq_mask"]
+        age = torch.log1p(batch["seq_age_hours"].float().clamp(min=0.0)).unsqueeze(-1)
+        steps = (
+            self.action_emb(batch["seq_actions"])
+            + self.seq_pin_proj(batch["seq_pin_emb"])
+            + self.seq_category_emb(hash_ids(batch["seq_categories"], cfg.category_buckets))
+            + self.age_proj(age)
+            + self.position_emb.unsqueeze(0)
+            + self.cand_proj(batch["cand_pin_emb"]).unsqueeze(1)
+        )
+        valid = mask.unsqueeze(-1)
+        steps = steps * valid
+        # A row with no valid step would make every attention weight -inf/-inf = NaN: let such a row
+        # attend to its (zeroed) first step, and zero the outputs below.
+        empty = ~mask.any(dim=1)
+        padding = ~mask & ~(empty.unsqueeze(1) & self.first_position.unsqueeze(0))
+        hidden = self.encoder(steps, src_key_padding_mask=padding)
+        hidden = hidden * valid
+        first = hidden[:, : cfg.first_k, :].flatten(1)
+        pooled = hidden.masked_fill(~valid, -1e4).amax(dim=1)
+        pooled = torch.where(empty.unsqueeze(1), torch.zeros_like(pooled), pooled)
+        return torch.cat([first, pooled], dim=1)
+
+    def transform_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        dense = dense.float()
+        return torch.where(self.dense_is_count, torch.log1p(dense.clamp(min=0.0)), dense)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Logits per label, each of shape [B]."""
+        cfg = self.config
+        sparse = [
+            self.pin_emb(hash_ids(batch["pin_id"], cfg.pin_buckets)),
+            self.user_emb(hash_ids(batch["user_id"], cfg.user_buckets)),
+            self.category_emb(hash_ids(batch["category"], cfg.category_buckets)),
+            self.creator_emb(hash_ids(batch["creator_id"], cfg.creator_buckets)),
+            self.surface_emb(batch["surface"]),
+        ]
+        x0 = torch.cat(
+            [
+                self.sequence_features(batch),
+                *sparse,
+                self.transform_dense(batch["dense"]),
+                batch["cand_pin_emb"].float(),
+            ],
+            dim=1,
+        )
+        h = self.mlp(self.cross(x0))
+        return {label: head(h).squeeze(-1) for label, head in self.heads.items()}
+
+
+class ServingModule(nn.Module):
+    """The exported form: positional tensors in ``SERVING_INPUTS`` order → probabilities ``p_<label>``."""
+
+    def __init__(self, ranker: PinRanker) -> None:
+        super().__init__()
+        self.ranker = ranker
+
+    def forward(
+        self,
+        seq_pin_emb: torch.Tensor,
+        seq_actions: torch.Tensor,
+        seq_categories: torch.Tensor,
+        seq_age_hours: torch.Tensor,
+        seq_mask: torch.Tensor,
+        cand_pin_emb: torch.Tensor,
+        pin_id: torch.Tensor,
+        user_id: torch.Tensor,
+        category: torch.Tensor,
+        creator_id: torch.Tensor,
+        surface: torch.Tensor,
+        dense: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        batch = {
+            "seq_pin_emb": seq_pin_emb,
+            "seq_actions": seq_actions,
+            "seq_categories": seq_categories,
+            "seq_age_hours": seq_age_hours,
+            "seq_mask": seq_mask,
+            "cand_pin_emb": cand_pin_emb,
+            "pin_id": pin_id,
+            "user_id": user_id,
+            "category": category,
+            "creator_id": creator_id,
+            "surface": surface,
+            "dense": dense,
+        }
+        return {f"p_{label}": torch.sigmoid(logit) for label, logit in self.ranker(batch).items()}
+
+
+def multitask_loss(
+    logits: dict[str, torch.Tensor], labels: torch.Tensor, weights: dict[str, float]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted sum of per-head mean BCE losses; ``labels`` is [B, len(LABELS)] in ``LABELS`` order."""
+    per_head = {
+        label: F.binary_cross_entropy_with_logits(logits[label].float(), labels[:, i].float())
+        for i, label in enumerate(LABELS)
+    }
+    total = torch.stack([weights.get(label, 1.0) * loss for label, loss in per_head.items()]).sum()
+    return total, per_head

@@ -1,0 +1,117 @@
+"""A tiny synthetic world in the storage layout, for tests and smoke runs of the training container.
+
+``write_tiny_world`` writes complete ``examples``, ``raw/pins`` and ``truth`` partitions following
+``features.contracts``, with a learnable signal (user taste x pin content, pin popularity). It is not the
+platform's demo data generator (that lives in ``features/``); it exists so that ``training/`` can be
+exercised on its own, in milliseconds, without the feature build.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from features.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, EXAMPLES, PINS, SURFACES, TRUTH
+from features.storage import write_partition
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def write_tiny_world(
+    root: str | os.PathLike[str],
+    days: list[str],
+    *,
+    rows_per_day: int = 200,
+    pins: int = 120,
+    users: int = 40,
+    row_group_size: int = 50,
+    max_sequence: int = 60,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Write examples (+ truth) for each day and a raw/pins snapshot for each day; return the pin ids."""
+    rng = np.random.default_rng(seed)
+    pin_ids = rng.choice(np.arange(1_000, 1_000_000), size=pins, replace=False).astype(np.int64)
+    pin_emb = rng.normal(size=(pins, EMBEDDING_DIM)).astype(np.float32) / np.sqrt(EMBEDDING_DIM)
+    pin_pop = rng.normal(size=pins)
+    categories = rng.integers(0, 12, size=pins).astype(np.int32)
+    creators = rng.integers(1, 30, size=pins).astype(np.int64)
+    user_ids = np.arange(1, users + 1, dtype=np.int64) * 7
+    taste = rng.normal(size=(users, EMBEDDING_DIM)).astype(np.float32)
+    liked = np.argsort(-(taste @ pin_emb.T), axis=1)[:, : max(1, pins // 4)]
+    created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    impression = 1
+    for ds in days:
+        pins_table = pa.table(
+            {
+                "pin_id": pin_ids,
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(pin_emb.ravel()), EMBEDDING_DIM),
+                "category": categories,
+                "creator_id": creators,
+                "created_at": pa.array([created] * pins, type=pa.timestamp("us", tz="UTC")),
+            },
+            schema=PINS,
+        )
+        with write_partition(root, "raw/pins", ds) as tmp:
+            pq.write_table(pins_table, tmp / "part-00000.parquet")
+
+        n = rows_per_day
+        u = rng.integers(0, users, size=n)
+        p = rng.integers(0, pins, size=n)
+        affinity = np.einsum("ij,ij->i", taste[u], pin_emb[p])
+        truth = {
+            "p_click": _sigmoid(-1.0 + 2.0 * affinity + 0.8 * pin_pop[p]),
+            "p_repin": _sigmoid(-2.0 + 1.5 * affinity + 0.5 * pin_pop[p]),
+            "p_hide": _sigmoid(-2.5 - 1.5 * affinity - 0.5 * pin_pop[p]),
+        }
+        labels = {k[2:]: (rng.random(n) < v).astype(np.int8) for k, v in truth.items()}
+        ids = np.arange(impression, impression + n, dtype=np.int64)
+        impression += n
+        day = dt.datetime.fromisoformat(ds).replace(tzinfo=dt.UTC)
+        lengths = rng.integers(0, max_sequence + 1, size=n)
+        lengths[::7] = 0  # users without history
+        # A user's history is drawn from the pins they like most, so the sequence reveals their taste.
+        seq_idx = [liked[ui][rng.integers(0, liked.shape[1], size=k)] for ui, k in zip(u, lengths, strict=True)]
+        cols: dict[str, object] = {
+            "impression_id": ids,
+            "ts": pa.array(
+                [day + dt.timedelta(seconds=int(s)) for s in rng.integers(0, 86_400, n)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "user_id": user_ids[u],
+            "pin_id": pin_ids[p],
+            "category": categories[p],
+            "creator_id": creators[p],
+            "surface": [SURFACES[i] for i in rng.integers(0, len(SURFACES), n)],
+        }
+        for name in DENSE_FEATURES:
+            if name.endswith("ctr") or name.endswith("_rate"):
+                base = truth["p_click"] if name in ("p_ctr", "u_ctr") else truth["p_repin"]
+                if name == "p_hide_rate":
+                    base = truth["p_hide"]
+                cols[name] = np.clip(base + rng.normal(0, 0.1, n), 0, 1).astype(np.float32)
+            else:
+                cols[name] = rng.poisson(20, n).astype(np.float32) * (lengths > 0)
+        cols["seq_pin_ids"] = pa.array([pin_ids[s].tolist() for s in seq_idx], pa.list_(pa.int64()))
+        cols["seq_actions"] = pa.array(
+            [rng.integers(1, len(ACTIONS), size=k).tolist() for k in lengths], pa.list_(pa.int32())
+        )
+        cols["seq_categories"] = pa.array([categories[s].tolist() for s in seq_idx], pa.list_(pa.int32()))
+        cols["seq_age_hours"] = pa.array(
+            [np.sort(rng.exponential(48, size=k)).astype(np.float32).tolist() for k in lengths],
+            pa.list_(pa.float32()),
+        )
+        for label, values in labels.items():
+            cols[label] = values
+        examples = pa.table(cols, schema=EXAMPLES)
+        with write_partition(root, "examples", ds) as tmp:
+            pq.write_table(examples, tmp / "part-00000.parquet", row_group_size=row_group_size)
+        truth_table = pa.table({"impression_id": ids, **truth}, schema=TRUTH)
+        with write_partition(root, "truth", ds) as tmp:
+            pq.write_table(truth_table, tmp / "part-00000.parquet")
+    return {"pin_ids": pin_ids}

@@ -1,0 +1,192 @@
+"""MLflow on rank 0: one run per training job, resumed across retries; the model logged and registered once.
+
+The run id (and, once registered, the model version) is kept in ``<checkpoint_dir>/mlflow_run.json``:
+a retried job (same checkpoint_dir) continues the same MLflow run instead of starting a new one, and a job
+that died after registering its model but before writing result.json reuses that version rather than
+registering a duplicate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from features.contracts import LABELS
+from features.storage import write_json_atomic
+from training.config import RunConfig
+from training.model import SERVING_INPUTS, PinRanker, ServingModule
+
+log = logging.getLogger("training.tracking")
+
+STATE_FILE = "mlflow_run.json"
+MODEL_ARTIFACT = "model"
+FEATURE_SPEC_ARTIFACT = "feature_spec.json"
+
+
+def torch_requirement() -> str:
+    """``torch==X.Y.Z`` without a local build tag (``+cpu``), the pin a serving image installs."""
+    return f"torch=={torch.__version__.split('+')[0]}"
+
+
+def example_inputs(sequence_length: int, rows: int = 2) -> dict[str, np.ndarray]:
+    """A serving batch: row 0 has an empty sequence, the others a full one. Shapes match SERVING_INPUTS."""
+    from features.contracts import DENSE_FEATURES, EMBEDDING_DIM
+
+    n = sequence_length
+    mask = np.zeros((rows, n), dtype=bool)
+    mask[1:] = True
+    return {
+        "seq_pin_emb": np.zeros((rows, n, EMBEDDING_DIM), dtype=np.float32),
+        "seq_actions": np.where(mask, 2, 0).astype(np.int64),
+        "seq_categories": np.where(mask, 1, -1).astype(np.int64),
+        "seq_age_hours": np.where(mask, 1.0, 0.0).astype(np.float32),
+        "seq_mask": mask,
+        "cand_pin_emb": np.zeros((rows, EMBEDDING_DIM), dtype=np.float32),
+        "pin_id": np.arange(1, rows + 1, dtype=np.int64),
+        "user_id": np.arange(1, rows + 1, dtype=np.int64),
+        "category": np.ones(rows, dtype=np.int64),
+        "creator_id": np.ones(rows, dtype=np.int64),
+        "surface": np.ones(rows, dtype=np.int64),
+        "dense": np.zeros((rows, len(DENSE_FEATURES)), dtype=np.float32),
+    }
+
+
+def model_signature(sequence_length: int) -> Any:
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    example = example_inputs(sequence_length)
+    inputs = Schema([TensorSpec(example[name].dtype, (-1, *example[name].shape[1:]), name) for name in SERVING_INPUTS])
+    outputs = Schema([TensorSpec(np.dtype(np.float32), (-1,), f"p_{label}") for label in LABELS])
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def _param_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 6000 else text[:5997] + "..."
+
+
+class Tracker:
+    """The MLflow side of a training job. Create it on rank 0 only (it imports mlflow)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        self.config = config
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(config.mlflow_tracking_uri)
+        mlflow.set_registry_uri(config.mlflow_tracking_uri)
+        self.client = MlflowClient(tracking_uri=config.mlflow_tracking_uri, registry_uri=config.mlflow_tracking_uri)
+        self.state_path = Path(config.checkpoint_dir) / STATE_FILE
+        self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.experiment_id = self._experiment()
+        self.run_id = self._run()
+        self._pending: list[Any] = []
+
+    def _experiment(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        name = self.config.experiment
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return str(experiment.experiment_id)
+        try:
+            return str(self.client.create_experiment(name, artifact_location=self.config.mlflow_artifact_location))
+        except MlflowException:  # created by a concurrent job in the meantime
+            experiment = self.client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return str(experiment.experiment_id)
+
+    def _run(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        run_id = self.state.get("run_id")
+        if run_id:
+            try:
+                run = self.client.get_run(run_id)
+                if run.info.experiment_id == self.experiment_id:
+                    self.mlflow.start_run(run_id=run_id)
+                    log.info("continuing MLflow run %s (from %s)", run_id, self.state_path)
+                    return str(run_id)
+            except MlflowException as e:
+                log.warning("MLflow run %s from %s is gone (%s): starting a new run", run_id, self.state_path, e)
+            self.state = {}
+        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name)
+        self.state = {"run_id": run.info.run_id, "experiment_id": self.experiment_id}
+        write_json_atomic(self.state_path, self.state)
+        log.info("MLflow run %s in experiment %s", run.info.run_id, self.config.experiment)
+        return str(run.info.run_id)
+
+    # ----------------------------------------------------------------------------------------------
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log params; on a resumed run, keys already logged keep their first value (MLflow forbids changes)."""
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        new = [Param(k, _param_value(v)) for k, v in params.items() if k not in existing]
+        changed = [k for k, v in params.items() if k in existing and existing[k] != _param_value(v)]
+        if changed:
+            log.warning("resumed MLflow run keeps its first value of params %s", ", ".join(changed))
+        for i in range(0, len(new), 100):
+            self.client.log_batch(self.run_id, params=new[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int, flush: bool = False) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self._pending += [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            chunk, self._pending = self._pending[:1000], self._pending[1000:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+    # ----------------------------------------------------------------------------------------------
+    def log_model(self, model: PinRanker, feature_spec: dict[str, Any]) -> tuple[str, str | None]:
+        """Log the exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
+
+        Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned.
+        """
+        if self.state.get("model_uri"):
+            log.info(
+                "model already logged by this run: %s (version %s)",
+                self.state["model_uri"],
+                self.state.get("model_version"),
+            )
+            return str(self.state["model_uri"]), self.state.get("model_version")
+        self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
+        serving = ServingModule(copy.deepcopy(model).cpu().float()).eval()
+        example = example_inputs(self.config.sequence_length)
+        info = self.mlflow.pytorch.log_model(
+            serving,
+            name=MODEL_ARTIFACT,
+            serialization_format="pt2",
+            input_example=tuple(example[name] for name in SERVING_INPUTS),
+            signature=model_signature(self.config.sequence_length),
+            pip_requirements=[torch_requirement()],  # explicit: inferring requirements is slow
+            registered_model_name=self.config.model_name if self.config.register else None,
+            metadata={"feature_spec": feature_spec},
+        )
+        version = info.registered_model_version
+        version = str(version) if version is not None else None
+        model_uri = f"models:/{self.config.model_name}/{version}" if version else info.model_uri
+        self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
+        write_json_atomic(self.state_path, self.state)
+        return model_uri, version
+
+    def end(self, status: str = "FINISHED") -> None:
+        try:
+            self.flush()
+        finally:
+            self.mlflow.end_run(status=status)

@@ -1,0 +1,380 @@
+"""Distributed training of the PinRanker: ``python -m training.train --config RUN.json``.
+
+Runs under ``torchrun`` (any number of nodes and processes; it reads RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT as torchrun sets them) or alone as a world of one. CPU: gloo; CUDA: nccl and
+bf16 autocast. DDP, AdamW, warmup + cosine LR, gradient clipping, weighted per-head BCE.
+
+Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, when it fails,
+``<output_dir>/failure-rank{r}.json`` (exit code, failure class, message, traceback). Checkpoints go to
+``<checkpoint_dir>/step-XXXXXXXX/`` every ``checkpoint_every`` steps and at the end; a (re)started job
+resumes from the newest complete one, at the saved step (the data order is a function of seed and epoch,
+so the batches already trained on in that epoch are skipped). At the end rank 0 evaluates on ``eval_ds``,
+logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
+writes ``<output_dir>/result.json`` atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from features.storage import write_json_atomic
+from training.config import ConfigError, RunConfig, fields_help
+from training.failures import ExitCode, NanLossError
+from training.runtime import DistEnv, Heartbeat, exit_code_for, failure_path, setup_logging, write_failure
+
+log = logging.getLogger("training.train")
+
+RESULT_FILE = "result.json"
+
+EPILOG = f"""\
+{fields_help()}
+
+Exit codes (training.failures.ExitCode): 0 OK; 1 USER (bug or bad config, fail now); 65 DATA (missing or
+malformed input partition); 75 INFRA (lost peer, collective timeout: retry, it resumes from the last
+checkpoint); 76 NAN_LOSS (diverged: fail now); 137 OOM. Under torchrun the launcher's own exit code is 1 for
+any worker failure: start it with `python -m training.launch --nproc-per-node=N ... -- -m training.train
+--config RUN.json`, which exits with the failing worker's code, or read <output_dir>/failure-rank*.json.
+
+Files: <output_dir>/heartbeat-rank<r>.json, failure-rank<r>.json, result.json;
+<checkpoint_dir>/step-XXXXXXXX/ (DCP + COMPLETE.json), mlflow_run.json.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m training.train",
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="path of the run's RUN.json (fields below)")
+    return parser
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):  # noqa: ANN201 - a closure
+    """Multiplier of the peak LR at scheduler step ``s``: linear warmup, then cosine to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, env: DistEnv, heartbeat: Heartbeat) -> None:
+        self.config = config
+        self.env = env
+        self.heartbeat = heartbeat
+        self.tracker: Any = None
+        self.started = time.monotonic()
+
+    # ----------------------------------------------------------------------------------------------
+    def setup_distributed(self) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        cfg, env = self.config, self.env
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but CUDA is not available on this node; use device='auto'")
+        if use_cuda:
+            torch.cuda.set_device(env.local_rank)
+            device = torch.device("cuda", env.local_rank)
+        else:
+            device = torch.device("cpu")
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = dt.timedelta(seconds=cfg.dist_timeout_s)
+        if env.launched:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+        else:  # a world of one: an in-process store, no port to pick
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return device
+
+    def run(self) -> dict[str, Any] | None:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DataLoader
+
+        from training import checkpoint
+        from training.data import ExampleStream, PinEmbeddings
+        from training.model import PinRanker, multitask_loss
+
+        cfg, env, hb = self.config, self.env, self.heartbeat
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        device = self.setup_distributed()
+        log.info("rank %d/%d on %s", env.rank, env.world_size, device)
+
+        pins = PinEmbeddings.from_snapshot(cfg.root, max(cfg.train_days))
+        stream = ExampleStream(
+            cfg.root,
+            cfg.train_days,
+            pins,
+            batch_size=cfg.batch_size,
+            sequence_length=cfg.sequence_length,
+            rank=env.rank,
+            world_size=env.world_size,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed,
+        )
+        steps_per_epoch = [stream.steps_per_epoch(e) for e in range(cfg.epochs)]
+        if min(steps_per_epoch) == 0:
+            from training.failures import DataError
+
+            raise DataError(
+                f"{stream.total_rows} training rows in {len(stream.units)} row groups over {env.world_size} "
+                f"ranks x {max(1, cfg.num_workers)} workers leave some rank without a batch: train on more "
+                "days or use fewer processes"
+            )
+        epoch_start = [sum(steps_per_epoch[:e]) for e in range(cfg.epochs)]
+        total_steps = sum(steps_per_epoch)
+        if cfg.max_steps:
+            total_steps = min(total_steps, cfg.max_steps)
+
+        model = PinRanker(cfg.model_config()).to(device)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+        )
+
+        if env.is_main:
+            from training.tracking import Tracker
+
+            self.tracker = Tracker(cfg)
+            self.tracker.log_params(
+                {
+                    **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri",)},
+                    "world_size": env.world_size,
+                    "device": str(device.type),
+                    "steps_per_epoch": steps_per_epoch,
+                    "total_steps": total_steps,
+                    "train_rows": stream.total_rows,
+                    "pins_snapshot_ds": pins.ds,
+                }
+            )
+
+        # Resume: rank 0 picks the checkpoint, everyone loads the same one.
+        found = [checkpoint.latest_checkpoint(cfg.checkpoint_dir) if env.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        step, resumed_seen, local_seen = 0, 0, 0
+        if found[0] is not None:
+            position = checkpoint.load(found[0]["path"], model=model, optimizer=optimizer, scheduler=scheduler)
+            step, resumed_seen = position["step"], position["examples_seen"]
+            hb.update(progress=0, epoch=position["epoch"])
+            log.info("resumed from %s at step %d", found[0]["path"], step)
+        last_saved = step if found[0] is not None else -1
+
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        weights = cfg.label_weights()
+        last_loss = math.nan
+        hb.update(progress=0, force=True, phase="training", step=step, total_steps=total_steps)
+
+        def examples_seen() -> int:
+            """Examples trained on by all ranks, over every try (a collective)."""
+            seen = torch.tensor([local_seen], dtype=torch.int64, device=device)
+            dist.all_reduce(seen)
+            return resumed_seen + int(seen.item())
+
+        def save() -> None:
+            nonlocal last_saved
+            hb.update(progress=0, force=True, phase="checkpointing")
+            checkpoint.save(
+                cfg.checkpoint_dir,
+                step=step,
+                epoch=epoch,
+                examples_seen=examples_seen(),
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                is_main=env.is_main,
+                keep=cfg.keep_checkpoints,
+                extra={"total_steps": total_steps},
+            )
+            last_saved = step
+            hb.update(progress=0, force=True, phase="training")
+
+        epoch = 0
+        ddp.train()
+        for epoch in range(cfg.epochs):
+            if step >= total_steps:
+                break
+            if step >= epoch_start[epoch] + steps_per_epoch[epoch]:
+                continue  # finished before the restart
+            skip = step - epoch_start[epoch]
+            stream.set_epoch(epoch)
+            loader = DataLoader(
+                stream,
+                batch_size=None,
+                num_workers=cfg.num_workers,
+                pin_memory=device.type == "cuda",
+                persistent_workers=False,
+            )
+            for i, batch in enumerate(loader):
+                if i >= steps_per_epoch[epoch] or step >= total_steps:
+                    break
+                if i < skip:
+                    continue
+                labels = batch.pop("labels").to(device, non_blocking=True)
+                batch.pop("impression_id")
+                inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                with autocast:
+                    logits = ddp(inputs)
+                loss, per_head = multitask_loss(logits, labels, weights)
+                if cfg.fail_nan_at_step is not None and step == cfg.fail_nan_at_step and env.rank == env.world_size - 1:
+                    loss = loss * math.nan
+                # The mean loss over ranks, for logging and for a NaN check every rank agrees on.
+                reduced = torch.stack([loss.detach(), *(v.detach() for v in per_head.values())]).float()
+                dist.all_reduce(reduced)
+                stats: list[float] = (reduced / env.world_size).cpu().tolist()
+                if not all(math.isfinite(v) for v in stats):
+                    raise NanLossError(
+                        f"loss is {stats[0]} at step {step} (epoch {epoch}); per head "
+                        f"{dict(zip(per_head, stats[1:], strict=True))}: lower lr (now {cfg.lr}) or grad_clip"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                local_seen += labels.shape[0]
+                last_loss = stats[0]
+                hb.update(examples=labels.shape[0], step=step, epoch=epoch, loss=last_loss)
+                if self.tracker is not None and (step % cfg.log_every == 0 or step == total_steps):
+                    metrics = {"train_loss": stats[0], "lr": scheduler.get_last_lr()[0]}
+                    metrics.update({f"train_loss_{k}": v for k, v in zip(per_head, stats[1:], strict=True)})
+                    self.tracker.log_metrics(metrics, step=step, flush=True)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    save()
+        if last_saved != step:
+            save()
+        total_seen = examples_seen()
+        hb.update(progress=0, force=True, phase="trained", step=step)
+        dist.destroy_process_group()  # rank 0 evaluates alone: no collective may wait on it
+        if not env.is_main:
+            return None
+        return self.finish(model, pins, step, total_seen, last_loss, device)
+
+    # ----------------------------------------------------------------------------------------------
+    def finish(
+        self, model: Any, pins: Any, step: int, examples_seen: int, last_loss: float, device: Any
+    ) -> dict[str, Any]:
+        """Rank 0: evaluate, log to MLflow, register, write result.json."""
+        from features.contracts import DENSE_FEATURES, LABELS
+        from training.data import PINS, PinEmbeddings, history_priors, latest_complete_day
+        from training.evaluate import evaluate, flat_metrics
+        from training.model import COUNT_FEATURES, SERVING_INPUTS
+
+        cfg, hb = self.config, self.heartbeat
+        hb.update(progress=0, force=True, phase="evaluating")
+        same_snapshot = latest_complete_day(cfg.root, PINS, cfg.eval_ds) == pins.ds
+        eval_pins = pins if same_snapshot else PinEmbeddings.from_snapshot(cfg.root, cfg.eval_ds)
+        metrics = evaluate(
+            model,
+            cfg.root,
+            cfg.eval_ds,
+            sequence_length=cfg.sequence_length,
+            batch_size=cfg.eval_batch_size,
+            pins=eval_pins,
+            device=device,
+            on_batch=lambda _: hb.update(phase="evaluating"),
+        )
+        aucs = [v for v in metrics["auc"].values() if v is not None]
+        metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
+        metrics["train_loss"] = last_loss if math.isfinite(last_loss) else None
+        log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
+
+        hb.update(progress=0, force=True, phase="logging")
+        seconds = time.monotonic() - self.started
+        tracker = self.tracker
+        tracker.log_metrics(
+            {**flat_metrics(metrics), "examples_seen": examples_seen, "train_steps": step, "train_seconds": seconds},
+            step=step,
+            flush=True,
+        )
+        feature_spec = {
+            "sequence_length": cfg.sequence_length,
+            "dense_features": list(DENSE_FEATURES),
+            "count_features": list(COUNT_FEATURES),
+            "labels": list(LABELS),
+            "serving_inputs": list(SERVING_INPUTS),
+            "outputs": [f"p_{label}" for label in LABELS],
+            "hash_buckets": {
+                "pin_id": cfg.pin_buckets,
+                "user_id": cfg.user_buckets,
+                "creator_id": cfg.creator_buckets,
+                "category": cfg.category_buckets,
+            },
+            "pins_snapshot_ds": pins.ds,
+            "priors": history_priors(cfg.root, cfg.train_days[-1]),
+            "model_config": cfg.model_config().to_dict(),
+        }
+        model_uri, version = tracker.log_model(model, feature_spec)
+        tracker.end("FINISHED")
+        result = {
+            "mlflow_run_id": tracker.run_id,
+            "model_uri": model_uri,
+            "model_name": cfg.model_name,
+            "model_version": version,
+            "eval_ds": cfg.eval_ds,
+            "train_days": list(cfg.train_days),
+            "metrics": metrics,
+            "steps": step,
+            "examples_seen": examples_seen,
+            "seconds": round(seconds, 3),
+        }
+        write_json_atomic(Path(cfg.output_dir) / RESULT_FILE, result)
+        log.info("result: %s", json.dumps(result))
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = DistEnv.from_env()
+    setup_logging(env.rank)
+    try:
+        config = RunConfig.from_json(args.config)
+    except ConfigError as e:
+        log.error("%s", e)
+        return int(e.exit_code)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    failure_path(config.output_dir, env.rank).unlink(missing_ok=True)
+    heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
+    trainer = Trainer(config, env, heartbeat)
+    try:
+        trainer.run()
+    except (Exception, KeyboardInterrupt) as exc:
+        code = ExitCode.INFRA if isinstance(exc, KeyboardInterrupt) else exit_code_for(exc)
+        log.error("rank %d failed (%s, exit %d): %s", env.rank, code.name, int(code), exc, exc_info=exc)
+        write_failure(config.output_dir, env.rank, exc, code)
+        heartbeat.update(progress=0, force=True, phase="failed", exit_code=int(code), error=str(exc)[:500])
+        if trainer.tracker is not None:
+            with contextlib.suppress(Exception):
+                trainer.tracker.end("FAILED")
+        return int(code)
+    heartbeat.update(progress=0, force=True, phase="done")
+    return int(ExitCode.OK)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
