@@ -96,7 +96,7 @@ def write_partition(root: str | os.PathLike[str], dataset: str, ds: str | dt.dat
     tmp.mkdir()
     try:
         yield tmp
-        (tmp / MARKER).write_text(dt.datetime.now(dt.timezone.utc).isoformat())
+        (tmp / MARKER).write_text(dt.datetime.now(dt.UTC).isoformat())
         old = None
         if final.exists():
             old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
