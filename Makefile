@@ -20,7 +20,7 @@ export PATH := $(BIN):$(PATH)
 
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
-	@echo "make test     - install if needed, then ruff + pytest"
+	@echo "make test     - install if needed, then ruff, mypy and pytest"
 	@echo "make airflow  - airflow standalone on http://localhost:8080 with these DAGs"
 	@echo "make install  - .venv with the pinned constraints, and an Airflow home on SQLite under $(PINFLOW_HOME)"
 	@echo "make clean    - delete $(PINFLOW_HOME) (the demo's data, MLflow store and Airflow home)"
@@ -42,6 +42,7 @@ demo: install
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy operators features training plugins dags scripts
 
 test: install lint
 	$(BIN)/python -m pytest

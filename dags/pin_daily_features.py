@@ -11,7 +11,8 @@ from airflow.timetables.interval import CronDataIntervalTimetable
 from operators import config
 from operators.assets import EXAMPLES
 from operators.errors import retry_policy
-from operators.features import FeatureBuildOperator, RawPartitionSensor, ValidatePartitionOperator
+from operators.features import FeatureBuildOperator
+from operators.validation import RawPartitionSensor, ValidatePartitionOperator
 
 DS = "{{ params.ds or ds }}"
 _validation = config.section("validation")

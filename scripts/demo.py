@@ -116,7 +116,7 @@ def run_chain(
 ) -> int:
     import pendulum
 
-    from features.storage import complete_days, read_metadata, write_json_atomic
+    from features.storage import complete_days, read_metadata, read_table, write_json_atomic
 
     dags = load_dags()
     for ds in days:
@@ -163,7 +163,7 @@ def run_chain(
         "model_name": result["model_name"],
         "model_version": result["model_version"],
         "promoted": bool(promotion),
-        "corpus_pins": int(world_summary["pins"]),
+        "corpus_pins": read_table(root, "raw/pins", days[-1], columns=["pin_id"]).num_rows,
         "pins_scored": int(manifest["rows"]),
         "inference_manifest": manifest["manifest"],
         "seconds": round(time.monotonic() - started, 1),

@@ -61,11 +61,12 @@ def test_model_registered_and_evaluated(demo_run):
 @pytest.mark.e2e
 def test_whole_corpus_scored_once(demo_run):
     summary, root = demo_run
-    assert summary["pins_scored"] == summary["corpus_pins"] == 200
+    corpus = pq.read_table(root / "raw/pins/ds=2026-11-04").column("pin_id").to_pylist()
+    assert summary["pins_scored"] == summary["corpus_pins"] == len(corpus) >= 200
     out = root / "inference/pin_ranker" / str(summary["model_version"]) / "ds=2026-11-04"
     manifest = json.loads((out / "_MANIFEST.json").read_text())
     pins = pq.read_table(sorted(out.glob("part-*.parquet"))).column("pin_id").to_pylist()
-    assert len(pins) == len(set(pins)) == manifest["rows"] == 200
+    assert sorted(pins) == sorted(corpus) and manifest["rows"] == len(corpus)
 
 
 @pytest.mark.e2e
