@@ -13,6 +13,8 @@ export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.db
 export AIRFLOW__API__PORT := 8080
+# A laptop: a few task slots, not Airflow's default 32 worker processes.
+export AIRFLOW__CORE__PARALLELISM := 4
 export GX_ANALYTICS_ENABLED := False
 export PATH := $(BIN):$(PATH)
 
@@ -61,5 +63,5 @@ clean:
 # The environment of these targets, for running airflow commands by hand: eval "$$(make -s print-env)"
 print-env:
 	@for v in PINFLOW_HOME AIRFLOW_HOME AIRFLOW__CORE__DAGS_FOLDER AIRFLOW__CORE__PLUGINS_FOLDER \
-	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN GX_ANALYTICS_ENABLED PATH; do \
+	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN AIRFLOW__CORE__PARALLELISM GX_ANALYTICS_ENABLED PATH; do \
 	  echo "export $$v='$${!v}'"; done
