@@ -44,9 +44,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from features import contracts, storage
+from features.history import (
+    HISTORY_CHECKS,
+    PROFILE_FILE,
+    ValidationSettings,
+    history_checks,
+    previous_ids,
+    profile_table,
+    quarantine_records,
+    quarantine_root,
+    trailing_profiles,
+)
 
 if TYPE_CHECKING:
     import great_expectations as gx
@@ -78,12 +90,71 @@ STORAGE_CHECKS: tuple[str, ...] = (
 
 # Columns whose values must be unique in a partition, per dataset.
 _UNIQUE: dict[str, tuple[str, ...]] = {"events": ("event_id",), "pins": ("pin_id",), "users": ("user_id",)}
+# Id columns that must be well formed (positive int64: upstream ids start at 1), per dataset.
+_IDS: dict[str, tuple[str, ...]] = {
+    "events": ("event_id", "impression_id", "user_id", "pin_id"),
+    "pins": ("pin_id", "creator_id"),
+    "users": ("user_id",),
+}
 # Columns whose values must come from a closed set, per dataset.
 _IN_SET: dict[str, dict[str, tuple[str, ...]]] = {
     "events": {"action": contracts.ACTIONS, "surface": contracts.SURFACES},
 }
+# Columns that must match a regular expression, per dataset: column -> (regex, what it is).
+_REGEX: dict[str, dict[str, tuple[str, str]]] = {"users": {"country": (r"^[A-Z]{2}$", "an ISO 3166 alpha-2 code")}}
 # Columns of timestamps that must lie inside the partition's UTC day, per dataset.
 _IN_DAY: dict[str, tuple[str, ...]] = {"events": ("ts",)}
+# Columns of timestamps that must not be after the partition's UTC day (a snapshot of ds knows no later row).
+_NOT_AFTER_DAY: dict[str, tuple[str, ...]] = {"pins": ("created_at",), "users": ("created_at",)}
+
+
+@dataclass(frozen=True)
+class DerivedCheck:
+    """A check on a column computed before the suite runs, for what GX cannot express on the raw columns:
+    references to another dataset, links between rows, nested values.
+
+    ``kind``: ``true`` (every value must be True, or a share ``mostly`` of them) or ``embedding_length``.
+    ``sources``: the columns it is computed from; ``reference``: the raw dataset it looks up, if any.
+    """
+
+    name: str
+    column: str
+    problem: str
+    kind: Literal["true", "embedding_length"]
+    sources: tuple[str, ...]
+    reference: str | None = None
+    referential: bool = False  # True: must hold for at least min_referential_integrity of the rows
+
+
+_DERIVED: dict[str, tuple[DerivedCheck, ...]] = {
+    "events": (
+        DerivedCheck(
+            "pin_id.in_pins_snapshot", "_check_pin_in_snapshot",
+            "a pin_id that is not in that day's raw/pins snapshot", "true", ("pin_id",), "pins", True,
+        ),
+        DerivedCheck(
+            "user_id.in_users_snapshot", "_check_user_in_snapshot",
+            "a user_id that is not in that day's raw/users snapshot", "true", ("user_id",), "users", True,
+        ),
+        DerivedCheck(
+            "engagement.has_impression", "_check_has_impression",
+            "an engagement without an impression of the same user and pin in the partition (or an impression "
+            "whose impression_id is not its own event_id)",
+            "true", ("event_id", "impression_id", "user_id", "pin_id", "action"),
+        ),
+    ),
+    "pins": (
+        DerivedCheck(
+            "embedding.length", "_check_embedding_length",
+            f"an embedding whose length is not {contracts.EMBEDDING_DIM}", "embedding_length", ("embedding",),
+        ),
+        DerivedCheck(
+            "embedding.finite", "_check_embedding_finite",
+            "an embedding with a NaN, infinite or null value", "true", ("embedding",),
+        ),
+    ),
+    "users": (),
+}
 
 _EXAMPLES = 10  # offending values quoted in a check's observed value
 
@@ -97,6 +168,11 @@ class Check:
     observed: Any = None
     expected: Any = None
     details: str = ""
+    required: bool = True  # False: a skipped check does not fail the partition (its input lies elsewhere)
+
+    @property
+    def passed(self) -> bool:
+        return self.success is True or (self.success is None and not self.required)
 
     @property
     def status(self) -> CheckStatus:
@@ -129,10 +205,20 @@ class ValidationReport:
     files: list[str] = field(default_factory=list)
     data_docs: str | None = None
     duration_s: float = 0.0
+    profile: dict[str, Any] | None = None
+    quarantine: str | None = None  # where the failed partition was moved, with a copy of this report
+    quarantine_history: list[str] = field(default_factory=list)  # earlier quarantines of this partition
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def failed_checks(self) -> list[Check]:
         return [c for c in self.checks if c.success is False]
+
+    @property
+    def data_docs_path(self) -> Path:
+        """The page to show for this run: the GX Data Docs index, or this report's own HTML."""
+        out = self.report_path.parent
+        return out / self.data_docs if self.data_docs else out / HTML_FILE
 
     def summary(self) -> dict[str, Any]:
         """A short JSON-serializable dict for XCom."""
@@ -142,7 +228,11 @@ class ValidationReport:
             "success": self.success,
             "rows": self.rows,
             "failed_checks": [c.name for c in self.failed_checks],
+            "top_failures": [f"{c.name}: {_short(c.details or c.observed, 160)}" for c in self.failed_checks[:3]],
             "report_path": str(self.report_path),
+            "data_docs": str(self.data_docs_path),
+            "quarantine": self.quarantine,
+            "warnings": self.warnings,
         }
 
     def failure_message(self, top: int = 5) -> str:
@@ -161,6 +251,8 @@ class ValidationReport:
             lines.append(f"  - ... and {len(failed) - top} more")
         lines.append(f"Report: {self.report_path}")
         where = self.partition or f"{RAW_PREFIX}/{self.dataset}/ds={self.ds}"
+        if self.quarantine:
+            lines.append(f"Quarantined: the partition was moved to {self.quarantine} (with this report)")
         if failed and failed[0].name == "partition.marker":
             fix = f"land the partition {where} (its data files, then its {storage.MARKER} marker)"
         else:
@@ -176,6 +268,7 @@ class ValidationReport:
         payload["checks"] = [c.to_dict() for c in self.checks]
         payload["report_path"] = str(self.report_path)
         payload["failed_checks"] = [c.name for c in self.failed_checks]
+        payload.pop("profile", None)  # profile.json beside the report holds it
         return payload
 
 
@@ -198,12 +291,20 @@ def day_bounds(ds: str | dt.date) -> tuple[dt.datetime, dt.datetime]:
     return start, start + dt.timedelta(days=1)
 
 
-def build_suite(dataset: str, ds: str | dt.date, *, skip_columns: Sequence[str] = ()) -> gx.ExpectationSuite:
+def build_suite(
+    dataset: str,
+    ds: str | dt.date,
+    *,
+    skip_columns: Sequence[str] = (),
+    settings: ValidationSettings | None = None,
+    derived: Sequence[str] | None = None,
+) -> gx.ExpectationSuite:
     """The GX expectation suite of a raw dataset for the partition ``ds``.
 
     Every expectation carries its check name in ``meta["check"]`` and a phrase for its offending rows
     in ``meta["problem"]``. ``skip_columns``: columns to leave out of the column-level expectations
-    (missing, or of the wrong type, so that GX cannot judge them).
+    (missing, or of the wrong type, so that GX cannot judge them). ``derived``: the names of the derived
+    checks whose column the dataframe has (default: all of the dataset's, see ``DerivedCheck``).
     """
     _quiet_gx()
     import great_expectations as gx
@@ -211,13 +312,15 @@ def build_suite(dataset: str, ds: str | dt.date, *, skip_columns: Sequence[str] 
 
     name = dataset_name(dataset)
     schema = contracts.RAW_DATASETS[name]
+    settings = settings or ValidationSettings()
     skip = set(skip_columns)
     suite = gx.ExpectationSuite(name=f"{RAW_PREFIX}.{name}")
 
+    # exact_match=False: derived check columns sit beside the contract's; schema.columns reports extras.
     suite.add_expectation(
         gxe.ExpectTableColumnsToMatchSet(
             column_set=list(schema.names),
-            exact_match=True,
+            exact_match=False,
             meta={"check": "table.columns_match_set"},
         )
     )
@@ -227,6 +330,15 @@ def build_suite(dataset: str, ds: str | dt.date, *, skip_columns: Sequence[str] 
             suite.add_expectation(
                 gxe.ExpectColumnValuesToNotBeNull(
                     column=col, meta={"check": f"{col}.not_null", "problem": f"null {col}"}
+                )
+            )
+    for col in _IDS.get(name, ()):
+        if col not in skip:
+            suite.add_expectation(
+                gxe.ExpectColumnValuesToBeBetween(
+                    column=col,
+                    min_value=1,
+                    meta={"check": f"{col}.well_formed", "problem": f"{col} that is not a positive id"},
                 )
             )
     for col in _UNIQUE.get(name, ()):
@@ -246,6 +358,15 @@ def build_suite(dataset: str, ds: str | dt.date, *, skip_columns: Sequence[str] 
                     meta={"check": f"{col}.in_set", "problem": f"{col} outside {list(allowed)}"},
                 )
             )
+    for col, (regex, what) in _REGEX.get(name, {}).items():
+        if col not in skip:
+            suite.add_expectation(
+                gxe.ExpectColumnValuesToMatchRegex(
+                    column=col,
+                    regex=regex,
+                    meta={"check": f"{col}.well_formed", "problem": f"{col} that is not {what}"},
+                )
+            )
     start, end = day_bounds(ds)
     for col in _IN_DAY.get(name, ()):
         if col not in skip:
@@ -261,6 +382,35 @@ def build_suite(dataset: str, ds: str | dt.date, *, skip_columns: Sequence[str] 
                     },
                 )
             )
+    for col in _NOT_AFTER_DAY.get(name, ()):
+        if col not in skip:
+            suite.add_expectation(
+                gxe.ExpectColumnValuesToBeBetween(
+                    column=col,
+                    max_value=end,
+                    strict_max=True,
+                    meta={
+                        "check": f"{col}.not_after_partition_day",
+                        "problem": f"{col} at or after the end of the partition day {end.isoformat()}",
+                    },
+                )
+            )
+    wanted = None if derived is None else set(derived)
+    for check in _DERIVED[name]:
+        if wanted is not None and check.name not in wanted:
+            continue
+        meta = {"check": check.name, "problem": check.problem}
+        if check.kind == "embedding_length":
+            suite.add_expectation(
+                gxe.ExpectColumnValuesToBeBetween(
+                    column=check.column, min_value=contracts.EMBEDDING_DIM, max_value=contracts.EMBEDDING_DIM, meta=meta
+                )
+            )
+        else:
+            mostly = settings.min_referential_integrity if check.referential else 1.0
+            suite.add_expectation(
+                gxe.ExpectColumnValuesToBeInSet(column=check.column, value_set=[True], mostly=mostly, meta=meta)
+            )
     return suite
 
 
@@ -270,15 +420,19 @@ def suite_check_names(dataset: str) -> list[str]:
     schema = contracts.RAW_DATASETS[name]
     names = ["table.columns_match_set", "table.row_count"]
     names += [f"{c}.not_null" for c in schema.names if not schema.field(c).nullable]
+    names += [f"{c}.well_formed" for c in _IDS.get(name, ())]
     names += [f"{c}.unique" for c in _UNIQUE.get(name, ())]
     names += [f"{c}.in_set" for c in _IN_SET.get(name, {})]
+    names += [f"{c}.well_formed" for c in _REGEX.get(name, {})]
     names += [f"{c}.in_partition_day" for c in _IN_DAY.get(name, ())]
+    names += [f"{c}.not_after_partition_day" for c in _NOT_AFTER_DAY.get(name, ())]
+    names += [c.name for c in _DERIVED[name]]
     return names
 
 
 def check_names(dataset: str) -> list[str]:
     """Every check a report of ``dataset`` lists, in order."""
-    return list(STORAGE_CHECKS) + suite_check_names(dataset)
+    return list(STORAGE_CHECKS) + suite_check_names(dataset) + list(HISTORY_CHECKS[dataset_name(dataset)])
 
 
 # --- validation -------------------------------------------------------------------------------------
@@ -294,16 +448,23 @@ def validate_partition(
     ds: str | dt.date,
     *,
     data_docs: bool = True,
+    settings: ValidationSettings | None = None,
+    quarantine: bool = False,
 ) -> ValidationReport:
-    """Validate the raw partition ``<root>/raw/<dataset>/ds=<ds>`` and write its report.
+    """Validate the raw partition ``<root>/raw/<dataset>/ds=<ds>`` and write its report and profile.
 
     ``dataset``: ``events``, ``pins`` or ``users`` (a ``raw/`` prefix is accepted). ``data_docs``:
-    also render the GX Data Docs site of the run. Raises only for errors of the tool itself (a bad
-    argument, a GX failure); everything wrong with the data is a failed check in the returned report.
+    also render the GX Data Docs site of the run. ``settings``: thresholds (default:
+    ``ValidationSettings()``). ``quarantine``: move a failed, complete partition to
+    ``quarantine/<dataset>/ds=<ds>/<UTC time>/`` with a copy of its report (never deleted; an incomplete
+    partition is left in place, its writer may still be landing it). Raises only for errors of the tool
+    itself (a bad argument, a GX failure); everything wrong with the data is a failed check in the
+    returned report.
     """
     started = time.perf_counter()
     name = dataset_name(dataset)
     day = storage.ds_str(ds)
+    settings = settings or ValidationSettings()
     source = f"{RAW_PREFIX}/{name}"
     part = storage.partition_path(root, source, day)
     contract = contracts.RAW_DATASETS[name]
@@ -339,7 +500,7 @@ def validate_partition(
             bool(files),
             [f.name for f in files],
             ">= 1 *.parquet file",
-            "" if files else f"{part} has a {storage.MARKER} marker but no *.parquet file",
+            "" if files else f"{part} has a {storage.MARKER} marker but no *.parquet file: the partition is empty",
         )
 
     if not checks["partition.marker"].success:
@@ -361,38 +522,177 @@ def validate_partition(
                 skip_reason = f"the files cannot be combined into one table ({err})"
 
     suite_names = suite_check_names(name)
+    history_names = HISTORY_CHECKS[name]
     docs_rel: str | None = None
+    profile: dict[str, Any] | None = None
+    warnings: list[str] = []
     if table is None:
         for check_name in STORAGE_CHECKS:
             checks.setdefault(check_name, Check(check_name, None, details=f"not run: {skip_reason}"))
-        for check_name in suite_names:
+        for check_name in (*suite_names, *history_names):
             checks[check_name] = Check(check_name, None, details=f"not run: {skip_reason}")
         _remove_tree(out_dir / DATA_DOCS_DIR)  # a previous run's docs would contradict this report
     else:
-        gx_checks, docs_rel = _run_suite(name, day, table, bad_columns, out_dir / DATA_DOCS_DIR if data_docs else None)
+        derived, not_run = _derived_columns(root, name, day, table, bad_columns)
+        gx_checks, docs_rel = _run_suite(
+            name, day, table, bad_columns, derived, settings, out_dir / DATA_DOCS_DIR if data_docs else None
+        )
         for check_name in suite_names:
-            checks[check_name] = gx_checks.get(
-                check_name,
-                Check(check_name, None, details="not run: the column is missing or of the wrong type"),
+            checks[check_name] = gx_checks.get(check_name) or not_run.get(check_name) or Check(
+                check_name, None, details="not run: the column is missing or of the wrong type"
             )
         if not data_docs:
             _remove_tree(out_dir / DATA_DOCS_DIR)
+        profile = profile_table(name, table, previous_ids(root, name, day))
+        history = trailing_profiles(storage.local_root(root) / REPORTS_DIR, name, day, settings.history_days)
+        for result in history_checks(name, day, profile, history, settings):
+            checks[result.name] = Check(result.name, result.success, result.observed, result.expected, result.details)
+            if result.details.startswith("warning:") and result.details not in warnings:
+                warnings.append(result.details)
 
     ordered = [checks[n] for n in check_names(name)]
     report = ValidationReport(
         dataset=name,
         ds=day,
-        success=all(c.success is True for c in ordered),
+        success=all(c.passed for c in ordered),
         checks=ordered,
         report_path=out_dir / RESULT_FILE,
         rows=None if table is None else table.num_rows,
         partition=str(part),
         files=[f.name for f in files],
         data_docs=docs_rel,
-        duration_s=round(time.perf_counter() - started, 3),
+        profile=profile,
+        quarantine_history=[str(p) for p in quarantine_records(root, name, day)],
+        warnings=warnings,
     )
+    # Only a complete partition is moved: an incomplete one may still be landing.
+    move = quarantine and not report.success and checks["partition.marker"].success is True
+    target = quarantine_root(root, name, day) / _timestamp() if move else None
+    if target is not None:
+        target.mkdir(parents=True)
+        part.rename(target / "data")
+        report.quarantine = str(target)
+    report.duration_s = round(time.perf_counter() - started, 3)
     _write_report(report)
+    if target is not None:
+        shutil.copytree(out_dir, target / "report")
+        storage.write_json_atomic(
+            target / "QUARANTINE.json",
+            {
+                "dataset": f"{RAW_PREFIX}/{name}",
+                "ds": day,
+                "quarantined_at": dt.datetime.now(dt.UTC).isoformat(),
+                "source": str(part),
+                "failed_checks": [c.name for c in report.failed_checks],
+                "message": report.failure_message(),
+                "report": str(target / "report" / RESULT_FILE),
+                "restore": f"fix the data, land it again at {part} (data files, then {storage.MARKER}) and clear "
+                "the validation task; this record stays",
+            },
+        )
+        log.warning("quarantined %s to %s", part, target)
     return report
+
+
+def _timestamp() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+
+
+def _derived_columns(
+    root: str | os.PathLike[str], dataset: str, ds: str, table: pa.Table, bad_columns: set[str]
+) -> tuple[dict[str, pa.Array], dict[str, Check]]:
+    """The columns of the dataset's ``DerivedCheck``s, and the checks that cannot run (with why)."""
+    columns: dict[str, pa.Array] = {}
+    not_run: dict[str, Check] = {}
+    for check in _DERIVED[dataset]:
+        unusable = [c for c in check.sources if c not in table.column_names or (c in bad_columns and c != "embedding")]
+        if unusable:
+            not_run[check.name] = Check(check.name, None, details=f"not run: column {unusable} missing or mistyped")
+            continue
+        if check.reference is not None:
+            ids, why = _reference_ids(root, check.reference, ds, check.sources[0])
+            if ids is None:
+                # The reference partition is validated by its own task; this partition is not to blame.
+                not_run[check.name] = Check(
+                    check.name, None, details=f"not run: {why}; validate_{check.reference} reports it", required=False
+                )
+                continue
+            values = pc.is_in(table.column(check.sources[0]), value_set=ids)
+            columns[check.column] = pc.if_else(pc.is_null(table.column(check.sources[0])), None, values)
+        elif check.name == "engagement.has_impression":
+            columns[check.column] = _has_impression(table)
+        elif check.kind == "embedding_length":
+            try:
+                columns[check.column] = pc.list_value_length(table.column("embedding"))
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+                not_run[check.name] = Check(check.name, None, details="not run: embedding is not a list column")
+        else:
+            finite = _embedding_finite(table.column("embedding"))
+            if finite is None:
+                not_run[check.name] = Check(check.name, None, details="not run: embedding is not a list of floats")
+            else:
+                columns[check.column] = finite
+    return columns, not_run
+
+
+def _reference_ids(
+    root: str | os.PathLike[str], dataset: str, ds: str, column: str
+) -> tuple[pa.Array | None, str]:
+    """The distinct ``column`` values of ``raw/<dataset>/ds=<ds>``, or None and why they are unavailable."""
+    where = f"{RAW_PREFIX}/{dataset} ds={ds}"
+    if not storage.is_complete(root, f"{RAW_PREFIX}/{dataset}", ds):
+        return None, f"{where} is missing or incomplete"
+    try:
+        files = storage.data_files(root, f"{RAW_PREFIX}/{dataset}", ds)
+        table = pa.concat_tables([pq.read_table(f, columns=[column]) for f in files])
+        ids = pc.unique(table.column(column).cast(pa.int64()))
+    except Exception as err:  # noqa: BLE001 - any unreadable reference makes the check not runnable
+        return None, f"{where} is unreadable ({type(err).__name__}: {_short(str(err), 120)})"
+    if not files:
+        return None, f"{where} has no Parquet file"
+    return ids, ""
+
+
+def _has_impression(table: pa.Table) -> pa.Array:
+    """Per row: an impression references itself; an engagement an impression of its user and pin."""
+    import numpy as np
+
+    def ints(col: str) -> np.ndarray:
+        return table.column(col).fill_null(-1).to_numpy()
+
+    event, impression, user, pin = ints("event_id"), ints("impression_id"), ints("user_id"), ints("pin_id")
+    is_imp = table.column("action").fill_null("").to_numpy(zero_copy_only=False) == "impression"
+    imp_rows = np.flatnonzero(is_imp)
+    order = np.argsort(event[imp_rows], kind="stable")
+    keys = event[imp_rows][order]
+    linked = np.zeros(len(event), dtype=bool)
+    if len(keys):
+        pos = np.minimum(np.searchsorted(keys, impression), len(keys) - 1)
+        match = imp_rows[order[pos]]
+        linked = (keys[pos] == impression) & (user[match] == user) & (pin[match] == pin)
+    linked[is_imp] = impression[is_imp] == event[is_imp]
+    # A row with a null key is left to the not_null checks rather than reported twice.
+    nulls = np.zeros(len(event), dtype=bool)
+    for col in ("event_id", "impression_id", "user_id", "pin_id", "action"):
+        nulls |= table.column(col).is_null().to_numpy(zero_copy_only=False)
+    return pa.array(linked, mask=nulls)
+
+
+def _embedding_finite(column: pa.ChunkedArray) -> pa.Array | None:
+    """Per row: every value of the embedding is finite (null rows stay null: not_null reports them)."""
+    import numpy as np
+
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type)):
+        return None
+    if not pa.types.is_floating(arr.type.value_type):
+        return None
+    flat = pc.list_flatten(arr)
+    parents = pc.list_parent_indices(arr).to_numpy()
+    bad = ~pc.fill_null(pc.is_finite(flat), False).to_numpy(zero_copy_only=False)
+    ok = np.ones(len(arr), dtype=bool)
+    ok[np.unique(parents[bad])] = False
+    return pa.array(ok, mask=arr.is_null().to_numpy(zero_copy_only=False))
 
 
 def _read_files(files: list[Path]) -> tuple[list[pa.Table], Check]:
@@ -458,7 +758,13 @@ def _files_of(by_column: dict[str, list[str]]) -> str:
 
 
 def _run_suite(
-    dataset: str, ds: str, table: pa.Table, skip_columns: set[str], docs_dir: Path | None
+    dataset: str,
+    ds: str,
+    table: pa.Table,
+    skip_columns: set[str],
+    derived: dict[str, pa.Array],
+    settings: ValidationSettings,
+    docs_dir: Path | None,
 ) -> tuple[dict[str, Check], str | None]:
     """Run the GX suite on ``table``; return its checks by name and the Data Docs path (relative)."""
     _quiet_gx()
@@ -472,10 +778,21 @@ def _run_suite(
         .add_dataframe_asset(f"{RAW_PREFIX}_{dataset}")
         .add_batch_definition_whole_dataframe("partition")
     )
-    suite = context.suites.add(build_suite(dataset, ds, skip_columns=sorted(skip_columns)))
+    by_column = {c.column: c.name for c in _DERIVED[dataset]}
+    suite = context.suites.add(
+        build_suite(
+            dataset,
+            ds,
+            skip_columns=sorted(skip_columns),
+            settings=settings,
+            derived=[by_column[col] for col in derived],
+        )
+    )
     validation = context.validation_definitions.add(
         gx.ValidationDefinition(name=f"{RAW_PREFIX}_{dataset}_ds={ds}", data=batch_definition, suite=suite)
     )
+    for column, values in derived.items():
+        table = table.append_column(column, values)
     frame: pd.DataFrame = table.to_pandas()
     result = validation.run(batch_parameters={"dataframe": frame}, result_format="SUMMARY")
 
@@ -593,13 +910,19 @@ def _quiet_gx() -> None:
 
 
 def _write_report(report: ValidationReport) -> None:
-    """HTML first, then ``result.json`` atomically: the JSON is the report's completion marker."""
+    """HTML and ``profile.json`` first, then ``result.json`` atomically: the JSON is the report's completion
+    marker (history reads a profile only beside a passing result)."""
     out_dir = report.report_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     html_path = out_dir / HTML_FILE
     tmp = html_path.with_name(f".{html_path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(_render_html(report), encoding="utf-8")
     tmp.replace(html_path)
+    profile_path = out_dir / PROFILE_FILE
+    if report.profile is not None:
+        storage.write_json_atomic(profile_path, {"dataset": report.dataset, "ds": report.ds, **report.profile})
+    else:
+        profile_path.unlink(missing_ok=True)  # a previous run's profile would describe other data
     payload = report.to_dict()
     payload["great_expectations_version"] = _gx_version()
     payload["validated_at"] = dt.datetime.now(dt.UTC).isoformat()

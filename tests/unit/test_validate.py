@@ -22,17 +22,18 @@ N = 12
 
 
 def events_table(n: int = N, schema: pa.Schema = contracts.EVENTS, **overrides: list) -> pa.Table:
-    """``n`` valid events of DS, the first and last microsecond of the day included."""
+    """``n`` valid events of DS, the first and last microsecond of the day included: every third row is an
+    impression, the two after it are engagements of the same user and pin that reference it."""
     ts = [START + dt.timedelta(hours=i) for i in range(n)]
     if n:
         ts[-1] = START + dt.timedelta(days=1, microseconds=-1)
     columns = {
-        "event_id": list(range(n)),
-        "impression_id": list(range(n)),
-        "user_id": [i % 4 for i in range(n)],
-        "pin_id": [100 + i % 5 for i in range(n)],
-        "action": [contracts.ACTIONS[i % len(contracts.ACTIONS)] for i in range(n)],
-        "surface": [contracts.SURFACES[i % len(contracts.SURFACES)] for i in range(n)],
+        "event_id": [i + 1 for i in range(n)],
+        "impression_id": [i - i % 3 + 1 for i in range(n)],
+        "user_id": [1 + (i // 3) % 4 for i in range(n)],
+        "pin_id": [100 + (i // 3) % 5 for i in range(n)],
+        "action": ["impression" if i % 3 == 0 else contracts.ENGAGEMENTS[i % 4] for i in range(n)],
+        "surface": [contracts.SURFACES[(i // 3) % len(contracts.SURFACES)] for i in range(n)],
         "ts": ts,
     }
     columns.update(overrides)
@@ -42,10 +43,10 @@ def events_table(n: int = N, schema: pa.Schema = contracts.EVENTS, **overrides: 
 def pins_table(n: int = N) -> pa.Table:
     return pa.table(
         {
-            "pin_id": list(range(n)),
+            "pin_id": [100 + i for i in range(n)],
             "embedding": [[float(i)] * contracts.EMBEDDING_DIM for i in range(n)],
             "category": [i % 3 for i in range(n)],
-            "creator_id": [i % 2 for i in range(n)],
+            "creator_id": [1 + i % 2 for i in range(n)],
             "created_at": [START - dt.timedelta(days=i) for i in range(n)],
         },
         schema=contracts.PINS,
@@ -55,7 +56,7 @@ def pins_table(n: int = N) -> pa.Table:
 def users_table(n: int = N) -> pa.Table:
     return pa.table(
         {
-            "user_id": list(range(n)),
+            "user_id": [1 + i for i in range(n)],
             "country": ["US" if i % 2 else "FR" for i in range(n)],
             "created_at": [START - dt.timedelta(days=i) for i in range(n)],
         },
@@ -84,9 +85,16 @@ def check(report: validate.ValidationReport, name: str) -> validate.Check:
     return next(c for c in report.checks if c.name == name)
 
 
+def write_day(root: Path) -> None:
+    """A good day of all three datasets: the events reference the pins and users."""
+    write(root, "events", events_table())
+    write(root, "pins", pins_table())
+    write(root, "users", users_table())
+
+
 @pytest.fixture
 def good_events(tmp_path: Path) -> Path:
-    write(tmp_path, "events", events_table())
+    write_day(tmp_path)
     return tmp_path
 
 
@@ -95,7 +103,7 @@ def good_events(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(("dataset", "make"), [("events", events_table), ("pins", pins_table), ("users", users_table)])
 def test_good_partition_passes_every_check(tmp_path: Path, dataset: str, make) -> None:
-    write(tmp_path, dataset, make())
+    write_day(tmp_path)
 
     report = validate.validate_partition(tmp_path, dataset, DS, data_docs=dataset == "events")
 
@@ -104,14 +112,18 @@ def test_good_partition_passes_every_check(tmp_path: Path, dataset: str, make) -
     assert [c.name for c in report.checks] == validate.check_names(dataset)
     assert report.rows == N
     assert report.report_path == tmp_path / "reports/validation" / dataset / f"ds={DS}" / "result.json"
-    assert report.summary() == {
+    summary = report.summary()
+    assert {k: summary[k] for k in ("dataset", "ds", "success", "rows", "failed_checks", "quarantine")} == {
         "dataset": dataset,
         "ds": DS,
         "success": True,
         "rows": N,
         "failed_checks": [],
-        "report_path": str(report.report_path),
+        "quarantine": None,
     }
+    assert summary["report_path"] == str(report.report_path)
+    assert summary["warnings"] and "min_history_days" in summary["warnings"][0]  # the first day: no history
+    assert (report.report_path.parent / "profile.json").exists()
     assert report.failure_message() == ""
 
 
@@ -173,7 +185,7 @@ def test_wrong_type_of_a_column(tmp_path: Path) -> None:
     schema = contracts.EVENTS.set(
         contracts.EVENTS.get_field_index("user_id"), pa.field("user_id", pa.string(), nullable=False)
     )
-    write(tmp_path, "events", events_table(schema=schema, user_id=[str(i) for i in range(N)]))
+    write(tmp_path, "events", events_table(schema=schema, user_id=[str(u) for u in events_table()["user_id"].to_pylist()]))
 
     report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
 
@@ -186,8 +198,8 @@ def test_wrong_type_of_a_column(tmp_path: Path) -> None:
 
 
 def test_null_user_id(tmp_path: Path) -> None:
-    user_ids: list[int | None] = list(range(N))
-    user_ids[3] = None
+    user_ids: list[int | None] = events_table()["user_id"].to_pylist()
+    user_ids[4] = None  # an engagement
     write(tmp_path, "events", events_table(schema=nullable(contracts.EVENTS), user_id=user_ids))
 
     report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
@@ -197,8 +209,8 @@ def test_null_user_id(tmp_path: Path) -> None:
 
 
 def test_unknown_action(tmp_path: Path) -> None:
-    actions = [contracts.ACTIONS[0]] * N
-    actions[5] = "like"
+    actions = events_table()["action"].to_pylist()
+    actions[5] = "like"  # an engagement
     write(tmp_path, "events", events_table(action=actions))
 
     report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
@@ -220,14 +232,14 @@ def test_ts_from_another_day(tmp_path: Path) -> None:
 
 
 def test_duplicated_event_id(tmp_path: Path) -> None:
-    ids = list(range(N))
-    ids[7] = ids[6]
+    ids = [i + 1 for i in range(N)]
+    ids[8] = ids[7]  # two engagements share an id
     write(tmp_path, "events", events_table(event_id=ids))
 
     report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
 
     assert failed(report) == ["event_id.unique"]
-    assert 6 in check(report, "event_id.unique").observed["examples"]
+    assert 8 in check(report, "event_id.unique").observed["examples"]
 
 
 def test_duplicated_pin_id(tmp_path: Path) -> None:
@@ -289,7 +301,7 @@ def test_empty_partition_without_rows(tmp_path: Path) -> None:
 
 def test_failure_message_names_partition_checks_and_fix(tmp_path: Path) -> None:
     ids = [1] * N
-    write(tmp_path, "events", events_table(event_id=ids, action=["like"] * N))
+    write(tmp_path, "events", events_table(event_id=ids, impression_id=ids, action=["like"] * N))
 
     report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
 
@@ -299,7 +311,7 @@ def test_failure_message_names_partition_checks_and_fix(tmp_path: Path) -> None:
     assert f"{N} of {N} rows" in message
     assert str(report.report_path) in message
     assert "replace the partition" in message and "clear this task" in message
-    assert report.summary()["failed_checks"] == ["event_id.unique", "action.in_set"]
+    assert report.summary()["failed_checks"] == ["event_id.unique", "action.in_set", "engagement.has_impression"]
     json.dumps(report.summary())
 
 
