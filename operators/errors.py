@@ -47,8 +47,11 @@ ERROR_FOR_CLASS: dict[FailureClass, type[PinflowTaskError]] = {
 }
 
 
-def retry_policy(infra_delay: timedelta = timedelta(seconds=30)) -> ExceptionRetryPolicy:
-    """Retry INFRA with the task's backoff; fail USER, DATA and OOM now. Other errors: Airflow's default."""
+def retry_policy(infra_delay: timedelta | None = None) -> ExceptionRetryPolicy:
+    """Retry INFRA; fail USER, DATA and OOM now. Other errors: Airflow's default.
+
+    ``infra_delay`` None: the task's own ``retry_delay`` and ``retry_exponential_backoff`` apply.
+    """
     return ExceptionRetryPolicy(
         rules=[
             RetryRule(InfraFailure, RetryAction.RETRY, retry_delay=infra_delay, reason="infrastructure failure: retry and resume"),

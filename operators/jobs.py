@@ -25,33 +25,103 @@ def job_name(*parts: str, max_len: int = 63) -> str:
     return f"{slug[: max_len - len(digest) - 1].strip('-')}-{digest}"
 
 
-def read_heartbeats(output_dir: Path) -> list[dict[str, Any]]:
+def read_heartbeats(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank's latest heartbeat in ``output_dir`` (a local folder or an fsspec URL such as s3://...)."""
+    out = str(output_dir)
+    if "://" not in out or out.startswith("file://"):
+        beats = []
+        for path in sorted(Path(out.removeprefix("file://")).glob("heartbeat-rank*.json")):
+            try:
+                beats.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                continue  # being replaced right now: next poll reads it
+        return beats
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out)
     beats = []
-    for path in sorted(output_dir.glob("heartbeat-rank*.json")):
+    for path in sorted(fs.glob(f"{root.rstrip('/')}/heartbeat-rank*.json")):
         try:
-            beats.append(json.loads(path.read_text()))
+            beats.append(json.loads(fs.cat_file(path)))
         except (OSError, json.JSONDecodeError):
-            continue  # being replaced right now: next poll reads it
+            continue
     return beats
+
+
+class HeartbeatWatch:
+    """Progress from the ranks' heartbeats; a stall is no change for ``stall_seconds``.
+
+    The ``progress`` counters also move during the final evaluation and checkpointing, so a long
+    evaluation is not a stall. The clock starts when the watch is made (a job that never writes a
+    heartbeat stalls too).
+    """
+
+    def __init__(self, stall_seconds: float, clock: Any = time.monotonic) -> None:
+        self.stall_seconds = stall_seconds
+        self.clock = clock
+        self.last_progress = clock()
+        self.last_steps: tuple[int, ...] = ()
+
+    def observe(self, beats: list[dict[str, Any]]) -> bool:
+        """Record the heartbeats; True if the job has stalled."""
+        steps = tuple(int(b.get("progress", b.get("step", 0))) for b in beats)
+        if steps != self.last_steps:
+            self.last_steps, self.last_progress = steps, self.clock()
+        return self.clock() - self.last_progress > self.stall_seconds
+
+    def stall_message(self, what: str, job_id: str) -> str:
+        return (
+            f"{what} {job_id} made no progress for {self.stall_seconds:.0f}s (heartbeat steps "
+            f"{list(self.last_steps)}); cancelled it — retrying from the last checkpoint"
+        )
+
+
+def describe_beats(beats: list[dict[str, Any]]) -> str:
+    b = beats[0]
+    return (
+        f"step {b.get('step')} epoch {b.get('epoch')} loss {float(b.get('loss', float('nan'))):.4f}, "
+        f"{float(b.get('examples_per_s', 0.0)):.0f} examples/s per rank ({len(beats)} ranks reporting)"
+    )
+
+
+ADVICE = {
+    FailureClass.INFRA: "retrying from the last checkpoint",
+    FailureClass.USER: "fix the model code or the run's params, then clear the task",
+    FailureClass.DATA: "fix or rebuild the input partitions, then clear the task",
+    FailureClass.OOM: "lower batch_size or give each node more memory",
+}
+
+
+def raise_for_status(backend: Backend, status: JobStatus, *, what: str = "job") -> JobStatus:
+    """Return a succeeded status; raise the failure class's typed error for a failed one."""
+    if status.state is JobState.SUCCEEDED:
+        return status
+    if not status.state.terminal:
+        raise InfraFailure(f"{what} {status.job_id} is still {status.state.value}: expected it to have ended")
+    klass = status.failure_class or FailureClass.USER
+    try:
+        tail = backend.logs(status.job_id, tail=30)
+    except Exception as err:  # noqa: BLE001 - the logs are a courtesy; the classification is what matters
+        tail = f"(logs unavailable: {err})"
+    raise ERROR_FOR_CLASS[klass](
+        f"{what} {status.job_id} failed ({klass.value}): {status.reason} — {ADVICE[klass]}\nlast log lines:\n{tail}"
+    )
 
 
 def wait_for_job(
     backend: Backend,
     job_id: str,
     *,
-    output_dir: Path | None = None,
+    output_dir: str | Path | None = None,
     poll_seconds: float = 5.0,
     stall_seconds: float = 300.0,
     what: str = "job",
 ) -> JobStatus:
     """Poll until the job ends; raise the failure class's error, or InfraFailure after a stall.
 
-    A stall is no heartbeat progress (the ranks' ``progress`` counters, which also move during the final
-    evaluation, stand still) for ``stall_seconds`` while the job runs; the job is cancelled first so a
-    retry does not race it.
+    A stall (see :class:`HeartbeatWatch`) cancels the job first, so a retry does not race it.
     """
-    last_progress = time.monotonic()
-    last_steps: tuple[int, ...] = ()
+    watch = HeartbeatWatch(stall_seconds)
     last_log = 0.0
     while True:
         status = backend.status(job_id)
@@ -59,35 +129,11 @@ def wait_for_job(
             break
         if output_dir is not None:
             beats = read_heartbeats(output_dir)
-            steps = tuple(int(b.get("progress", b.get("step", 0))) for b in beats)
-            if steps != last_steps:
-                last_steps, last_progress = steps, time.monotonic()
             if beats and time.monotonic() - last_log > 30:
                 last_log = time.monotonic()
-                b = beats[0]
-                log.info(
-                    "%s %s: step %s epoch %s loss %.4f, %.0f examples/s per rank (%d ranks reporting)",
-                    what, job_id, b.get("step"), b.get("epoch"), float(b.get("loss", float("nan"))),
-                    float(b.get("examples_per_s", 0.0)), len(beats),
-                )
-        if time.monotonic() - last_progress > stall_seconds:
-            backend.cancel(job_id)
-            raise InfraFailure(
-                f"{what} {job_id} made no progress for {stall_seconds:.0f}s (heartbeat steps {list(last_steps)}); "
-                "cancelled it — retrying from the last checkpoint"
-            )
+                log.info("%s %s: %s", what, job_id, describe_beats(beats))
+            if watch.observe(beats):
+                backend.cancel(job_id)
+                raise InfraFailure(watch.stall_message(what, job_id))
         time.sleep(poll_seconds)
-
-    if status.state is JobState.SUCCEEDED:
-        return status
-    klass = status.failure_class or FailureClass.USER
-    tail = backend.logs(job_id, tail=30)
-    advice = {
-        FailureClass.INFRA: "retrying from the last checkpoint",
-        FailureClass.USER: "fix the model code or the run's params, then clear the task",
-        FailureClass.DATA: "fix or rebuild the input partitions, then clear the task",
-        FailureClass.OOM: "lower batch_size or give each node more memory",
-    }[klass]
-    raise ERROR_FOR_CLASS[klass](
-        f"{what} {job_id} failed ({klass.value}): {status.reason} — {advice}\nlast log lines:\n{tail}"
-    )
+    return raise_for_status(backend, status, what=what)

@@ -7,7 +7,8 @@ platform sets, runs ``torchrun`` for this node, and exits with the code of the f
 - local: ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint`` given by the local backend;
 - AWS Batch multi-node: ``AWS_BATCH_JOB_NUM_NODES``, ``AWS_BATCH_JOB_NODE_INDEX`` and
   ``AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS`` (the main node's own address is not set on it);
-- Kubeflow PyTorchJob: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` (nodes) and ``RANK`` (node rank).
+- Kubeflow PyTorchJob: ``MASTER_ADDR``, ``MASTER_PORT``, and ``PET_NNODES`` / ``PET_NODE_RANK`` (set with
+  ``nprocPerNode``) or else ``WORLD_SIZE`` (nodes) and ``RANK`` (node rank).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ def rendezvous_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
             "node_rank": index,
             "endpoint": f"{main}:{env.get('PINFLOW_RDZV_PORT', DEFAULT_PORT)}",
         }
-    if "MASTER_ADDR" in env and "WORLD_SIZE" in env:
+    if "MASTER_ADDR" in env and ("PET_NNODES" in env or "WORLD_SIZE" in env):
+        # With nprocPerNode set, the training operator sets PET_NNODES / PET_NODE_RANK (torchrun's view) and
+        # WORLD_SIZE = nodes x processes; without it, WORLD_SIZE and RANK count nodes.
         return {
-            "nnodes": env["WORLD_SIZE"],
-            "node_rank": env.get("RANK", "0"),
+            "nnodes": env.get("PET_NNODES") or env["WORLD_SIZE"],
+            "node_rank": env.get("PET_NODE_RANK") or env.get("RANK", "0"),
             "endpoint": f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', DEFAULT_PORT)}",
         }
     return None

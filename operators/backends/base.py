@@ -10,6 +10,11 @@ from typing import Any, Protocol
 from training.failures import FailureClass
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# A container image reference: [registry[:port]/]path[:tag][@sha256:digest].
+_IMAGE_RE = re.compile(
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$"
+)
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,37 @@ class JobSpec:
             problems.append("a job that is not distributed runs exactly one process: set distributed=True")
         if self.gpus_per_node < 0:
             problems.append(f"gpus_per_node={self.gpus_per_node} is negative")
+        if self.gpus_per_node and self.procs_per_node > self.gpus_per_node:
+            problems.append(
+                f"procs_per_node={self.procs_per_node} > gpus_per_node={self.gpus_per_node}: run one process per GPU "
+                "(training.procs_per_node)"
+            )
+        if not _IMAGE_RE.match(self.image):
+            problems.append(f"image {self.image!r} is not a container image reference (training.image)")
         if self.timeout_s <= 0:
             problems.append(f"timeout_s={self.timeout_s} must be positive")
         if problems:
             raise ValueError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
+
+
+def validate_for(
+    spec: JobSpec, teams: dict[str, Any], *, max_gpus_per_node: int | None = None, backend: str = ""
+) -> None:
+    """``spec.validate()`` plus the checks against platform config: the team exists, the GPUs fit a node."""
+    spec.validate()
+    problems = []
+    if spec.team not in teams:
+        problems.append(
+            f"team {spec.team!r} is not under teams: in config/platform.yaml (known: {', '.join(sorted(teams))}); "
+            "set the operator's team or add the team there"
+        )
+    if max_gpus_per_node is not None and spec.gpus_per_node > max_gpus_per_node:
+        problems.append(
+            f"gpus_per_node={spec.gpus_per_node}, but a {backend} node has at most {max_gpus_per_node} "
+            f"({backend}.max_gpus_per_node in config/platform.yaml)"
+        )
+    if problems:
+        raise ValueError(f"job spec {spec.name!r} cannot run on {backend or 'this backend'}: " + "; ".join(problems))
 
 
 class JobState(enum.StrEnum):
@@ -93,3 +125,9 @@ class Backend(Protocol):
     def logs(self, job_id: str, tail: int = 50) -> str: ...
 
     def cancel(self, job_id: str) -> None: ...
+
+    def ping(self) -> None:
+        """A cheap call that raises if the backend does not answer (preflight)."""
+
+    def console_url(self, job_id: str) -> str:
+        """Where a person looks at the job: the AWS console, the Kubernetes dashboard, the job folder."""

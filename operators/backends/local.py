@@ -36,7 +36,7 @@ class LocalBackend:
         return self.jobs_dir / job_id
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
-        spec.validate()
+        spec.validate()  # the team is checked by the operator; the local machine serves every team
         job_dir = self.job_dir(spec.name)
         if spec.distributed:
             # A fixed port per job name keeps the dry run pure; collisions across jobs are unlikely.
@@ -131,6 +131,12 @@ class LocalBackend:
             lines = path.read_text(errors="replace").splitlines()[-tail:] if path.exists() else []
             parts.append(f"--- node {rank} ({path}) ---\n" + "\n".join(lines))
         return "\n".join(parts)
+
+    def ping(self) -> None:
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+
+    def console_url(self, job_id: str) -> str:
+        return self.job_dir(job_id).as_uri()
 
     def cancel(self, job_id: str) -> None:
         request = self._request(job_id)

@@ -45,7 +45,7 @@ def test_every_dag_is_documented_tagged_and_retried(dagbag):
 @pytest.mark.unit
 def test_backend_param_is_an_enum(dagbag):
     param = dagbag.dags["pin_ranker_training"].params.get_param("backend")
-    assert param.schema["enum"] == ["local"]
+    assert param.schema["enum"] == ["local", "batch", "kubernetes"]
     assert param.value == "local"
 
 

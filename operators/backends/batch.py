@@ -1,0 +1,312 @@
+"""AWS Batch multi-node parallel jobs through the Amazon provider's hooks.
+
+The request is built by a pure function (:meth:`BatchBackend.dry_run`): a job definition whose name carries
+a digest of its content (registered once, reused by every job with the same image and resources) and a
+``submit_job`` call with ``nodeOverrides`` (command, environment), the team's fair-share
+``shareIdentifier`` and priority, a timeout and tags. Every node runs ``python -m training.launch``,
+which reads the node index, node count and main-node address that Batch sets.
+
+NCCL over EFA needs, in the container properties: a large ``/dev/shm`` (``sharedMemorySize``), unlimited
+locked memory (``memlock`` ulimit) and the EFA devices (``/dev/infiniband/uverbsN``) passed through.
+Host and Spot loss are retried by Batch itself (``retryStrategy.evaluateOnExit``); the job resumes from
+its last checkpoint. Every other failure ends the job, and :func:`classify_job` turns the job and node
+descriptions into a failure class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, TypedDict
+
+from operators.backends.base import JobSpec, JobState, JobStatus, validate_for
+from training.failures import FailureClass, classify_exit_code
+
+PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING")
+ACTIVE_STATES = (*PENDING_STATES, "RUNNING")
+CANCEL_REASON = "Terminated by pinflow"
+# Batch's statusReason when the instance under a node went away (Spot reclaim, host failure).
+HOST_LOST = ("Host EC2", "Spot", "instance terminated", "CannotInspectContainerError", "DockerTimeoutError")
+RETRY_ON_EXIT = [
+    # Batch retries these itself (a new attempt resumes from the last checkpoint) ...
+    {"onStatusReason": "Host EC2*", "action": "RETRY"},
+    {"onReason": "CannotInspectContainerError:*", "action": "RETRY"},
+    {"onReason": "DockerTimeoutError:*", "action": "RETRY"},
+    # ... and leaves everything else to the task's retry policy, which knows the failure class.
+    {"onReason": "*", "action": "EXIT"},
+]
+
+
+class BatchOptions(TypedDict, total=False):
+    """The ``batch:`` section of config/platform.yaml."""
+
+    aws_conn_id: str  # Airflow connection of the AWS account (default: aws_default)
+    region_name: str | None
+    job_role_arn: str | None  # IAM role of the containers (S3 access)
+    log_group: str  # CloudWatch log group of the awslogs driver
+    efa_devices: int  # EFA interfaces per node passed through as /dev/infiniband/uverbsN (0 = none)
+    shm_size_mb: int  # /dev/shm per node; NCCL and DataLoader workers need more than Docker's 64 MB
+    rdzv_port: int  # c10d rendezvous port on the main node
+    max_gpus_per_node: int  # the biggest instance in the compute environment
+    attempts: int  # Batch-level attempts (host and Spot loss only)
+
+
+DEFAULTS: BatchOptions = {
+    "aws_conn_id": "aws_default",
+    "region_name": None,
+    "job_role_arn": None,
+    "log_group": "/aws/batch/job",
+    "efa_devices": 0,
+    "shm_size_mb": 16384,
+    "rdzv_port": 29400,
+    "max_gpus_per_node": 8,
+    "attempts": 3,
+}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class BatchBackend:
+    name = "batch"
+
+    def __init__(self, options: BatchOptions | None = None, teams: dict[str, dict[str, Any]] | None = None) -> None:
+        self.options: BatchOptions = {**DEFAULTS, **(options or {})}  # type: ignore[typeddict-item]
+        self.teams = teams or {}
+        self._hook: Any = None
+        self._logs_hook: Any = None
+
+    # -- the request: pure ---------------------------------------------------------------------------------
+    def job_queue(self, team: str) -> str:
+        return str(self.teams[team].get("queue", team))
+
+    def _container(self, spec: JobSpec) -> dict[str, Any]:
+        opts = self.options
+        resources = [
+            {"type": "VCPU", "value": str(spec.cpus_per_node)},
+            {"type": "MEMORY", "value": str(spec.memory_gb_per_node * 1024)},
+        ]
+        if spec.gpus_per_node:
+            resources.append({"type": "GPU", "value": str(spec.gpus_per_node)})
+        linux: dict[str, Any] = {"sharedMemorySize": int(opts["shm_size_mb"])}
+        if opts["efa_devices"]:
+            linux["devices"] = [
+                {"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",
+                 "permissions": ["READ", "WRITE", "MKNOD"]}
+                for i in range(int(opts["efa_devices"]))
+            ]
+        container: dict[str, Any] = {
+            "image": spec.image,
+            "command": ["python", "-m", "training.launch", "--help"],  # overridden per job
+            "resourceRequirements": resources,
+            "linuxParameters": linux,
+            # NCCL pins its buffers (memlock) and opens many sockets and files per rank.
+            "ulimits": [
+                {"name": "memlock", "softLimit": -1, "hardLimit": -1},
+                {"name": "nofile", "softLimit": 65536, "hardLimit": 65536},
+                {"name": "stack", "softLimit": 67108864, "hardLimit": 67108864},
+            ],
+            "logConfiguration": {"logDriver": "awslogs", "options": {"awslogs-group": opts["log_group"]}},
+        }
+        if opts.get("job_role_arn"):
+            container["jobRoleArn"] = opts["job_role_arn"]
+        return container
+
+    def job_definition(self, spec: JobSpec) -> dict[str, Any]:
+        """The ``register_job_definition`` arguments; the name ends in a digest of the content."""
+        container = self._container(spec)
+        body: dict[str, Any] = {
+            "platformCapabilities": ["EC2"],
+            "retryStrategy": {"attempts": int(self.options["attempts"]), "evaluateOnExit": RETRY_ON_EXIT},
+            "propagateTags": True,
+        }
+        if spec.distributed:
+            body["type"] = "multinode"
+            body["nodeProperties"] = {
+                "numNodes": spec.nodes,
+                "mainNode": 0,
+                "nodeRangeProperties": [{"targetNodes": "0:", "container": container}],
+            }
+        else:
+            body["type"] = "container"
+            body["containerProperties"] = container
+        return {"jobDefinitionName": f"pinflow-{spec.team}-{_digest(body)}", **body}
+
+    def _command(self, spec: JobSpec) -> list[str]:
+        if not spec.distributed:
+            return ["python", *spec.command]
+        return ["python", "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}",
+                f"--rdzv-id={spec.name}", "--", *spec.command]
+
+    def _environment(self, spec: JobSpec) -> list[dict[str, str]]:
+        env = {"PYTHONUNBUFFERED": "1", "PINFLOW_RDZV_PORT": str(self.options["rdzv_port"]), **spec.env}
+        if self.options["efa_devices"]:
+            env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", **env}
+        if spec.checkpoint_dir:
+            env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
+        return [{"name": k, "value": v} for k, v in sorted(env.items())]
+
+    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
+        """``{"job_definition": register_job_definition kwargs, "submit": submit_job kwargs}``."""
+        validate_for(spec, self.teams, max_gpus_per_node=int(self.options["max_gpus_per_node"]), backend=self.name)
+        definition = self.job_definition(spec)
+        team = self.teams[spec.team]
+        overrides = {"command": self._command(spec), "environment": self._environment(spec)}
+        submit: dict[str, Any] = {
+            "jobName": spec.name,
+            "jobQueue": self.job_queue(spec.team),
+            "jobDefinition": definition["jobDefinitionName"],
+            "shareIdentifier": str(team.get("share", spec.team)),
+            "schedulingPriorityOverride": int(team.get("priority", 0)),
+            "timeout": {"attemptDurationSeconds": max(60, spec.timeout_s)},
+            "tags": {"pinflow:team": spec.team, "pinflow:job": spec.name},
+            "propagateTags": True,
+        }
+        if spec.distributed:
+            submit["nodeOverrides"] = {
+                "numNodes": spec.nodes,
+                "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": overrides}],
+            }
+        else:
+            submit["containerOverrides"] = overrides
+        return {"job_definition": definition, "submit": submit}
+
+    # -- the service ---------------------------------------------------------------------------------------
+    @property
+    def hook(self) -> Any:
+        if self._hook is None:
+            from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
+
+            self._hook = BatchClientHook(aws_conn_id=self.options["aws_conn_id"], region_name=self.options["region_name"])
+        return self._hook
+
+    @property
+    def logs_hook(self) -> Any:
+        if self._logs_hook is None:
+            from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
+
+            self._logs_hook = AwsLogsHook(aws_conn_id=self.options["aws_conn_id"], region_name=self.options["region_name"])
+        return self._logs_hook
+
+    def ping(self) -> None:
+        """A cheap call that proves the credentials and the endpoint work."""
+        self.hook.client.describe_job_queues(maxResults=1)
+
+    def ensure_job_definition(self, definition: dict[str, Any]) -> str:
+        """The ARN of the active definition with this content, registering it on first use."""
+        client = self.hook.client
+        name = definition["jobDefinitionName"]
+        found = client.describe_job_definitions(jobDefinitionName=name, status="ACTIVE").get("jobDefinitions", [])
+        if found:
+            return str(max(found, key=lambda d: d["revision"])["jobDefinitionArn"])
+        return str(client.register_job_definition(**definition)["jobDefinitionArn"])
+
+    def find(self, job_name: str, team: str | None = None) -> str | None:
+        """The id of an active job named ``job_name`` in the team's queue (or any team's queue)."""
+        queues = [self.job_queue(team)] if team else sorted({self.job_queue(t) for t in self.teams})
+        client = self.hook.client
+        for queue in queues:
+            pages = client.get_paginator("list_jobs").paginate(
+                jobQueue=queue, filters=[{"name": "JOB_NAME", "values": [job_name]}]
+            )
+            jobs = [j for page in pages for j in page.get("jobSummaryList", []) if j.get("jobName") == job_name]
+            # A name that also has ended jobs (a Batch retry keeps the id) : the newest one wins.
+            if jobs:
+                return str(max(jobs, key=lambda j: j.get("createdAt", 0))["jobId"])
+        return None
+
+    def submit(self, spec: JobSpec) -> str:
+        request = self.dry_run(spec)
+        existing = self.find(spec.name, spec.team)
+        if existing:
+            return existing
+        arn = self.ensure_job_definition(request["job_definition"])
+        response = self.hook.client.submit_job(**{**request["submit"], "jobDefinition": arn})
+        return str(response["jobId"])
+
+    def describe(self, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The job's description and, for a failed multi-node job, its nodes' descriptions."""
+        job = self.hook.get_job_description(job_id)
+        nodes: list[dict[str, Any]] = []
+        if job.get("status") == "FAILED" and job.get("nodeProperties"):
+            count = int(job["nodeProperties"].get("numNodes", 0))
+            ids = [f"{job_id}#{i}" for i in range(count)]
+            if ids:
+                nodes = self.hook.client.describe_jobs(jobs=ids).get("jobs", [])
+        return job, nodes
+
+    def status(self, job_id: str) -> JobStatus:
+        job, nodes = self.describe(job_id)
+        return classify_job(job, nodes)
+
+    def logs(self, job_id: str, tail: int = 50) -> str:
+        parts = []
+        for info in self.hook.get_job_all_awslogs_info(job_id):
+            events = list(self.logs_hook.get_log_events(info["awslogs_group"], info["awslogs_stream_name"]))
+            lines = [e["message"] for e in events][-tail:]
+            parts.append(f"--- {info['awslogs_stream_name']} ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def cancel(self, job_id: str) -> None:
+        self.hook.terminate_job(job_id, CANCEL_REASON)
+
+    def console_url(self, job_id: str) -> str:
+        region = self.options.get("region_name") or "us-east-1"
+        return f"https://{region}.console.aws.amazon.com/batch/home?region={region}#jobs/detail/{job_id}"
+
+
+def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None) -> JobStatus:
+    """A ``describe_jobs`` entry (and its nodes' entries, ``<id>#<n>``) as a :class:`JobStatus`.
+
+    Pure, so recorded responses of outcomes a test cannot produce (Spot reclaim, a failed node) can be
+    fed to it. A lost host is INFRA whatever the exit codes; otherwise a node whose exit code names a class
+    beats nodes that only saw their peer go away (INFRA); a container the kernel killed for memory is OOM.
+    """
+    job_id = str(job.get("jobId", "?"))
+    state = str(job.get("status", ""))
+    if state in PENDING_STATES:
+        return JobStatus(job_id, JobState.PENDING, reason=state)
+    if state == "RUNNING":
+        return JobStatus(job_id, JobState.RUNNING)
+    if state == "SUCCEEDED":
+        return JobStatus(job_id, JobState.SUCCEEDED)
+    if state != "FAILED":
+        raise ValueError(f"AWS Batch job ({job_id}) has an unknown status {state!r}")
+
+    reason = str(job.get("statusReason", ""))
+    entries = [(f"node {n.get('nodeDetails', {}).get('nodeIndex', i)}", n) for i, n in enumerate(nodes or [])]
+    if not entries:
+        entries = [("job", job)]
+    codes: dict[str, int | None] = {}
+    found: list[tuple[FailureClass, str]] = []
+    for label, entry in entries:
+        container = entry.get("container") or {}
+        attempts = entry.get("attempts") or []
+        last = (attempts[-1].get("container") or {}) if attempts else {}
+        code = container.get("exitCode", last.get("exitCode"))
+        codes[label] = code
+        why = " ".join(str(x) for x in (entry.get("statusReason"), container.get("reason"), last.get("reason")) if x)
+        if any(marker.lower() in why.lower() for marker in HOST_LOST):
+            found.append((FailureClass.INFRA, f"{label}: {why} (host lost)"))
+        elif "OutOfMemory" in why:
+            found.append((FailureClass.OOM, f"{label}: {why}"))
+        elif code not in (None, 0):
+            klass = classify_exit_code(int(code)) or FailureClass.USER
+            found.append((klass, f"{label} exited with code {code}" + (f": {why}" if why else "")))
+        elif entry.get("status") == "FAILED" and why:
+            found.append((FailureClass.INFRA if CANCEL_REASON in why or "timeout" in why.lower() else FailureClass.USER,
+                          f"{label}: {why}"))
+    if any(k is FailureClass.INFRA and "host lost" in msg for k, msg in found):
+        klass, message = next((k, m) for k, m in found if "host lost" in m)
+    elif found:
+        # A class chosen by the code (USER, DATA, NaN, OOM) beats a peer's "lost my neighbour" INFRA.
+        klass, message = min(found, key=lambda km: km[0] is FailureClass.INFRA)
+    elif any(marker.lower() in reason.lower() for marker in HOST_LOST) or "timeout" in reason.lower():
+        klass, message = FailureClass.INFRA, reason
+    else:
+        klass, message = FailureClass.USER, reason or "failed without a reason"
+    detail = f"AWS Batch job ({job_id}) failed: {message}"
+    if reason and reason not in message:
+        detail += f" [{reason}]"
+    return JobStatus(job_id, JobState.FAILED, klass, detail, codes)
