@@ -12,7 +12,8 @@ from operators import config
 from operators.assets import EXAMPLES
 from operators.errors import retry_policy
 from operators.features import FeatureBuildOperator
-from operators.validation import RawPartitionSensor, ValidatePartitionOperator
+from operators.sensors import RawPartitionSensor
+from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
 
 DS = "{{ params.ds or ds }}"
 _validation = config.section("validation")
@@ -23,8 +24,10 @@ with DAG(
 ### Daily features
 
 For the day `ds` (the run's data interval, or the `ds` param): waits for the raw events, pins and users
-partitions, validates each with its Great Expectations suite (a failing partition stops the day: nothing
-downstream runs), then builds with DuckDB, each step written atomically:
+partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
+partition is moved to `quarantine/` and stops the day: nothing downstream runs; each validation task
+links to its Data Docs page), checks the 30-day window for quarantined or missing days
+(`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step written atomically:
 
 1. `features/user_daily`, `features/pin_daily` — per-day aggregates;
 2. `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`;
@@ -57,21 +60,25 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
         task_id="wait_for_raw",
         datasets=["raw/events", "raw/pins", "raw/users"],
         ds=DS,
-        mode="reschedule",
+        deferrable=True,
         poke_interval=int(_validation["sensor_poke_seconds"]),
         timeout=int(_validation["sensor_timeout_seconds"]),
     )
     validations = [
         ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0)
         for name in ("events", "pins", "users")
-    ]
+    ] + [WindowGapCheckOperator(task_id="validate_window", ds=DS, retries=0)]
     overrides = {
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
     }
     daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS)
     window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS)
-    sequences = FeatureBuildOperator(task_id="user_sequences", step="sequences", ds=DS, overrides=overrides)
+    # Sequences of ds extend those of ds-1 (a full recompute when they are missing gives the same result,
+    # 30 times slower): in a backfill, wait for the day before so that each day is incremental.
+    sequences = FeatureBuildOperator(
+        task_id="user_sequences", step="sequences", ds=DS, overrides=overrides, depends_on_past=True
+    )
     # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
     examples = FeatureBuildOperator(
         task_id="training_examples", step="examples", ds=DS, overrides=overrides,

@@ -1,49 +1,68 @@
-"""Operators of the daily feature DAG that guard its inputs: wait for raw partitions, validate them.
+"""Operators of the daily feature DAG that guard its inputs: validate raw partitions and the feature window.
 
 The validation runs in the task's process on the embedded default; ``python -m features.validate`` is
-the same check as a container job.
+the same check as a container job. The thresholds, quarantine and the window gap policy come from
+``config/platform.yaml`` ``validation:``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
-from airflow.sdk import BaseOperator, BaseSensorOperator, Context
+from airflow.sdk import BaseOperator, BaseOperatorLink, Context
+from airflow.sdk.types import TaskInstanceKey
 
 from operators import config
 from operators.errors import DataFailure
+from operators.sensors import RawPartitionSensor, RawPartitionTrigger
+
+__all__ = [
+    "DataDocsLink",
+    "RawPartitionSensor",
+    "RawPartitionTrigger",
+    "ValidatePartitionOperator",
+    "WindowGapCheckOperator",
+]
+
+GAP_POLICIES = ("fail", "proceed")
 
 
-class RawPartitionSensor(BaseSensorOperator):
-    """Wait until every raw partition of the day has its completion marker.
+def data_docs_url(root: str, dataset: str, ds: str) -> str:
+    """The URL of a partition's validation page: its GX Data Docs when rendered, else the report's HTML."""
+    from features.storage import local_root
 
-    :param datasets: raw datasets to wait for, e.g. ``["raw/events", "raw/pins"]``.
-    :param ds: the partition day, YYYY-MM-DD (templated).
-    """
+    out = local_root(root) / "reports" / "validation" / dataset.removeprefix("raw/") / f"ds={ds}"
+    docs = out / "data_docs" / "index.html"
+    return (docs if docs.exists() else out / "index.html").resolve().as_uri()
 
-    template_fields: Sequence[str] = ("ds",)
 
-    def __init__(self, *, datasets: Sequence[str], ds: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.datasets = list(datasets)
-        self.ds = ds
+class DataDocsLink(BaseOperatorLink):
+    """The "Data Docs" button of a validation task: the GX Data Docs page of the partition it validated."""
 
-    def poke(self, context: Context) -> bool:
-        from features.storage import is_complete, partition_path
+    name = "Data Docs"
+    operators: ClassVar[list[type[BaseOperator]]] = []  # filled in below the operator
 
-        root = config.storage_root()
-        missing = [d for d in self.datasets if not is_complete(root, d, self.ds)]
-        for dataset in missing:
-            self.log.info("waiting for %s (no _SUCCESS marker yet)", partition_path(root, dataset, self.ds))
-        return not missing
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        # Airflow 3 calls this on the worker when the task ends (success or failure) and stores the URL in
+        # XCom; the execute() of this try has set the URL of the page it wrote.
+        url = getattr(operator, "data_docs_url", None)
+        if url:
+            return str(url)
+        dataset, ds = getattr(operator, "dataset", None), getattr(operator, "ds", None)
+        if not dataset or not ds:
+            return ""
+        return data_docs_url(config.storage_root(), str(dataset), str(ds))
 
 
 class ValidatePartitionOperator(BaseOperator):
-    """Validate one raw partition with its Great Expectations suite; a failure stops the day.
+    """Validate one raw partition (Great Expectations suite and history checks); a failure stops the day.
 
-    The report (every check, observed value, pass/fail) is written under ``reports/validation/`` and a
-    short summary is pushed to XCom before a failure is raised, so the UI shows why.
+    The report (every check, observed value, threshold, pass/fail) and the partition's profile are written
+    under ``reports/validation/``, and a short summary is pushed to XCom (key ``validation``) before a
+    failure is raised, so the UI shows why. A failed partition is moved to ``quarantine/`` with its report
+    (``validation.quarantine``) and the task fails as ``DATA``: no retry, nothing downstream runs.
 
     :param dataset: ``events``, ``pins`` or ``users``.
     :param ds: the partition day (templated).
@@ -51,19 +70,89 @@ class ValidatePartitionOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("ds",)
     ui_color = "#fde8c8"
+    operator_extra_links = (DataDocsLink(),)
 
     def __init__(self, *, dataset: str, ds: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dataset = dataset
         self.ds = ds
+        self.data_docs_url: str | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from features.history import ValidationSettings
         from features.validate import validate_partition
 
-        report = validate_partition(config.storage_root(), self.dataset, self.ds)
+        section = config.section("validation")
+        try:
+            settings = ValidationSettings.from_mapping(section)
+        except (TypeError, ValueError) as err:
+            raise DataFailure(f"config/platform.yaml validation: is invalid: {err}") from err
+        root = config.storage_root()
+        report = validate_partition(
+            root,
+            self.dataset,
+            self.ds,
+            data_docs=bool(section.get("data_docs", True)),
+            settings=settings,
+            quarantine=bool(section.get("quarantine", True)),
+        )
+        self.data_docs_url = Path(report.data_docs_path).resolve().as_uri()
         summary = report.summary()
         context["ti"].xcom_push(key="validation", value=summary)
-        self.log.info("validation report: %s", report.report_path)
+        for warning in report.warnings:
+            self.log.warning("%s", warning)
+        self.log.info("validation report: %s; Data Docs: %s", report.report_path, self.data_docs_url)
         if not report.success:
             raise DataFailure(report.failure_message())
         return summary
+
+
+DataDocsLink.operators = [ValidatePartitionOperator]
+
+
+class WindowGapCheckOperator(BaseOperator):
+    """Check the feature window of ``ds`` for gaps: days whose raw events are missing or quarantined.
+
+    ``validation.on_window_gap``: ``fail`` fails the day as ``DATA`` (nothing downstream runs);
+    ``proceed`` logs a warning, pushes the gap to XCom (key ``window_gaps``) and lets the build run: the
+    window features record the same days in ``missing_days`` of their ``_metadata.json``.
+
+    :param ds: the partition day (templated).
+    """
+
+    template_fields: Sequence[str] = ("ds",)
+    ui_color = "#fde8c8"
+
+    def __init__(self, *, ds: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ds = ds
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from features.history import window_gaps
+
+        policy = str(config.section("validation").get("on_window_gap", "proceed"))
+        if policy not in GAP_POLICIES:
+            raise DataFailure(
+                f"validation.on_window_gap={policy!r} in config/platform.yaml: choose one of {GAP_POLICIES} "
+                "(or set PINFLOW_VALIDATION__ON_WINDOW_GAP)"
+            )
+        window_days = int(config.section("features")["window_days"])
+        gaps = window_gaps(config.storage_root(), self.ds, window_days)
+        gaps["policy"] = policy
+        context["ti"].xcom_push(key="window_gaps", value=gaps)
+        if not gaps["gaps"]:
+            self.log.info("the %d-day window of ds=%s has no gap", window_days, self.ds)
+            return gaps
+        message = (
+            f"the {window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without validated raw "
+            f"events: {', '.join(gaps['gaps'])}"
+            + (f" (quarantined: {', '.join(gaps['quarantined'])})" if gaps["quarantined"] else "")
+        )
+        if policy == "fail":
+            raise DataFailure(
+                f"{message}.\nFix: land those days again and clear their pin_daily_features runs, or set "
+                "validation.on_window_gap=proceed (PINFLOW_VALIDATION__ON_WINDOW_GAP=proceed) to build with the "
+                "gap recorded in the window features' missing_days."
+            )
+        self.log.warning("%s; proceeding (validation.on_window_gap=proceed): missing_days records them", message)
+        return gaps

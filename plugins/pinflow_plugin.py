@@ -1,4 +1,4 @@
-"""pinflow's Airflow plugin: a listener that records job data for capacity planning.
+"""pinflow's Airflow plugin: a listener that records job data for capacity planning, and extra links.
 
 Every finished task instance of a pinflow DAG appends one JSON line (dag, task, run, try, state,
 duration, the failure's class and message) to ``<PINFLOW_HOME>/jobdata/task_runs.jsonl``.
@@ -52,6 +52,15 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Base
     _record(task_instance, "failed", error)
 
 
+def _operator_extra_links() -> list[Any]:
+    # Registered here so that the API server, which deserializes DAGs, can show the validation tasks'
+    # "Data Docs" button (the link class must be known to the plugin manager).
+    from operators.validation import DataDocsLink
+
+    return [DataDocsLink()]
+
+
 class PinflowPlugin(AirflowPlugin):
     name = "pinflow"
     listeners = [sys.modules[__name__]]
+    operator_extra_links = _operator_extra_links()

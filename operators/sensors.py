@@ -1,0 +1,147 @@
+"""Wait for raw partitions: a deferrable sensor and the trigger it defers to.
+
+The sensor checks once on the worker; if a partition is still missing it hands the waiting to the
+triggerer (``RawPartitionTrigger``, which serializes only its arguments) and frees the worker slot. When
+the partitions do not all land before the sensor's timeout, the task fails as a ``DATA`` failure naming
+each missing partition and what is missing (the folder, or its ``_SUCCESS`` marker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator, Context
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from operators import config
+from operators.errors import DataFailure
+
+
+def missing_partitions(root: str, datasets: Sequence[str], ds: str) -> dict[str, str]:
+    """Dataset -> what is missing, for every partition of ``ds`` without its completion marker."""
+    from features.storage import MARKER, partition_path
+
+    missing: dict[str, str] = {}
+    for dataset in datasets:
+        path = partition_path(root, dataset, ds)
+        if not path.is_dir():
+            missing[dataset] = f"{path} does not exist"
+        elif not (path / MARKER).exists():
+            files = sorted(p.name for p in Path(path).glob("*.parquet"))
+            missing[dataset] = f"no {MARKER} marker in {path} ({len(files)} Parquet file(s) so far)"
+    return missing
+
+
+class RawPartitionTrigger(BaseTrigger):
+    """Fire when every raw partition of ``ds`` has its marker, or at ``timeout_at`` with what is missing.
+
+    :param root: the storage root.
+    :param datasets: e.g. ``["raw/events", "raw/pins"]``.
+    :param ds: the partition day, YYYY-MM-DD.
+    :param poke_interval: seconds between checks.
+    :param timeout_at: ISO UTC time at which to give up (None: wait for ever; the task's defer timeout applies).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        datasets: Sequence[str],
+        ds: str,
+        poke_interval: float = 30.0,
+        timeout_at: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = root
+        self.datasets = list(datasets)
+        self.ds = ds
+        self.poke_interval = float(poke_interval)
+        self.timeout_at = timeout_at
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "root": self.root,
+                "datasets": list(self.datasets),
+                "ds": self.ds,
+                "poke_interval": self.poke_interval,
+                "timeout_at": self.timeout_at,
+            },
+        )
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        deadline = dt.datetime.fromisoformat(self.timeout_at) if self.timeout_at else None
+        while True:
+            # Stat calls on a local or mounted root are fast; in a thread they never block the event loop.
+            missing = await asyncio.to_thread(missing_partitions, self.root, self.datasets, self.ds)
+            if not missing:
+                yield TriggerEvent({"status": "success", "ds": self.ds, "missing": {}})
+                return
+            if deadline is not None and dt.datetime.now(dt.UTC) >= deadline:
+                yield TriggerEvent({"status": "timeout", "ds": self.ds, "missing": missing})
+                return
+            self.log.info("ds=%s still waiting for %s", self.ds, sorted(missing))
+            await asyncio.sleep(self.poke_interval)
+
+
+class RawPartitionSensor(BaseSensorOperator):
+    """Wait until every raw partition of the day has its completion marker.
+
+    With ``deferrable=True`` the waiting runs in the triggerer (``RawPartitionTrigger``); otherwise the
+    sensor pokes in its own mode. A partition that has not landed after ``timeout`` seconds fails the task
+    with a ``DataFailure`` naming it.
+
+    :param datasets: raw datasets to wait for, e.g. ``["raw/events", "raw/pins"]``.
+    :param ds: the partition day, YYYY-MM-DD (templated).
+    :param deferrable: defer to the triggerer while waiting.
+    """
+
+    template_fields: Sequence[str] = ("ds",)
+
+    def __init__(self, *, datasets: Sequence[str], ds: str, deferrable: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.datasets = list(datasets)
+        self.ds = ds
+        self.deferrable = deferrable
+
+    def poke(self, context: Context) -> bool:
+        missing = missing_partitions(config.storage_root(), self.datasets, self.ds)
+        for dataset, what in missing.items():
+            self.log.info("waiting for %s ds=%s: %s", dataset, self.ds, what)
+        return not missing
+
+    def execute(self, context: Context) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        if self.poke(context):
+            return None
+        timeout_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=float(self.timeout))
+        self.defer(
+            trigger=RawPartitionTrigger(
+                root=config.storage_root(),
+                datasets=self.datasets,
+                ds=self.ds,
+                poke_interval=float(self.poke_interval),
+                timeout_at=timeout_at.isoformat(),
+            ),
+            method_name="execute_complete",
+            # A margin over the trigger's own deadline: the trigger's event carries the clearer message.
+            timeout=dt.timedelta(seconds=float(self.timeout) + 2 * float(self.poke_interval) + 60),
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> None:
+        event = event or {}
+        if event.get("status") == "success":
+            self.log.info("raw partitions of ds=%s landed: %s", self.ds, self.datasets)
+            return
+        missing = event.get("missing") or {}
+        lines = "\n".join(f"  - {dataset}: {what}" for dataset, what in sorted(missing.items()))
+        raise DataFailure(
+            f"raw partitions of ds={self.ds} did not land within {self.timeout:.0f} s "
+            f"(validation.sensor_timeout_seconds):\n{lines}\n"
+            "Fix: land each partition (data files, then its _SUCCESS marker) and clear this task."
+        )
