@@ -1034,11 +1034,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", required=True, help="storage root: a local path or file:// URL")
     parser.add_argument("--ds", required=True, help="the partition day, YYYY-MM-DD")
     parser.add_argument("--no-data-docs", action="store_true", help="skip rendering the GX Data Docs HTML site")
+    parser.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="move a failed, complete partition to <root>/quarantine/<dataset>/ds=<ds>/<UTC time>/ with its report",
+    )
     args = parser.parse_args(argv)
     try:
         day = storage.ds_str(args.ds)
         storage.local_root(args.root)
-        report = validate_partition(args.root, args.dataset, day, data_docs=not args.no_data_docs)
+        report = validate_partition(
+            args.root, args.dataset, day, data_docs=not args.no_data_docs, quarantine=args.quarantine
+        )
     except Exception as err:  # noqa: BLE001 - the CLI turns any tool error into exit status 1
         if not isinstance(err, ValueError):  # a bad argument needs no traceback; a bug does
             traceback.print_exc(file=sys.stderr)
