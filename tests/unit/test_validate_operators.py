@@ -1,0 +1,259 @@
+"""The Airflow side of the validation gate: trigger, deferrable sensor, operators, extra link, plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import pytest
+
+from features import storage
+from operators import config
+from operators.errors import DataFailure
+from operators.sensors import RawPartitionSensor, RawPartitionTrigger, missing_partitions
+from operators.validation import DataDocsLink, ValidatePartitionOperator, WindowGapCheckOperator
+
+pytestmark = pytest.mark.unit
+
+DS = "2024-05-01"
+
+
+class FakeTI:
+    def __init__(self) -> None:
+        self.xcom: dict[str, Any] = {}
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        json.dumps(value)  # XCom values must be JSON-serializable
+        self.xcom[key] = value
+
+
+@pytest.fixture
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private storage root that the operators read through operators.config."""
+    monkeypatch.setenv("PINFLOW_STORAGE_ROOT", str(tmp_path))
+    config.load.cache_clear()
+    yield tmp_path
+    config.load.cache_clear()
+
+
+def land(root: Path, dataset: str, ds: str = DS, marker: bool = True) -> Path:
+    part = storage.partition_path(root, dataset, ds)
+    part.mkdir(parents=True)
+    (part / storage.DATA_FILE).write_bytes(b"PAR1")
+    if marker:
+        (part / storage.MARKER).write_text("")
+    return part
+
+
+# --- trigger -----------------------------------------------------------------------------------------------
+
+
+def test_trigger_serialize_round_trip() -> None:
+    trigger = RawPartitionTrigger("/data", ["raw/events", "raw/pins"], DS, 15.0, "2024-05-02T06:00:00+00:00")
+
+    classpath, kwargs = trigger.serialize()
+
+    module, name = classpath.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    assert cls is RawPartitionTrigger
+    assert kwargs == {
+        "root": "/data",
+        "datasets": ["raw/events", "raw/pins"],
+        "ds": DS,
+        "poke_interval": 15.0,
+        "timeout_at": "2024-05-02T06:00:00+00:00",
+    }
+    json.dumps(kwargs)  # only plain arguments: nothing that cannot cross to the triggerer
+    assert cls(**kwargs).serialize() == (classpath, kwargs)
+
+
+def _first_event(trigger: RawPartitionTrigger) -> dict[str, Any]:
+    async def first() -> dict[str, Any]:
+        async for event in trigger.run():
+            return event.payload
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(asyncio.wait_for(first(), timeout=10))
+
+
+def test_trigger_fires_when_every_partition_landed(tmp_path: Path) -> None:
+    land(tmp_path, "raw/events")
+    land(tmp_path, "raw/pins")
+
+    event = _first_event(RawPartitionTrigger(str(tmp_path), ["raw/events", "raw/pins"], DS, 0.01))
+
+    assert event == {"status": "success", "ds": DS, "missing": {}}
+
+
+def test_trigger_times_out_naming_what_is_missing(tmp_path: Path) -> None:
+    land(tmp_path, "raw/events", marker=False)
+    past = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()
+
+    event = _first_event(RawPartitionTrigger(str(tmp_path), ["raw/events", "raw/pins"], DS, 0.01, past))
+
+    assert event["status"] == "timeout"
+    assert "no _SUCCESS marker" in event["missing"]["raw/events"] and "1 Parquet file" in event["missing"]["raw/events"]
+    assert "does not exist" in event["missing"]["raw/pins"]
+
+
+def test_trigger_keeps_waiting_until_the_marker_lands(tmp_path: Path) -> None:
+    part = land(tmp_path, "raw/users", marker=False)
+    trigger = RawPartitionTrigger(str(tmp_path), ["raw/users"], DS, 0.01)
+
+    async def land_later_then_wait() -> dict[str, Any]:
+        async def marker() -> None:
+            await asyncio.sleep(0.05)
+            (part / storage.MARKER).write_text("")
+
+        task = asyncio.create_task(marker())
+        async for event in trigger.run():
+            await task
+            return event.payload
+        raise AssertionError("no event")
+
+    assert asyncio.run(asyncio.wait_for(land_later_then_wait(), timeout=10))["status"] == "success"
+
+
+# --- sensor ------------------------------------------------------------------------------------------------
+
+
+def _sensor() -> RawPartitionSensor:
+    return RawPartitionSensor(
+        task_id="wait_for_raw", datasets=["raw/events", "raw/pins"], ds=DS, deferrable=True,
+        poke_interval=5, timeout=600,
+    )
+
+
+def test_deferrable_sensor_returns_at_once_when_landed(root: Path) -> None:
+    land(root, "raw/events")
+    land(root, "raw/pins")
+
+    assert _sensor().execute({}) is None  # type: ignore[arg-type]
+
+
+def test_deferrable_sensor_defers_to_its_trigger(root: Path) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    land(root, "raw/events")
+    with pytest.raises(TaskDeferred) as deferred:
+        _sensor().execute({})  # type: ignore[arg-type]
+
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, RawPartitionTrigger)
+    assert trigger.datasets == ["raw/events", "raw/pins"] and trigger.root == str(root) and trigger.ds == DS
+    assert deferred.value.method_name == "execute_complete"
+    assert deferred.value.timeout is not None and deferred.value.timeout > dt.timedelta(seconds=600)
+    deadline = dt.datetime.fromisoformat(trigger.timeout_at or "")
+    assert dt.timedelta(seconds=590) < deadline - dt.datetime.now(dt.UTC) <= dt.timedelta(seconds=600)
+
+
+def test_sensor_timeout_is_a_data_failure_naming_the_partitions() -> None:
+    sensor = _sensor()
+    sensor.execute_complete({}, {"status": "success"})  # type: ignore[arg-type]
+    missing = {"raw/pins": "/data/raw/pins/ds=2024-05-01 does not exist"}
+
+    with pytest.raises(DataFailure) as err:
+        sensor.execute_complete({}, {"status": "timeout", "missing": missing})  # type: ignore[arg-type]
+
+    assert "raw/pins" in str(err.value) and "does not exist" in str(err.value) and "600 s" in str(err.value)
+
+
+def test_missing_partitions_names_folder_or_marker(tmp_path: Path) -> None:
+    land(tmp_path, "raw/events", marker=False)
+    land(tmp_path, "raw/users")
+
+    missing = missing_partitions(str(tmp_path), ["raw/events", "raw/pins", "raw/users"], DS)
+
+    assert set(missing) == {"raw/events", "raw/pins"}
+
+
+# --- validation operator and its link ----------------------------------------------------------------------
+
+
+def test_operator_pushes_summary_then_fails_and_quarantines(root: Path) -> None:
+    part = land(root, "raw/users")  # "PAR1" is not a Parquet file
+    ti = FakeTI()
+    op = ValidatePartitionOperator(task_id="validate_users", dataset="users", ds=DS)
+
+    with pytest.raises(DataFailure) as err:
+        op.execute({"ti": ti})  # type: ignore[arg-type]
+
+    summary = ti.xcom["validation"]
+    assert summary["success"] is False and summary["failed_checks"] == ["files.readable"]
+    assert summary["quarantine"] and Path(summary["quarantine"], "data", storage.DATA_FILE).exists()
+    assert not part.exists()
+    message = str(err.value)
+    assert "raw/users partition ds=2024-05-01" in message and "files.readable" in message
+    assert str(part / storage.DATA_FILE) in message and "Quarantined" in message
+    link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
+    assert link == op.data_docs_url and link.startswith("file://") and link.endswith("index.html")
+    assert Path(unquote(link.removeprefix("file://"))).exists()
+
+
+def test_link_without_a_run_points_at_the_partition_report(root: Path) -> None:
+    op = ValidatePartitionOperator(task_id="validate_events", dataset="events", ds=DS)
+
+    link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
+
+    assert unquote(link).endswith(f"reports/validation/events/ds={DS}/index.html")
+
+
+def test_plugin_registers_the_link_for_the_validation_operator() -> None:
+    import runpy
+
+    plugin = runpy.run_path(str(Path(__file__).resolve().parents[2] / "plugins" / "pinflow_plugin.py"))
+    links = plugin["PinflowPlugin"].operator_extra_links
+    assert [type(link).__name__ for link in links] == ["DataDocsLink"]
+    assert ValidatePartitionOperator in type(links[0]).operators
+    assert links[0].name == "Data Docs" and links[0].xcom_key == "_link_DataDocsLink"
+
+
+def test_serialized_dag_keeps_the_link() -> None:
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag = DagBag(dag_folder=str(Path(__file__).resolve().parents[2] / "dags")).dags["pin_daily_features"]
+    task = DagSerialization.from_dict(DagSerialization.to_dict(dag)).get_task("validate_events")
+
+    assert [link.name for link in task.operator_extra_links] == ["Data Docs"]
+    assert dag.get_task("wait_for_raw").deferrable is True
+
+
+# --- window gaps -------------------------------------------------------------------------------------------
+
+
+def _window_root(root: Path) -> None:
+    for ds in ("2024-04-27", "2024-04-28", "2024-04-30"):
+        land(root, "raw/events", ds)
+    (root / "quarantine" / "events" / "ds=2024-04-29" / "20240429T000000Z").mkdir(parents=True)
+
+
+@pytest.mark.parametrize("policy", ["fail", "proceed"])
+def test_window_gap_policy(root: Path, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    monkeypatch.setenv("PINFLOW_VALIDATION__ON_WINDOW_GAP", policy)
+    config.load.cache_clear()
+    _window_root(root)
+    ti = FakeTI()
+    op = WindowGapCheckOperator(task_id="validate_window", ds=DS)
+
+    if policy == "fail":
+        with pytest.raises(DataFailure, match=r"2024-04-29 \(quarantined: 2024-04-29\)"):
+            op.execute({"ti": ti})  # type: ignore[arg-type]
+    else:
+        assert op.execute({"ti": ti})["gaps"] == ["2024-04-29"]  # type: ignore[arg-type]
+    gaps = ti.xcom["window_gaps"]
+    # Days before the first known day are not gaps: history starts there.
+    assert gaps["gaps"] == ["2024-04-29"] and gaps["history_start"] == "2024-04-27" and gaps["policy"] == policy
+
+
+def test_window_gap_policy_is_checked(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PINFLOW_VALIDATION__ON_WINDOW_GAP", "ignore")
+    config.load.cache_clear()
+
+    with pytest.raises(DataFailure, match="on_window_gap='ignore'"):
+        WindowGapCheckOperator(task_id="validate_window", ds=DS).execute({"ti": FakeTI()})  # type: ignore[arg-type]
