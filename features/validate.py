@@ -658,24 +658,29 @@ def _has_impression(table: pa.Table) -> pa.Array:
     import numpy as np
 
     def ints(col: str) -> np.ndarray:
-        return table.column(col).fill_null(-1).to_numpy()
+        column = table.column(col)
+        return (column.fill_null(-1) if column.null_count else column).to_numpy()
 
     event, impression, user, pin = ints("event_id"), ints("impression_id"), ints("user_id"), ints("pin_id")
-    is_imp = table.column("action").fill_null("").to_numpy(zero_copy_only=False) == "impression"
+    is_imp = pc.fill_null(pc.equal(table.column("action"), "impression"), False).to_numpy()
     imp_rows = np.flatnonzero(is_imp)
-    order = np.argsort(event[imp_rows], kind="stable")
-    keys = event[imp_rows][order]
+    keys = event[imp_rows]
+    if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):  # upstream writes events in id order
+        order = np.argsort(keys, kind="stable")
+        imp_rows, keys = imp_rows[order], keys[order]
     linked = np.zeros(len(event), dtype=bool)
     if len(keys):
         pos = np.minimum(np.searchsorted(keys, impression), len(keys) - 1)
-        match = imp_rows[order[pos]]
+        match = imp_rows[pos]
         linked = (keys[pos] == impression) & (user[match] == user) & (pin[match] == pin)
     linked[is_imp] = impression[is_imp] == event[is_imp]
     # A row with a null key is left to the not_null checks rather than reported twice.
-    nulls = np.zeros(len(event), dtype=bool)
+    mask = None
     for col in ("event_id", "impression_id", "user_id", "pin_id", "action"):
-        nulls |= table.column(col).is_null().to_numpy(zero_copy_only=False)
-    return pa.array(linked, mask=nulls)
+        if table.column(col).null_count:
+            nulls = table.column(col).is_null().to_numpy(zero_copy_only=False)
+            mask = nulls if mask is None else mask | nulls
+    return pa.array(linked, mask=mask)
 
 
 def _embedding_finite(column: pa.ChunkedArray) -> pa.Array | None:
