@@ -954,6 +954,11 @@ def _render_html(report: ValidationReport) -> str:
         else "<p>No Great Expectations Data Docs for this run (the suite did not run).</p>"
     )
     title = f"{RAW_PREFIX}/{report.dataset} ds={report.ds}: {verdict}"
+    notes = "".join(f"<p class=\"note\">{esc(w)}</p>" for w in report.warnings)
+    if report.quarantine:
+        notes += f"<p class=\"note\">Quarantined: the partition was moved to <code>{esc(report.quarantine)}</code></p>"
+    if report.quarantine_history:
+        notes += "<p>Earlier quarantines: " + ", ".join(f"<code>{esc(q)}</code>" for q in report.quarantine_history) + "</p>"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>
@@ -961,12 +966,13 @@ body {{ font-family: sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; }}
 td, th {{ border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }}
 tr.failed td {{ background: #fdd; }} tr.skipped td {{ color: #777; }} tr.passed td:nth-child(2) {{ color: #070; }}
-code {{ white-space: pre-wrap; word-break: break-all; }}
+code {{ white-space: pre-wrap; word-break: break-all; }} p.note {{ background: #ffd; padding: 4px; }}
 </style></head><body>
 <h1>{esc(title)}</h1>
 <p>Partition: <code>{esc(report.partition)}</code> &mdash; rows: {report.rows} &mdash;
 files: {esc(", ".join(report.files) or "none")} &mdash; {report.duration_s} s</p>
 {docs}
+{notes}
 <table><tr><th>check</th><th>status</th><th>observed</th><th>expected</th><th>details</th></tr>
 {rows}
 </table></body></html>

@@ -1,0 +1,118 @@
+"""History checks, settings and quarantine details of the validation gate (features/history.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from features import contracts, history, storage, validate
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+MIX = {"impression": 0.83, "click": 0.09, "repin": 0.035, "hide": 0.025, "closeup": 0.02}
+
+
+def profile(rows: int = 1000, mix: dict[str, float] | None = None, nulls: float = 0.0) -> dict:
+    mix = mix or MIX
+    return {
+        "rows": rows,
+        "action_counts": {a: round(share * rows) for a, share in mix.items()},
+        "action_mix": dict(mix),
+        "null_rates": {"user_id": nulls, "pin_id": 0.0},
+    }
+
+
+ROWS = (980, 1010, 1000, 990, 1020, 1000, 995)
+HISTORY = [(f"2024-04-{d:02d}", profile(rows)) for d, rows in zip(range(24, 31), ROWS, strict=True)]
+SETTINGS = history.ValidationSettings()
+
+
+def results(p: dict, hist: list = HISTORY, settings: history.ValidationSettings = SETTINGS) -> dict:
+    return {r.name: r for r in history.history_checks("events", "2024-05-01", p, hist, settings)}
+
+
+def test_a_normal_day_passes_every_history_check() -> None:
+    checks = results(profile(1005))
+    assert [c.success for c in checks.values()] == [True, True, True]
+    assert checks["history.volume"].observed["trailing_median"] == 1000
+    assert checks["history.action_mix"].observed["psi"] < 0.001
+
+
+@pytest.mark.parametrize(("rows", "ok"), [(499, False), (500, True), (2000, True), (2001, False)])
+def test_volume_band_around_the_trailing_median(rows: int, ok: bool) -> None:
+    check = results(profile(rows))["history.volume"]
+    assert check.success is ok
+    if not ok:
+        assert "the median of the 7 trailing days (1000)" in check.details
+
+
+def test_action_mix_shift_names_the_shifted_actions() -> None:
+    shifted = {"impression": 0.70, "click": 0.25, "repin": 0.02, "hide": 0.02, "closeup": 0.01}
+    check = results(profile(mix=shifted))["history.action_mix"]
+    assert check.success is False and check.observed["psi"] > 0.1
+    assert "click 9.0% -> 25.0%" in check.details
+
+
+def test_null_rate_jump() -> None:
+    check = results(profile(nulls=0.02))["history.null_rate"]
+    assert check.success is False and check.observed == {"user_id": {"null_rate": 0.02, "trailing_median": 0.0}}
+    assert results(profile(nulls=0.005))["history.null_rate"].success
+
+
+def test_first_days_pass_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    checks = results(profile(10), hist=HISTORY[:2])
+    assert all(c.success for c in checks.values())
+    assert all(c.details.startswith("warning:") for c in checks.values())
+    assert "min_history_days=3" in caplog.text
+
+
+def test_psi() -> None:
+    assert history.psi(MIX, MIX) == 0.0
+    assert math.isclose(history.psi({"a": 0.5, "b": 0.5}, {"a": 0.25, "b": 0.75}), 0.25 * math.log(2) + 0.25 * math.log(1.5))
+    assert history.psi({"a": 1.0}, {"a": 0.5, "b": 0.5}) > 1.0  # an empty bucket: large and finite
+
+
+def test_settings_from_the_platform_config() -> None:
+    section = yaml.safe_load((REPO / "config" / "platform.yaml").read_text())["validation"]
+    settings = history.ValidationSettings.from_mapping(section)
+    assert settings.history_days == 7 and settings.min_referential_integrity == section["min_referential_integrity"]
+    assert section["on_window_gap"] in ("fail", "proceed")
+    with pytest.raises(ValueError, match="volume band"):
+        history.ValidationSettings.from_mapping({"volume_min_ratio": 1.5})
+    with pytest.raises(ValueError, match="min_history_days"):
+        history.ValidationSettings(history_days=2, min_history_days=3)
+
+
+def test_history_skips_days_that_failed(tmp_path: Path) -> None:
+    reports = tmp_path / "reports/validation"
+    for day, ok in (("2024-04-29", True), ("2024-04-30", False)):
+        folder = reports / "events" / f"ds={day}"
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({"success": ok}))
+        (folder / history.PROFILE_FILE).write_text(json.dumps(profile()))
+    assert [d for d, _ in history.trailing_profiles(reports, "events", "2024-05-01", 7)] == ["2024-04-29"]
+
+
+def test_cli_quarantines_a_failed_partition(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = pa.table(
+        {"user_id": [1, 2], "country": ["US", "usa"], "created_at": pa.array([0, 0], contracts.TS)},
+        schema=contracts.USERS,
+    )
+    part = storage.write_table(tmp_path, "raw/users", "2024-05-01", table)
+
+    code = validate.main(["users", "--root", str(tmp_path), "--ds", "2024-05-01", "--quarantine", "--no-data-docs"])
+
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 2 and not part.exists()
+    report = json.loads(Path(out[-1]).read_text())
+    assert report["failed_checks"] == ["country.well_formed"] and report["quarantine"]
+    assert any("Quarantined" in line for line in out)
+    assert "Quarantined" in (Path(out[-1]).parent / "index.html").read_text()
+    [record] = history.quarantine_records(tmp_path, "users", "2024-05-01")
+    assert json.loads((record / "QUARANTINE.json").read_text())["failed_checks"] == ["country.well_formed"]
