@@ -5,9 +5,11 @@ which rank 0 writes last, after every rank has finished writing. A folder withou
 checkpoint that died half-way: readers ignore it and the next save at that step replaces it. Only the
 marker is needed for atomicity, so the same scheme works on a shared filesystem and on object stores.
 
-The state is ``{"model", "optim"}`` through ``torch.distributed.checkpoint.state_dict`` (so the same code
-serves DDP now and FSDP2 later: keys are unwrapped FQNs, shards are resharded on load), the LR
-scheduler's state and the loop position ``{"step", "epoch", "examples_seen"}``. ``checkpoint_dir`` must
+The state is ``{"model", "optim"}`` through ``torch.distributed.checkpoint.state_dict`` (the same code
+serves DDP and FSDP2: keys are unwrapped FQNs, sharded tables are saved shard by shard and resharded on
+load), the LR scheduler's state, the loop position ``{"step", "epoch", "examples_seen"}``, the input
+pipeline's position ``data`` and every rank's RNG states ``rng.rank<r>``; other trained parts (the
+ablation model) are saved alongside under their name as a prefix. ``checkpoint_dir`` must
 be visible to every node.
 """
 
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -70,9 +74,41 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict()}
+# A trained part: its module (plain, DDP- or FSDP2-wrapped), optimizer and LR scheduler.
+Part = tuple[nn.Module, torch.optim.Optimizer, Any]
+
+
+def _prefix(name: str) -> str:
+    return "" if name == "model" else f"{name}_"
+
+
+def _state(parts: dict[str, Part]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, (model, optimizer, scheduler) in parts.items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        p = _prefix(name)
+        state.update({f"{p}model": model_sd, f"{p}optim": optim_sd, f"{p}scheduler": scheduler.state_dict()})
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators: torch (CPU and CUDA), NumPy's global one, Python's."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_key() -> str:
+    return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
 
 def save(
@@ -81,22 +117,28 @@ def save(
     step: int,
     epoch: int,
     examples_seen: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    parts: dict[str, Part],
     is_main: bool,
+    data: dict[str, int] | None = None,
     keep: int = 2,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Save on every rank (a collective); rank 0 marks the folder complete and prunes old checkpoints."""
+    """Save on every rank (a collective); rank 0 marks the folder complete and prunes old checkpoints.
+
+    ``parts`` maps a name to (module, optimizer, scheduler); ``"model"`` is the trained model. ``data``
+    is the input pipeline's position (``ExampleStream.position``). Each rank's RNG states are saved
+    under its own key, so a resumed run draws the same random numbers.
+    """
     path = step_dir(checkpoint_dir, step)
     if is_main:
         if path.exists():  # a save at this step that died before its marker, or an older run's
             shutil.rmtree(path)
         path.mkdir(parents=True)
     _barrier()
-    state = _state(model, optimizer, scheduler)
+    state = _state(parts)
     state["train"] = {"step": step, "epoch": epoch, "examples_seen": examples_seen}
+    state["data"] = dict(data or {})
+    state["rng"] = {_rank_key(): rng_state()}
     dcp.save(state, checkpoint_id=str(path))
     _barrier()  # every rank's files are in place
     if is_main:
@@ -104,7 +146,9 @@ def save(
             "step": step,
             "epoch": epoch,
             "examples_seen": examples_seen,
+            "data": dict(data or {}),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "parts": sorted(parts),
             "time": now_iso(),
             **(extra or {}),
         }
@@ -115,13 +159,27 @@ def save(
     return path
 
 
-def load(
-    path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> dict[str, int]:
-    """Load a checkpoint into model, optimizer and scheduler (on every rank); return its loop position."""
-    state = _state(model, optimizer, scheduler)
+def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into every part (on every rank); return its loop position.
+
+    Returns ``{"step", "epoch", "examples_seen", "data"}``. The RNG states of this rank are restored when
+    ``restore_rng`` (only meaningful with the world size the checkpoint was written with).
+    """
+    state = _state(parts)
     state["train"] = {"step": 0, "epoch": 0, "examples_seen": 0}
+    if restore_rng:
+        state["rng"] = {_rank_key(): rng_state()}
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    has_data = any(key.startswith("data.") or key == "data" for key in metadata.state_dict_metadata)
+    if has_data:
+        state["data"] = {k.split(".", 1)[1]: 0 for k in metadata.state_dict_metadata if k.startswith("data.")}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(state["scheduler"])
-    return {k: int(v) for k, v in state["train"].items()}
+    for name, (model, optimizer, scheduler) in parts.items():
+        p = _prefix(name)
+        set_state_dict(model, optimizer, model_state_dict=state[f"{p}model"], optim_state_dict=state[f"{p}optim"])
+        scheduler.load_state_dict(state[f"{p}scheduler"])
+    if restore_rng:
+        set_rng_state(state["rng"][_rank_key()])
+    position: dict[str, Any] = {k: int(v) for k, v in state["train"].items()}
+    position["data"] = {k: int(v) for k, v in state.get("data", {}).items()}
+    return position

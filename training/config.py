@@ -92,6 +92,19 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto: CUDA (nccl, bf16 autocast) when available, else CPU (gloo)", "auto"
     )
+    strategy: Literal["ddp", "fsdp"] = _f(
+        "ddp: DistributedDataParallel, every rank holds the whole model; fsdp: FSDP2 fully_shard, the "
+        "embedding tables (and every other parameter and its optimizer state) are sharded across ranks",
+        "ddp",
+    )
+    deterministic: bool = _f(
+        "torch.use_deterministic_algorithms: a resumed run is bitwise equal to an uninterrupted one (CPU)", False
+    )
+    ablation: bool = _f(
+        "also train, in lockstep on the same batches, the model without the action sequence and report "
+        "its evaluation (ablation_auc, sequence_lift)",
+        True,
+    )
     # --- model size -------------------------------------------------------------------------------
     d_model: int = _f("width of the sequence transformer", 32)
     n_heads: int = _f("attention heads of the sequence transformer", 2)
@@ -107,6 +120,9 @@ class RunConfig:
     cross_layers: int = _f("layers of the DCN-v2 cross network", 2)
     mlp_hidden: list[int] = _f("hidden widths of the MLP after the cross network", factory=lambda: [64, 32])
     # --- debugging --------------------------------------------------------------------------------
+    debug_step_sleep_s: float = _f(
+        "debug: sleep this long after every step (widens the window of the kill-and-resume test)", 0.0
+    )
     fail_nan_at_step: int | None = _f(
         "debug: make the last rank's loss NaN at this step, to exercise the NaN path (exit code 76)", None
     )

@@ -256,6 +256,7 @@ class ExampleStream(IterableDataset):
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
+        self.skip = 0  # batches of this epoch already trained on (a resumed run starts after them)
         self.units = example_units(root, self.days, min_units=4 * world_size * max(1, num_workers))
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
 
@@ -263,8 +264,67 @@ class ExampleStream(IterableDataset):
     def total_rows(self) -> int:
         return sum(u.rows for u in self.units)
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Iterate ``epoch`` next, starting after its first ``skip`` batches (which are not read)."""
         self.epoch = epoch
+        self.skip = skip
+
+    def position(self, epoch: int, batches: int) -> dict[str, int]:
+        """The input position for a checkpoint: ``batches`` of ``epoch`` have been consumed.
+
+        The order of an epoch is a function of (seed, epoch, world size, workers), so this pair is the
+        whole position; :meth:`load_position` checks that the layout it was taken with still holds.
+        """
+        return {
+            "epoch": epoch,
+            "batches": batches,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "batch_size": self.batch_size,
+            "total_rows": self.total_rows,
+        }
+
+    def load_position(self, state: dict[str, int]) -> None:
+        """Continue from a :meth:`position` (the next :meth:`__iter__` starts right after it)."""
+        layout = ("seed", "world_size", "num_workers", "batch_size", "total_rows")
+        changed = {k: (state[k], getattr(self, k)) for k in layout if k in state and state[k] != getattr(self, k)}
+        if changed:
+            raise ValueError(
+                "the checkpoint's input position was taken with another data layout "
+                + ", ".join(f"{k}: saved {a}, now {b}" for k, (a, b) in changed.items())
+                + ": resume with the same seed, world size, num_workers, batch_size and days"
+            )
+        self.set_epoch(int(state["epoch"]), int(state["batches"]))
+
+    def worker_batches(self, epoch: int) -> list[int]:
+        """Batches each loader worker of this rank yields in ``epoch``."""
+        bs = self.batch_size
+        return [-(-sum(u.rows for u in units) // bs) for units in self.plan(epoch)[self.rank]]
+
+    def resume_order(self, epoch: int, skip: int) -> list[tuple[int, int]]:
+        """(planned worker, batches it skips) for each loader worker, so a loader resumes after ``skip`` batches.
+
+        ``DataLoader`` takes batches from its workers in turn (0, 1, ..., W-1, 0, ...), passing over a
+        worker that has finished. Replaying that turn order for ``skip`` batches gives each planned
+        worker's share of them and whose turn is next; a resumed loader starts its turns at its worker 0,
+        so its worker j reads the j-th planned worker in turn from there (finished ones last).
+        """
+        left = self.worker_batches(epoch)
+        n = len(left)
+        taken = [0] * n
+        w = 0
+        for _ in range(skip):
+            if all(t >= c for t, c in zip(taken, left, strict=True)):
+                break
+            while taken[w] >= left[w]:
+                w = (w + 1) % n
+            taken[w] += 1
+            w = (w + 1) % n
+        turn = [(w + i) % n for i in range(n)]
+        active = [i for i in turn if taken[i] < left[i]]
+        done = [i for i in turn if taken[i] >= left[i]]
+        return [(i, taken[i]) for i in active + done]
 
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *key])
@@ -296,12 +356,21 @@ class ExampleStream(IterableDataset):
             table = table.take(pa.array(self._rng(epoch, key).permutation(table.num_rows)))
         return table
 
-    def iter_tables(self, units: Sequence[WorkUnit], epoch: int) -> Iterator[pa.Table]:
-        """Tables of ``batch_size`` rows (the last may be short) over ``units`` in order."""
+    def iter_tables(self, units: Sequence[WorkUnit], epoch: int, skip_batches: int = 0) -> Iterator[pa.Table]:
+        """Tables of ``batch_size`` rows (the last may be short) over ``units`` in order.
+
+        The first ``skip_batches`` tables are not produced; units wholly inside them are not even read.
+        """
         pending: list[pa.Table] = []
         have = 0
+        skip_rows = skip_batches * self.batch_size
         for unit in units:
+            if skip_rows >= unit.rows:
+                skip_rows -= unit.rows
+                continue
             table = self._read(unit, epoch)
+            if skip_rows:
+                table, skip_rows = table.slice(skip_rows), 0
             pending.append(table)
             have += table.num_rows
             while have >= self.batch_size:
@@ -313,7 +382,10 @@ class ExampleStream(IterableDataset):
             yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        workers = self.plan(self.epoch)[self.rank]
+        planned = self.plan(self.epoch)[self.rank]
+        order = self.resume_order(self.epoch, self.skip) if self.skip else [(i, 0) for i in range(len(planned))]
+        workers = [planned[i] for i, _ in order]
+        skips = [k for _, k in order]
         info = get_worker_info()
         if info is not None:
             if info.num_workers != len(workers):
@@ -322,9 +394,9 @@ class ExampleStream(IterableDataset):
                     f"{info.num_workers}: pass num_workers=stream.num_workers"
                 )
             torch.set_num_threads(1)
-            workers = [workers[info.id]]
-        for units in workers:
-            for table in self.iter_tables(units, self.epoch):
+            workers, skips = [workers[info.id]], [skips[info.id]]
+        for units, skip in zip(workers, skips, strict=True):
+            for table in self.iter_tables(units, self.epoch, skip):
                 yield encode_batch(table, self.pins, self.sequence_length)
 
 

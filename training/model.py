@@ -54,6 +54,9 @@ COUNT_FEATURES: tuple[str, ...] = tuple(
     name for name in DENSE_FEATURES if not (name.endswith("ctr") or name.endswith("_rate"))
 )
 
+# Scalars per action type of PinRanker.match_features (count, mean/max similarity, same category, decayed).
+MATCH_FEATURES = 5 * len(ACTIONS)
+
 # A universal hash h(x) = ((x mod P) * A + C) mod P, then mod (buckets - 1) + 1. P = 2^31 - 1 keeps every
 # product below 2^62, so nothing overflows int64 (in eager mode, under torch.export and on CUDA alike).
 _HASH_P = 2_147_483_647
@@ -86,6 +89,7 @@ class ModelConfig:
     category_buckets: int = 1009
     cross_layers: int = 2
     mlp_hidden: tuple[int, ...] = (64, 32)
+    use_sequence: bool = True  # False: the ablation without the action sequence (tower and match features)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -121,19 +125,20 @@ class PinRanker(nn.Module):
         d, n, s = config.d_model, config.sequence_length, config.sparse_dim
         self.labels = LABELS
 
-        # Sequence tower.
-        self.action_emb = nn.Embedding(len(ACTIONS) + 1, d, padding_idx=0)
-        self.seq_category_emb = nn.Embedding(config.category_buckets, d, padding_idx=0)
-        self.seq_pin_proj = nn.Linear(EMBEDDING_DIM, d)
-        self.cand_proj = nn.Linear(EMBEDDING_DIM, d)
-        self.age_proj = nn.Linear(1, d)
-        self.position_emb = nn.Parameter(torch.zeros(n, d))
-        layer = nn.TransformerEncoderLayer(
-            d, config.n_heads, config.ff_dim, config.dropout, batch_first=True, norm_first=True
-        )
-        # No nested tensors: they are data-dependent (bad for torch.export) and do not pay off at this size.
-        self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
-        self.register_buffer("first_position", torch.arange(n) == 0, persistent=False)
+        # Sequence tower (absent in the ablation without the sequence).
+        if config.use_sequence:
+            self.action_emb = nn.Embedding(len(ACTIONS) + 1, d, padding_idx=0)
+            self.seq_category_emb = nn.Embedding(config.category_buckets, d, padding_idx=0)
+            self.seq_pin_proj = nn.Linear(EMBEDDING_DIM, d)
+            self.cand_proj = nn.Linear(EMBEDDING_DIM, d)
+            self.age_proj = nn.Linear(1, d)
+            self.position_emb = nn.Parameter(torch.zeros(n, d))
+            layer = nn.TransformerEncoderLayer(
+                d, config.n_heads, config.ff_dim, config.dropout, batch_first=True, norm_first=True
+            )
+            # No nested tensors: they are data-dependent (bad for torch.export) and do not pay off at this size.
+            self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
+            self.register_buffer("first_position", torch.arange(n) == 0, persistent=False)
 
         # Sparse ids (row 0 = absent, kept at zero by padding_idx).
         self.pin_emb = nn.Embedding(config.pin_buckets, s, padding_idx=0)
@@ -141,9 +146,12 @@ class PinRanker(nn.Module):
         self.category_emb = nn.Embedding(config.category_buckets, s, padding_idx=0)
         self.creator_emb = nn.Embedding(config.creator_buckets, s, padding_idx=0)
         self.surface_emb = nn.Embedding(len(SURFACES) + 1, s, padding_idx=0)
+        # A user's taste in the pins' content space: its product with the candidate's content embedding
+        # is a factorisation term (user x content) the cross network would otherwise have to discover.
+        self.user_taste = nn.Embedding(config.user_buckets, EMBEDDING_DIM, padding_idx=0)
+        tower = (self.action_emb, self.seq_category_emb) if config.use_sequence else ()
         for emb in (
-            self.action_emb,
-            self.seq_category_emb,
+            *tower,
             self.pin_emb,
             self.user_emb,
             self.category_emb,
@@ -153,14 +161,18 @@ class PinRanker(nn.Module):
             nn.init.normal_(emb.weight, std=0.05)
             with torch.no_grad():
                 emb.weight[0].zero_()
-        nn.init.normal_(self.position_emb, std=0.02)
+        nn.init.normal_(self.user_taste.weight, std=0.01)
+        with torch.no_grad():
+            self.user_taste.weight[0].zero_()
+        if config.use_sequence:
+            nn.init.normal_(self.position_emb, std=0.02)
 
         # Dense features: which columns are counts.
         is_count = torch.tensor([name in COUNT_FEATURES for name in DENSE_FEATURES])
         self.register_buffer("dense_is_count", is_count, persistent=False)
 
-        seq_dim = (config.first_k + 1) * d
-        joint = seq_dim + 5 * s + len(DENSE_FEATURES) + EMBEDDING_DIM
+        seq_dim = (config.first_k + 1) * d + MATCH_FEATURES + len(ACTIONS) * EMBEDDING_DIM
+        joint = (seq_dim if config.use_sequence else 0) + 5 * s + len(DENSE_FEATURES) + 2 * EMBEDDING_DIM + 1
         self.cross = CrossNetV2(joint, config.cross_layers)
         mlp: list[nn.Module] = []
         width = joint
@@ -196,6 +208,35 @@ class PinRanker(nn.Module):
         pooled = torch.where(empty.unsqueeze(1), torch.zeros_like(pooled), pooled)
         return torch.cat([first, pooled], dim=1)
 
+    def match_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How the user's past actions relate to the candidate, per action type (target attention by hand).
+
+        Per action type a: log1p(count), mean and max cosine of the engaged pins' content embeddings with
+        the candidate's, log1p(steps in the candidate's category) and the same count decayed with a
+        half-life of one day; plus the mean content embedding of the steps of type a times the candidate's
+        embedding (elementwise: the MLP sums it into any bilinear taste x content score). Shape [B, F].
+        """
+        mask = batch["seq_mask"]
+        valid = mask.float()
+        onehot = F.one_hot(batch["seq_actions"].clamp(0, len(ACTIONS)), len(ACTIONS) + 1)[..., 1:].float()
+        onehot = onehot * valid.unsqueeze(-1)  # [B, N, A]
+        count = onehot.sum(dim=1)  # [B, A]
+        has = count > 0
+        seq = batch["seq_pin_emb"].float()
+        cand = batch["cand_pin_emb"].float()
+        sim = (F.normalize(seq, dim=-1) * F.normalize(cand, dim=-1).unsqueeze(1)).sum(-1)  # [B, N]
+        mean_sim = (onehot * sim.unsqueeze(-1)).sum(1) / count.clamp(min=1.0)
+        max_sim = sim.unsqueeze(-1).masked_fill(onehot == 0, -2.0).amax(1)
+        max_sim = torch.where(has, max_sim, torch.zeros_like(max_sim))
+        same = (batch["seq_categories"] == batch["category"].unsqueeze(1)).float() * valid
+        decay = torch.exp2(-batch["seq_age_hours"].float().clamp(min=0.0) / 24.0)
+        same_count = (onehot * same.unsqueeze(-1)).sum(1)
+        same_decayed = (onehot * (same * decay).unsqueeze(-1)).sum(1)
+        taste = torch.einsum("bna,bnd->bad", onehot, seq) / count.clamp(min=1.0).unsqueeze(-1)  # [B, A, 32]
+        fused = (taste * cand.unsqueeze(1)).flatten(1)
+        scalars = [torch.log1p(count), mean_sim, max_sim, torch.log1p(same_count), same_decayed]
+        return torch.cat([*scalars, fused], dim=1)
+
     def transform_dense(self, dense: torch.Tensor) -> torch.Tensor:
         dense = dense.float()
         return torch.where(self.dense_is_count, torch.log1p(dense.clamp(min=0.0)), dense)
@@ -210,12 +251,17 @@ class PinRanker(nn.Module):
             self.creator_emb(hash_ids(batch["creator_id"], cfg.creator_buckets)),
             self.surface_emb(batch["surface"]),
         ]
+        sequence = [self.sequence_features(batch), self.match_features(batch)] if cfg.use_sequence else []
+        cand = batch["cand_pin_emb"].float()
+        taste = self.user_taste(hash_ids(batch["user_id"], cfg.user_buckets)) * cand
         x0 = torch.cat(
             [
-                self.sequence_features(batch),
+                *sequence,
                 *sparse,
                 self.transform_dense(batch["dense"]),
-                batch["cand_pin_emb"].float(),
+                cand,
+                taste,
+                taste.sum(dim=1, keepdim=True),
             ],
             dim=1,
         )

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -73,6 +75,55 @@ def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):  # noqa
     return factor
 
 
+def wrap(model: Any, strategy: str, device: Any) -> Any:
+    """Wrap a PinRanker for data-parallel training.
+
+    ``ddp``: DistributedDataParallel (every rank holds every parameter). ``fsdp``: FSDP2 ``fully_shard``
+    with each embedding table and each transformer layer its own unit, then the rest: every parameter,
+    the big tables first, and its optimizer state are split by rows across the ranks; a unit is gathered
+    only while it computes. On CUDA its parameters compute in bf16 and gradients reduce in fp32.
+    """
+    import torch
+    from torch import nn
+
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.num_embeddings >= torch.distributed.get_world_size():
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    if getattr(model, "encoder", None) is not None:
+        for layer in model.encoder.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def gather_full(module: Any, model_config: Any) -> Any:
+    """A plain CPU PinRanker with the full weights of a wrapped one on rank 0 (None elsewhere); a collective."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from training.model import PinRanker
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    plain = PinRanker(model_config)
+    plain.load_state_dict(state)
+    return plain
+
+
 class Trainer:
     def __init__(self, config: RunConfig, env: DistEnv, heartbeat: Heartbeat) -> None:
         self.config = config
@@ -107,20 +158,24 @@ class Trainer:
         import numpy as np
         import torch
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
         from torch.utils.data import DataLoader
 
         from training import checkpoint
         from training.data import ExampleStream, PinEmbeddings
+        from training.failures import DataError
         from training.model import PinRanker, multitask_loss
 
         cfg, env, hb = self.config, self.env, self.heartbeat
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         device = self.setup_distributed()
-        log.info("rank %d/%d on %s", env.rank, env.world_size, device)
+        log.info("rank %d/%d on %s, strategy %s", env.rank, env.world_size, device, cfg.strategy)
 
         pins = PinEmbeddings.from_snapshot(cfg.root, max(cfg.train_days))
         stream = ExampleStream(
@@ -136,8 +191,6 @@ class Trainer:
         )
         steps_per_epoch = [stream.steps_per_epoch(e) for e in range(cfg.epochs)]
         if min(steps_per_epoch) == 0:
-            from training.failures import DataError
-
             raise DataError(
                 f"{stream.total_rows} training rows in {len(stream.units)} row groups over {env.world_size} "
                 f"ranks x {max(1, cfg.num_workers)} workers leave some rank without a batch: train on more "
@@ -148,12 +201,22 @@ class Trainer:
         if cfg.max_steps:
             total_steps = min(total_steps, cfg.max_steps)
 
-        model = PinRanker(cfg.model_config()).to(device)
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
-        )
+        # The trained model and, in lockstep on the same batches, the ablation without the sequence.
+        configs = {"model": cfg.model_config()}
+        if cfg.ablation:
+            configs["ablation"] = dataclasses.replace(configs["model"], use_sequence=False)
+        modules: dict[str, Any] = {}
+        parts: dict[str, Any] = {}
+        for name, model_config in configs.items():
+            torch.manual_seed(cfg.seed)  # the same initialisation on every rank
+            module = wrap(PinRanker(model_config).to(device), cfg.strategy, device)
+            optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lr_lambda(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+            )
+            modules[name] = module
+            parts[name] = (module, optimizer, scheduler)
+        torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), saved in every checkpoint
 
         if env.is_main:
             from training.tracking import Tracker
@@ -168,6 +231,7 @@ class Trainer:
                     "total_steps": total_steps,
                     "train_rows": stream.total_rows,
                     "pins_snapshot_ds": pins.ds,
+                    "parameters": sum(p.numel() for p in modules["model"].parameters()),
                 }
             )
 
@@ -175,11 +239,29 @@ class Trainer:
         found = [checkpoint.latest_checkpoint(cfg.checkpoint_dir) if env.is_main else None]
         dist.broadcast_object_list(found, src=0)
         step, resumed_seen, local_seen = 0, 0, 0
+        skip_first = 0
         if found[0] is not None:
-            position = checkpoint.load(found[0]["path"], model=model, optimizer=optimizer, scheduler=scheduler)
+            marker = found[0]
+            same_layout = marker.get("world_size") == env.world_size and sorted(parts) == marker.get("parts")
+            if sorted(parts) != marker.get("parts", ["model"]):
+                raise ConfigError(
+                    f"checkpoint {marker['path']} holds {marker.get('parts')} but this run trains {sorted(parts)}: "
+                    "keep `ablation` as it was, or use a new checkpoint_dir"
+                )
+            position = checkpoint.load(marker["path"], parts=parts, restore_rng=same_layout)
             step, resumed_seen = position["step"], position["examples_seen"]
+            if same_layout and position["data"]:
+                stream.load_position(position["data"])
+                skip_first = stream.skip
+            else:  # another world size: the model and optimizer are resharded, the data order is not exact
+                log.warning(
+                    "resuming %s with world size %d (saved with %s): not an exact resume",
+                    marker["path"],
+                    env.world_size,
+                    marker.get("world_size"),
+                )
             hb.update(progress=0, epoch=position["epoch"])
-            log.info("resumed from %s at step %d", found[0]["path"], step)
+            log.info("resumed from %s at step %d", marker["path"], step)
         last_saved = step if found[0] is not None else -1
 
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -193,7 +275,7 @@ class Trainer:
             dist.all_reduce(seen)
             return resumed_seen + int(seen.item())
 
-        def save() -> None:
+        def save(batches_in_epoch: int) -> None:
             nonlocal last_saved
             hb.update(progress=0, force=True, phase="checkpointing")
             checkpoint.save(
@@ -201,84 +283,116 @@ class Trainer:
                 step=step,
                 epoch=epoch,
                 examples_seen=examples_seen(),
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
+                parts=parts,
+                data=stream.position(epoch, batches_in_epoch),
                 is_main=env.is_main,
                 keep=cfg.keep_checkpoints,
-                extra={"total_steps": total_steps},
+                extra={"total_steps": total_steps, "strategy": cfg.strategy},
             )
             last_saved = step
             hb.update(progress=0, force=True, phase="training")
 
         epoch = 0
-        ddp.train()
+        batches_in_epoch = 0
+        for module in modules.values():
+            module.train()
         for epoch in range(cfg.epochs):
             if step >= total_steps:
                 break
             if step >= epoch_start[epoch] + steps_per_epoch[epoch]:
                 continue  # finished before the restart
             skip = step - epoch_start[epoch]
-            stream.set_epoch(epoch)
+            if skip_first and stream.epoch == epoch and stream.skip != skip:
+                raise ConfigError(  # a checkpoint whose data position disagrees with its step: a bug
+                    f"checkpoint data position {stream.skip} disagrees with step {step} of epoch {epoch}"
+                )
+            stream.set_epoch(epoch, skip)  # the skipped batches are not read at all
             loader = DataLoader(
                 stream,
                 batch_size=None,
                 num_workers=cfg.num_workers,
                 pin_memory=device.type == "cuda",
                 persistent_workers=False,
+                # Its own generator: starting a loader draws a seed, which must not move the global RNG
+                # (a resumed run starts one more loader than the uninterrupted run did).
+                generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
             )
-            for i, batch in enumerate(loader):
-                if i >= steps_per_epoch[epoch] or step >= total_steps:
+            batches_in_epoch = skip
+            for batch in loader:
+                if batches_in_epoch >= steps_per_epoch[epoch] or step >= total_steps:
                     break
-                if i < skip:
-                    continue
                 labels = batch.pop("labels").to(device, non_blocking=True)
                 batch.pop("impression_id")
                 inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                with autocast:
-                    logits = ddp(inputs)
-                loss, per_head = multitask_loss(logits, labels, weights)
+                losses = []
+                heads: dict[str, Any] = {}
+                for name, module in modules.items():
+                    with autocast:
+                        logits = module(inputs)
+                    loss, per_head = multitask_loss(logits, labels, weights)
+                    if name == "model":
+                        heads = per_head
+                    losses.append(loss)
                 if cfg.fail_nan_at_step is not None and step == cfg.fail_nan_at_step and env.rank == env.world_size - 1:
-                    loss = loss * math.nan
-                # The mean loss over ranks, for logging and for a NaN check every rank agrees on.
-                reduced = torch.stack([loss.detach(), *(v.detach() for v in per_head.values())]).float()
+                    losses[0] = losses[0] * math.nan
+                # The mean losses over ranks, for logging and for a NaN check every rank agrees on.
+                reduced = torch.stack([*(v.detach() for v in losses), *(v.detach() for v in heads.values())]).float()
                 dist.all_reduce(reduced)
                 stats: list[float] = (reduced / env.world_size).cpu().tolist()
                 if not all(math.isfinite(v) for v in stats):
                     raise NanLossError(
                         f"loss is {stats[0]} at step {step} (epoch {epoch}); per head "
-                        f"{dict(zip(per_head, stats[1:], strict=True))}: lower lr (now {cfg.lr}) or grad_clip"
+                        f"{dict(zip(heads, stats[len(losses) :], strict=True))}: lower lr (now {cfg.lr}) or grad_clip"
                     )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                scheduler.step()
+                norms = []
+                for (name, (module, optimizer, scheduler)), loss in zip(parts.items(), losses, strict=True):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip or math.inf)
+                    norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                    if not math.isfinite(norms[-1]):
+                        raise NanLossError(f"the gradient norm of {name} is {norms[-1]} at step {step}: lower lr")
+                    optimizer.step()
+                    scheduler.step()
                 step += 1
+                batches_in_epoch += 1
                 local_seen += labels.shape[0]
                 last_loss = stats[0]
                 hb.update(examples=labels.shape[0], step=step, epoch=epoch, loss=last_loss)
                 if self.tracker is not None and (step % cfg.log_every == 0 or step == total_steps):
-                    metrics = {"train_loss": stats[0], "lr": scheduler.get_last_lr()[0]}
-                    metrics.update({f"train_loss_{k}": v for k, v in zip(per_head, stats[1:], strict=True)})
+                    lr = parts["model"][2].get_last_lr()[0]
+                    metrics = {"train_loss": stats[0], "lr": lr, "grad_norm": norms[0]}
+                    metrics.update({f"train_loss_{k}": v for k, v in zip(heads, stats[len(losses) :], strict=True)})
+                    if cfg.ablation:
+                        metrics["train_loss_ablation"] = stats[1]
                     self.tracker.log_metrics(metrics, step=step, flush=True)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save()
+                    save(batches_in_epoch)
+                if cfg.debug_step_sleep_s:
+                    time.sleep(cfg.debug_step_sleep_s)
         if last_saved != step:
-            save()
+            save(batches_in_epoch)
         total_seen = examples_seen()
+        # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here.
+        full = {name: gather_full(module, configs[name]) for name, module in modules.items()}
         hb.update(progress=0, force=True, phase="trained", step=step)
-        dist.destroy_process_group()  # rank 0 evaluates alone: no collective may wait on it
+        dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         if not env.is_main:
             return None
-        return self.finish(model, pins, step, total_seen, last_loss, device)
+        return self.finish(full["model"], pins, step, total_seen, last_loss, device, ablation=full.get("ablation"))
 
     # ----------------------------------------------------------------------------------------------
     def finish(
-        self, model: Any, pins: Any, step: int, examples_seen: int, last_loss: float, device: Any
+        self,
+        model: Any,
+        pins: Any,
+        step: int,
+        examples_seen: int,
+        last_loss: float,
+        device: Any,
+        ablation: Any = None,
     ) -> dict[str, Any]:
-        """Rank 0: evaluate, log to MLflow, register, write result.json."""
+        """Rank 0: evaluate (and the ablation without the sequence), log to MLflow, register, write result.json."""
         from features.contracts import DENSE_FEATURES, LABELS
         from training.data import PINS, PinEmbeddings, history_priors, latest_complete_day
         from training.evaluate import evaluate, flat_metrics
@@ -288,6 +402,7 @@ class Trainer:
         hb.update(progress=0, force=True, phase="evaluating")
         same_snapshot = latest_complete_day(cfg.root, PINS, cfg.eval_ds) == pins.ds
         eval_pins = pins if same_snapshot else PinEmbeddings.from_snapshot(cfg.root, cfg.eval_ds)
+        model = model.to(device)
         metrics = evaluate(
             model,
             cfg.root,
@@ -297,6 +412,7 @@ class Trainer:
             pins=eval_pins,
             device=device,
             on_batch=lambda _: hb.update(phase="evaluating"),
+            ablation=ablation.to(device) if ablation is not None else None,
         )
         aucs = [v for v in metrics["auc"].values() if v is not None]
         metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None

@@ -186,3 +186,107 @@ def test_nan_loss_fails_every_rank_with_the_nan_exit_code(tmp_path: Path, world)
         assert failure["failure_class"] == "USER"
         assert "at step 2" in failure["message"]
     assert not (tmp_path / "job" / "result.json").exists()
+
+
+def final_state(checkpoint_dir: Path, tmp_path: Path, name: str) -> dict[str, object]:
+    """The newest checkpoint of ``checkpoint_dir`` as one flat dict (DCP → torch.save, read back)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from training.checkpoint import complete_checkpoints
+
+    step, path = complete_checkpoints(checkpoint_dir)[-1]
+    target = tmp_path / f"{name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    return {"step": step, **torch.load(target, weights_only=False)}
+
+
+def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs: max |a-b| = {(a.double() - b.double()).abs().max()}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_run(
+    tmp_path: Path, world, strategy: str
+):
+    import signal
+    import time
+
+    common = {
+        "strategy": strategy,
+        "deterministic": True,
+        "register": False,
+        "epochs": 2,
+        "batch_size": 16,
+        "checkpoint_every": 3,
+        "keep_checkpoints": 1,
+        "ablation": strategy == "ddp",
+    }
+    launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config"]
+
+    # Uninterrupted.
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    proc = run([*launch, str(run_config(straight, **common, root=str(tmp_path / "storage")))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    # Killed: SIGKILL rank 1 once it is past a checkpoint, in the middle of the run, then restart.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    config = run_config(killed, **common, root=str(tmp_path / "storage"), debug_step_sleep_s=0.25)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, *launch, str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    beat_file = killed / "job" / "heartbeat-rank1.json"
+    deadline = time.monotonic() + 240
+    killed_at = None
+    while time.monotonic() < deadline and job.poll() is None:
+        try:
+            beat = json.loads(beat_file.read_text())
+        except (OSError, ValueError):
+            beat = {}
+        if beat.get("phase") == "training" and 5 <= beat.get("step", 0) < beat.get("total_steps", 0) - 3:
+            os.kill(beat["pid"], signal.SIGKILL)
+            killed_at = beat["step"]
+            break
+        time.sleep(0.02)
+    _, stderr = job.communicate(timeout=240)
+    assert killed_at is not None, f"rank 1 never reached a step to kill it at: {stderr[-3000:]}"
+    assert job.returncode == ExitCode.INFRA, stderr[-3000:]  # a lost peer is retried
+    assert not (killed / "job" / "result.json").exists()
+
+    proc = run([*launch, str(config)])  # the retry: resumes from the newest complete checkpoint
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stderr
+    assert "not an exact resume" not in proc.stderr
+
+    a = final_state(straight / "checkpoints", tmp_path, "straight")
+    b = final_state(killed / "checkpoints", tmp_path, "killed")
+    assert a["step"] == b["step"] and a["step"] > killed_at
+    assert_bitwise_equal(a, b)  # model, optimizer (and ablation), scheduler, data position, RNG states
+    result_a = json.loads((straight / "job" / "result.json").read_text())
+    result_b = json.loads((killed / "job" / "result.json").read_text())
+    assert result_a["metrics"]["auc"] == result_b["metrics"]["auc"]
+    assert result_a["examples_seen"] == result_b["examples_seen"]

@@ -336,18 +336,141 @@ def test_checkpoint_round_trip_restores_model_optimizer_and_position(tmp_path: P
         loss.backward()
         opt.step()
         sched.step()
+    torch.manual_seed(42)
     checkpoint.save(
-        tmp_path, step=3, epoch=1, examples_seen=9, model=model, optimizer=opt, scheduler=sched, is_main=True
+        tmp_path,
+        step=3,
+        epoch=1,
+        examples_seen=9,
+        parts={"model": (model, opt, sched)},
+        data={"epoch": 1, "batches": 2},
+        is_main=True,
     )
+    after_save = torch.rand(3)
     (tmp_path / "step-00000007").mkdir()  # a save that died before its marker is ignored
     latest = checkpoint.latest_checkpoint(tmp_path)
     assert latest is not None and latest["step"] == 3
 
     fresh, fresh_opt, fresh_sched = build()
-    position = checkpoint.load(latest["path"], model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
-    assert position == {"step": 3, "epoch": 1, "examples_seen": 9}
+    torch.manual_seed(7)
+    position = checkpoint.load(latest["path"], parts={"model": (fresh, fresh_opt, fresh_sched)})
+    assert position == {"step": 3, "epoch": 1, "examples_seen": 9, "data": {"epoch": 1, "batches": 2}}
+    assert torch.equal(torch.rand(3), after_save)  # the RNG continues where it was saved
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
     assert fresh_sched.get_last_lr() == pytest.approx(sched.get_last_lr())
     state, fresh_state = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
     torch.testing.assert_close(state[0]["exp_avg"], fresh_state[0]["exp_avg"])
+
+
+# --- issue 5: match features, ablation, resume position, HIT@3 ------------------------------------
+
+
+def test_the_ablation_model_has_no_sequence_tower_and_ignores_the_sequence():
+    torch.manual_seed(0)
+    import dataclasses
+
+    model = PinRanker(dataclasses.replace(SMALL, use_sequence=False))
+    assert not hasattr(model, "encoder") and not hasattr(model, "action_emb")
+    batch = make_batch([0, 4, 8])
+    batch.pop("labels")
+    other = {
+        **batch,
+        "seq_pin_emb": torch.randn_like(batch["seq_pin_emb"]),
+        "seq_mask": torch.ones_like(batch["seq_mask"]),
+    }
+    a, b = model(batch), model(other)
+    for label in LABELS:
+        assert torch.equal(a[label], b[label])
+
+
+def test_match_features_see_the_candidate_category_in_the_sequence():
+    torch.manual_seed(0)
+    model = PinRanker(SMALL)
+    batch = make_batch([4, 4])
+    batch["category"] = torch.tensor([3, 99])
+    batch["seq_categories"] = torch.where(batch["seq_mask"], 3, -1)
+    feats = model.match_features(batch)
+    from features.contracts import ACTIONS
+
+    a = len(ACTIONS)
+    same_count = feats[:, 3 * a : 4 * a].sum(1)
+    assert same_count[0] > 0 and same_count[1] == 0
+
+
+def test_a_resumed_stream_yields_exactly_the_remaining_batches(world: Path):
+    for workers in (0, 2):
+        full = stream(world, rank=0, world_size=1, num_workers=workers)
+        full.set_epoch(1)
+        loader = torch.utils.data.DataLoader(full, batch_size=None, num_workers=workers)
+        expected = [b["impression_id"].tolist() for b in loader]
+        for skip in (1, 3, len(expected) - 1):
+            resumed = stream(world, rank=0, world_size=1, num_workers=workers)
+            resumed.load_position(full.position(1, skip))
+            loader = torch.utils.data.DataLoader(resumed, batch_size=None, num_workers=workers)
+            assert [b["impression_id"].tolist() for b in loader] == expected[skip:], (workers, skip)
+
+
+def test_a_position_from_another_layout_is_refused(world: Path):
+    position = stream(world, world_size=2).position(0, 1)
+    with pytest.raises(ValueError, match="world_size: saved 2, now 1"):
+        stream(world, world_size=1).load_position(position)
+
+
+def test_hit_at_3_per_user():
+    from training.evaluate import hit_at_k
+
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.1, 0.2, 0.3])
+    labels = np.array([0, 0, 0, 1, 1, 0, 0])
+    users = np.array([1, 1, 1, 1, 2, 2, 2])
+    assert hit_at_k(scores, labels, users) == 0.5  # user 1's positive is 4th; user 2's is in its top 3
+    assert hit_at_k(-scores, labels, users) == 1.0
+    assert math.isnan(hit_at_k(scores, np.zeros(7), users))
+
+
+def test_preflight_verdict_data_wins_over_infra():
+    from training.preflight import verdict
+
+    ok = {"ok": True}
+    assert verdict([{"devices": ok}]) == (ExitCode.OK, None)
+    infra = {"ok": False, "failure_class": "INFRA"}
+    data = {"ok": False, "failure_class": "DATA"}
+    assert verdict([{"disk": infra}, {"devices": ok}])[0] == ExitCode.INFRA
+    assert verdict([{"disk": infra}, {"data": data}])[0] == ExitCode.DATA
+
+
+def test_preflight_alone_reports_missing_data_as_data(world: Path, tmp_path: Path):
+    from training.preflight import REPORT_FILE
+    from training.preflight import main as preflight_main
+
+    config = {
+        **REQUIRED,
+        "root": str(world),
+        "train_days": DAYS,
+        "eval_ds": "2026-03-01",
+        "output_dir": str(tmp_path / "out"),
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
+        "ablation": False,
+        **TINY_RUN,
+    }
+    path = tmp_path / "RUN.json"
+    path.write_text(json.dumps(config))
+    assert preflight_main(["--config", str(path), "--allreduce-mb", "0.1"]) == ExitCode.DATA
+    report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    checks = report["ranks"][0]["checks"]
+    assert report["failure_class"] == "DATA" and not checks["data"]["ok"] and "2026-03-01" in checks["data"]["error"]
+    assert checks["allreduce"]["ok"] and checks["disk"]["ok"] and checks["mlflow"]["ok"]
+
+
+TINY_RUN = {
+    "sequence_length": 8,
+    "first_k": 2,
+    "d_model": 16,
+    "ff_dim": 32,
+    "pin_buckets": 101,
+    "user_buckets": 101,
+    "creator_buckets": 31,
+    "category_buckets": 17,
+    "mlp_hidden": [32],
+}
