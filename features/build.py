@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import shutil
 import sys
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from features.contracts import (
     ACTIONS,
@@ -47,6 +49,7 @@ from features.contracts import (
     USER_WINDOW,
 )
 from features.storage import (
+    DATA_FILE,
     data_files,
     day_range,
     ds_str,
@@ -54,8 +57,10 @@ from features.storage import (
     partition_path,
     read_metadata,
     shift_ds,
-    write_table,
+    write_partition,
 )
+
+log = logging.getLogger(__name__)
 
 RAW_EVENTS = "raw/events"
 RAW_PINS = "raw/pins"
@@ -70,6 +75,8 @@ EXAMPLES_DS = "examples"
 UNKNOWN_ID = -1
 # Global rates used as the prior when no pin_window metadata is there to provide them (cold start).
 DEFAULT_GLOBAL_RATES: dict[str, float] = {"ctr": 0.0, "repin_rate": 0.0, "hide_rate": 0.0}
+# Rows per Arrow batch when streaming a query's result into its Parquet file.
+BATCH_ROWS = 256 * 1024
 # Exit code of the CLI when an input partition is missing or malformed; the same value as
 # training.failures.ExitCode.DATA (sysexits EX_DATAERR), so every backend classifies it as DATA.
 EXIT_DATA = 65
@@ -89,8 +96,10 @@ class InputDataError(ValueError):
 class DuckDBSettings:
     """Resources of the DuckDB engine of one build step.
 
-    ``temp_directory`` is the parent folder for spill files; each connection spills into its own fresh
-    subfolder (removed afterwards), so concurrent builds never share files. Default: the system tmp.
+    ``memory_limit`` bounds DuckDB's own memory; joins, aggregations and sorts beyond it spill to disk
+    instead of failing. ``temp_directory`` is the parent folder for spill files; each connection spills into
+    its own fresh subfolder (removed afterwards), so concurrent builds never share files. Default: the
+    system tmp. Outputs are streamed to Parquet in batches, so a large day never sits whole in Python.
     """
 
     threads: int = 2
@@ -109,6 +118,8 @@ def connect(settings: DuckDBSettings | None = None) -> Iterator[duckdb.DuckDBPyC
                 "threads": settings.threads,
                 "memory_limit": settings.memory_limit,
                 "temp_directory": spill,
+                # Every output has an ORDER BY; without this, spilling operators can stream freely.
+                "preserve_insertion_order": False,
             }
         )
         try:
@@ -139,14 +150,36 @@ _DAILY_COUNTS = _indent([f"count(*) FILTER (WHERE action = '{a}') AS {c}" for c,
 _WINDOW_SUMS = _indent([f"sum({c})::BIGINT AS {c}" for c in COUNT_COLUMNS], 9)
 _ACTION_INDEX = " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS))
 
-# Daily aggregates of one day's events. Input view: events (raw/events of ds).
+# Daily aggregates of one day's events. Input views: events (raw/events of ds), pins (raw/pins of ds).
+# Per-category engagement takes each pin's category from the same day's pins snapshot.
 USER_DAILY_SQL = f"""
-SELECT user_id,
-       {_DAILY_COUNTS},
-       count(DISTINCT pin_id) AS distinct_pins
-FROM events
-GROUP BY user_id
-ORDER BY user_id
+WITH counts AS (
+  SELECT user_id,
+         {_DAILY_COUNTS},
+         count(DISTINCT pin_id) AS distinct_pins
+  FROM events
+  GROUP BY user_id
+),
+per_category AS (
+  SELECT e.user_id,
+         coalesce(p.category, $unknown)::INTEGER AS category,
+         count(*) FILTER (WHERE e.action = 'impression') AS impressions,
+         count(*) FILTER (WHERE e.action <> 'impression') AS engagements
+  FROM events AS e
+  LEFT JOIN pins AS p ON p.pin_id = e.pin_id
+  GROUP BY ALL
+),
+categories AS (
+  SELECT user_id,
+         list({{'category': category, 'impressions': impressions, 'engagements': engagements}}
+              ORDER BY category) AS categories
+  FROM per_category
+  GROUP BY user_id
+)
+SELECT c.*, g.categories
+FROM counts AS c
+JOIN categories AS g ON g.user_id = c.user_id
+ORDER BY c.user_id
 """
 
 PIN_DAILY_SQL = f"""
@@ -159,17 +192,35 @@ ORDER BY pin_id
 """
 
 # Window features: sums of the daily aggregates of the window's days. Input view: user_daily / pin_daily.
+# Integer sums only, so the result does not depend on how the days were gathered (exactness).
 USER_WINDOW_SQL = f"""
 WITH sums AS (
   SELECT user_id,
          {_WINDOW_SUMS}
   FROM user_daily
   GROUP BY user_id
+),
+per_category AS (
+  SELECT user_id,
+         c.category AS category,
+         sum(c.impressions)::BIGINT AS impressions,
+         sum(c.engagements)::BIGINT AS engagements
+  FROM (SELECT user_id, unnest(categories) AS c FROM user_daily)
+  GROUP BY ALL
+),
+categories AS (
+  SELECT user_id,
+         list({{'category': category, 'impressions': impressions, 'engagements': engagements}}
+              ORDER BY category) AS categories
+  FROM per_category
+  GROUP BY user_id
 )
-SELECT *,
-       CASE WHEN impressions > 0 THEN clicks::DOUBLE / impressions ELSE 0.0 END AS ctr
-FROM sums
-ORDER BY user_id
+SELECT s.*,
+       CASE WHEN s.impressions > 0 THEN s.clicks::DOUBLE / s.impressions ELSE 0.0 END AS ctr,
+       g.categories
+FROM sums AS s
+JOIN categories AS g ON g.user_id = s.user_id
+ORDER BY s.user_id
 """
 
 # Totals over every pin of the window: the global rates that smooth each pin's rates.
@@ -202,51 +253,84 @@ FROM sums
 ORDER BY pin_id
 """
 
-# Sequences. View items(user_id, pin_id, action_idx, ts) holds candidate engagements: either the
-# previous day's sequences plus the day's engagements (incremental) or every engagement of the window's
-# raw days (full). The same ranking then applies to both, so both give the same result.
-ENGAGEMENTS_SQL = f"""
-SELECT user_id, pin_id,
-       (CASE action {_ACTION_INDEX} END)::INTEGER AS action_idx,
-       ts
-FROM events
-WHERE action IN ({_sql_list(ENGAGEMENTS)})
+# Sequences. One query for both ways of building them: ``engagements`` are the engagements of some raw
+# days, each with the category of its pin in the pins snapshot of the action's own day, and
+# ``previous_sequence`` is the state of ds-1 (incremental: the engagements of ds only) or empty (full:
+# the engagements of every day of the window). Every engagement of ds is later than any action in the
+# state of ds-1, so prepending the day's most recent ones to that state keeps the total order (ts, then
+# pin, then action, all descending); truncating to N and dropping actions before the window's first day
+# then gives the same lists as ranking every engagement of the window (exactness), without unnesting
+# the state.
+ENGAGEMENTS_OF_DAY_SQL = f"""
+SELECT e.user_id, e.pin_id,
+       (CASE e.action {_ACTION_INDEX} END)::INTEGER AS action_idx,
+       coalesce(p.category, $unknown)::INTEGER AS category,
+       e.ts
+FROM read_parquet([{{events}}]) AS e
+LEFT JOIN read_parquet([{{pins}}]) AS p ON p.pin_id = e.pin_id
+WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end
 """
 
-PREVIOUS_ITEMS_SQL = """
-SELECT user_id,
-       unnest(seq_pin_ids) AS pin_id,
-       unnest(seq_actions) AS action_idx,
-       unnest(seq_ts) AS ts
-FROM previous_sequence
-"""
+_SEQ_LISTS = ("seq_pin_ids", "seq_actions", "seq_categories", "seq_ts")
+_SEQ_TYPES = ("BIGINT", "INTEGER", "INTEGER", "TIMESTAMPTZ")
+_LATEST_LISTS = _indent(
+    [f"list({c} ORDER BY pos) AS {s}" for c, s in zip(("pin_id", "action_idx", "category", "ts"), _SEQ_LISTS, strict=True)],
+    9,
+)
+_MERGED_LISTS = _indent(
+    [
+        f"list_concat(coalesce(l.{s}, []::{t}[]), coalesce(p.{s}, []::{t}[])) AS {s}"
+        for s, t in zip(_SEQ_LISTS, _SEQ_TYPES, strict=True)
+    ],
+    9,
+)
+_KEPT_LISTS = _indent([f"{s}[1:n] AS {s}" for s in _SEQ_LISTS], 7)
 
-# A total order on a user's actions (ts, then pin, then action, all descending), so that truncation to
-# the top N is the same whichever way the candidates were gathered. Categories always come from the
-# pins snapshot of ds, also for actions carried over from the previous state.
-USER_SEQUENCE_SQL = """
-WITH kept AS (
-  SELECT * FROM items WHERE ts >= $window_start AND ts < $window_end
+USER_SEQUENCE_SQL = f"""
+WITH ranked AS (
+  SELECT *,
+         row_number() OVER (PARTITION BY user_id ORDER BY ts DESC, pin_id DESC, action_idx DESC) AS pos
+  FROM ({{engagements}})
 ),
-ranked AS (
-  SELECT k.user_id, k.pin_id, k.action_idx, k.ts,
-         coalesce(p.category, $unknown)::INTEGER AS category,
-         row_number() OVER (
-           PARTITION BY k.user_id ORDER BY k.ts DESC, k.pin_id DESC, k.action_idx DESC
-         ) AS pos
-  FROM kept AS k
-  LEFT JOIN pins AS p ON p.pin_id = k.pin_id
+latest AS (
+  SELECT user_id,
+         {_LATEST_LISTS}
+  FROM ranked
+  WHERE pos <= $sequence_length
+  GROUP BY user_id
+),
+merged AS (
+  SELECT coalesce(l.user_id, p.user_id) AS user_id,
+         {_MERGED_LISTS}
+  FROM latest AS l
+  FULL OUTER JOIN previous_sequence AS p ON p.user_id = l.user_id
+),
+counted AS (
+  -- The lists are sorted by ts descending: the actions inside the window are a prefix.
+  SELECT *, least(len(list_filter(seq_ts, lambda t: t >= $window_start)), $sequence_length) AS n
+  FROM merged
 )
 SELECT user_id,
-       list(pin_id ORDER BY pos) AS seq_pin_ids,
-       list(action_idx ORDER BY pos) AS seq_actions,
-       list(category ORDER BY pos) AS seq_categories,
-       list(ts ORDER BY pos) AS seq_ts
-FROM ranked
-WHERE pos <= $sequence_length
-GROUP BY user_id
+       {_KEPT_LISTS}
+FROM counted
+WHERE n > 0
 ORDER BY user_id
 """
+
+
+def _engagements_sql(root: str | os.PathLike[str], days: Sequence[str]) -> str:
+    """The engagements of ``days`` (raw events and pins of each day), as one UNION ALL query."""
+
+    def quoted(paths: Sequence[Path]) -> str:
+        return ", ".join("'" + str(f).replace("'", "''") + "'" for f in paths)
+
+    return "\nUNION ALL\n".join(
+        ENGAGEMENTS_OF_DAY_SQL.format(
+            events=quoted(data_files(root, RAW_EVENTS, day)), pins=quoted(data_files(root, RAW_PINS, day))
+        )
+        for day in days
+    )
+
 
 # Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
 # md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages.
@@ -270,25 +354,29 @@ _PIN_FEATURES = _indent(
     7,
 )
 _LABEL_VALUES = _indent([f"coalesce(l.{a}, 0)::TINYINT AS {a}" for a in LABELS], 7)
-_ANY_POSITIVE = " OR ".join(f"{a} = 1" for a in LABELS)
+_ANY_POSITIVE_L = " OR ".join(f"l.{a} = 1" for a in LABELS)
+_LABEL_NAMES = ", ".join(f"i.{a}" for a in LABELS)
 
 # Examples: impressions of ds (view events) + labels of ds + features as of ds-1 (views user_window,
 # pin_window, user_sequence: empty when missing) + pin attributes of the ds snapshot (view pins).
 EXAMPLES_SQL = f"""
-WITH impressions AS (
-  SELECT impression_id, ts, user_id, pin_id, surface
-  FROM events
-  WHERE action = 'impression'
-),
-labels AS (
+WITH labels AS (
   SELECT impression_id,
          {_LABEL_COLUMNS}
   FROM events
   WHERE action <> 'impression'
   GROUP BY impression_id
 ),
-joined AS (
-  SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
+-- Downsampling first, so that features are joined for the kept impressions only.
+sampled AS (
+  SELECT i.impression_id, i.ts, i.user_id, i.pin_id, i.surface,
+         {_LABEL_VALUES}
+  FROM events AS i
+  LEFT JOIN labels AS l ON l.impression_id = i.impression_id
+  WHERE i.action = 'impression'
+    AND ({_ANY_POSITIVE_L} OR keep_hash(i.impression_id, $seed) < $negative_downsample)
+)
+SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
        coalesce(p.category, $unknown)::INTEGER AS category,
        coalesce(p.creator_id, $unknown)::BIGINT AS creator_id,
        i.surface,
@@ -297,22 +385,18 @@ joined AS (
        coalesce(s.seq_pin_ids, []::BIGINT[]) AS seq_pin_ids,
        coalesce(s.seq_actions, []::INTEGER[]) AS seq_actions,
        coalesce(s.seq_categories, []::INTEGER[]) AS seq_categories,
+       -- epoch_us arithmetic: the same value as date_diff('microsecond', ...), many times faster in a lambda.
        coalesce(
-         list_transform(s.seq_ts, lambda t: date_diff('microsecond', t, i.ts) / 3600e6),
+         list_transform(s.seq_ts, lambda t: (epoch_us(i.ts) - epoch_us(t)) / 3600e6),
          []::DOUBLE[]
        )::FLOAT[] AS seq_age_hours,
-       {_LABEL_VALUES}
-  FROM impressions AS i
-  LEFT JOIN labels AS l ON l.impression_id = i.impression_id
-  LEFT JOIN pins AS p ON p.pin_id = i.pin_id
-  LEFT JOIN user_window AS u ON u.user_id = i.user_id
-  LEFT JOIN pin_window AS pw ON pw.pin_id = i.pin_id
-  LEFT JOIN user_sequence AS s ON s.user_id = i.user_id
-)
-SELECT *
-FROM joined
-WHERE {_ANY_POSITIVE} OR keep_hash(impression_id, $seed) < $negative_downsample
-ORDER BY impression_id
+       {_LABEL_NAMES}
+FROM sampled AS i
+LEFT JOIN pins AS p ON p.pin_id = i.pin_id
+LEFT JOIN user_window AS u ON u.user_id = i.user_id
+LEFT JOIN pin_window AS pw ON pw.pin_id = i.pin_id
+LEFT JOIN user_sequence AS s ON s.user_id = i.user_id
+ORDER BY i.impression_id
 """
 
 IMPRESSION_COUNTS_SQL = """
@@ -370,6 +454,44 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     return table.select(schema.names).cast(schema)
 
 
+def _write_query(
+    con: duckdb.DuckDBPyConnection,
+    sql: str,
+    params: dict[str, Any] | None,
+    root: str | os.PathLike[str],
+    dataset: str,
+    ds: str,
+    schema: pa.Schema,
+    metadata: dict[str, Any],
+    *,
+    sums: Sequence[str] = (),
+    sums_key: str = "sums",
+) -> dict[str, Any]:
+    """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
+
+    Batches are cast to the contract ``schema`` as they come, so the result never sits whole in memory.
+    Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``).
+    """
+    relation = con.sql(sql, params=params)
+    assert relation is not None, "a SELECT returns a relation"
+    rows = 0
+    totals = dict.fromkeys(sums, 0)
+    with write_partition(root, dataset, ds) as tmp:
+        reader = relation.to_arrow_reader(BATCH_ROWS)
+        with pq.ParquetWriter(tmp / DATA_FILE, schema) as writer:
+            for batch in reader:
+                if not batch.num_rows:
+                    continue
+                conformed = _conform(pa.Table.from_batches([batch]), schema)
+                writer.write_table(conformed, row_group_size=64 * 1024)
+                rows += conformed.num_rows
+                for column in sums:
+                    totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
+        summary = {**metadata, "rows": rows} | ({sums_key: totals} if sums else {})
+        (tmp / "_metadata.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
 def _day_start(ds: str) -> dt.datetime:
     return dt.datetime.combine(dt.date.fromisoformat(ds), dt.time(), tzinfo=dt.UTC)
 
@@ -403,28 +525,70 @@ def _pins_hint(ds: str) -> str:
 def build_daily(
     root: str | os.PathLike[str], ds: str | dt.date, *, engine: DuckDBSettings | None = None
 ) -> dict[str, Any]:
-    """Write ``features/user_daily`` and ``features/pin_daily`` of ``ds`` from that day's events only."""
+    """Write ``features/user_daily`` and ``features/pin_daily`` of ``ds`` from that day's events only.
+
+    Per-category engagement takes the category of each pin from the pins snapshot of ``ds``.
+    """
     ds = ds_str(ds)
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    base: dict[str, Any] = {"step": "daily", "ds": ds, "inputs": [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)], "missing_days": []}
+    summary: dict[str, Any] = {}
     with connect(engine) as con:
         _view(con, "events", events, EVENTS)
-        user_daily = _conform(_query(con, USER_DAILY_SQL), USER_DAILY)
-        pin_daily = _conform(_query(con, PIN_DAILY_SQL), PIN_DAILY)
+        _view(con, "pins", pins, PINS)
+        _check_unique_pins(con, ds)
         (events_rows,) = _row(con, "SELECT count(*) FROM events")
-    base = {
-        "step": "daily",
-        "ds": ds,
-        "inputs": [_ref(RAW_EVENTS, ds)],
-        "missing_days": [],
-        "events": int(events_rows),
-    }
-    summary = {
-        USER_DAILY_DS: {**base, "dataset": USER_DAILY_DS, "rows": user_daily.num_rows},
-        PIN_DAILY_DS: {**base, "dataset": PIN_DAILY_DS, "rows": pin_daily.num_rows},
-    }
-    write_table(root, USER_DAILY_DS, ds, user_daily, metadata=summary[USER_DAILY_DS])
-    write_table(root, PIN_DAILY_DS, ds, pin_daily, metadata=summary[PIN_DAILY_DS])
+        base["events"] = int(events_rows)
+        for dataset, sql, schema in ((USER_DAILY_DS, USER_DAILY_SQL, USER_DAILY), (PIN_DAILY_DS, PIN_DAILY_SQL, PIN_DAILY)):
+            summary[dataset] = _write_query(
+                con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY_DS else None,
+                root, dataset, ds, schema, {**base, "dataset": dataset},
+            )
     return summary
+
+
+def _daily_sources(
+    con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str], *, recompute: bool
+) -> tuple[list[str], list[str], list[str]]:
+    """Create views ``user_daily`` and ``pin_daily`` over the daily aggregates of ``days``.
+
+    A day's aggregates come from its complete daily partitions; when those are missing (or ``recompute``),
+    they are computed here from that day's raw events and pins with the same SQL, in memory (the day's
+    own partitions are left to its own run, so nothing outside ``ds`` is written). A day without complete
+    raw events and pins is missing. Returns (days read from daily partitions, days computed from raw,
+    missing days).
+    """
+    stored: list[str] = []
+    computed: list[str] = []
+    missing: list[str] = []
+    for day in days:
+        if not recompute and is_complete(root, USER_DAILY_DS, day) and is_complete(root, PIN_DAILY_DS, day):
+            stored.append(day)
+        elif is_complete(root, RAW_EVENTS, day) and is_complete(root, RAW_PINS, day):
+            computed.append(day)
+        else:
+            missing.append(day)
+    for name, dataset, sql, schema in (
+        ("user_daily", USER_DAILY_DS, USER_DAILY_SQL, USER_DAILY),
+        ("pin_daily", PIN_DAILY_DS, PIN_DAILY_SQL, PIN_DAILY),
+    ):
+        parts: list[str] = []
+        files = [f for day in stored for f in data_files(root, dataset, day)]
+        if files:
+            _view(con, f"{name}_stored", files, schema)
+            parts.append(f"SELECT * FROM {name}_stored")
+        for i, day in enumerate(computed):
+            _view(con, "events", data_files(root, RAW_EVENTS, day), EVENTS)
+            _view(con, "pins", data_files(root, RAW_PINS, day), PINS)
+            _check_unique_pins(con, day)
+            con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_raw_{i} AS {sql}", {"unknown": UNKNOWN_ID} if name == "user_daily" else None)
+            parts.append(f"SELECT * FROM {name}_raw_{i}")
+        if parts:
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS " + " UNION ALL BY NAME ".join(parts))
+        else:
+            _view(con, name, [], schema)
+    return stored, computed, missing
 
 
 def build_window(
@@ -433,46 +597,54 @@ def build_window(
     window_days: int = 30,
     prior_impressions: float = 20.0,
     *,
+    recompute: bool = False,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_window`` and ``features/pin_window`` as of the end of ``ds``.
 
-    Sums the daily aggregates of the days ``[ds-window_days+1, ds]`` that exist (never rescans raw
-    events); the daily partitions of ``ds`` itself are required, missing earlier days are recorded in
-    ``missing_days``. Pin rates are smoothed towards the window's global rates with ``prior_impressions``
-    pseudo-impressions; the global rates are recorded in the pin_window metadata (``global_rates``).
+    Sums the daily aggregates of the days ``[ds-window_days+1, ds]`` (never rescans a window of raw
+    events). A day whose daily partitions are missing is computed on demand from its raw partitions and
+    listed in ``computed_from_raw``; a day without raw data either is listed in ``missing_days`` (a gap)
+    and logged; ``ds`` itself must be there. ``recompute`` computes every day from raw (the full
+    recompute that the incremental path must equal). Pin rates are smoothed towards the window's global
+    rates with ``prior_impressions`` pseudo-impressions; the global rates are recorded in the pin_window
+    metadata (``global_rates``).
     """
     ds = ds_str(ds)
     _check_positive("window_days", window_days, "--window-days")
     _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
     days = day_range(shift_ds(ds, -(window_days - 1)), ds)
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
-    summary: dict[str, Any] = {}
     with connect(engine) as con:
-        tables: dict[str, pa.Table] = {}
-        for name, daily, schema in (
-            ("user", USER_DAILY_DS, USER_DAILY),
-            ("pin", PIN_DAILY_DS, PIN_DAILY),
-        ):
-            hint = f"run `python -m features.build --step daily --ds {ds}` first"
-            files = _require(root, daily, ds, hint)
-            present = [d for d in days[:-1] if is_complete(root, daily, d)]
-            for day in present:
-                files += data_files(root, daily, day)
-            _view(con, f"{name}_daily", files, schema)
-            used = [*present, ds]
-            summary[f"features/{name}_window"] = {
-                "step": "window",
-                "dataset": f"features/{name}_window",
-                "ds": ds,
-                "window_start": days[0],
-                "window_end": ds,
-                "inputs": [_ref(daily, d) for d in used],
-                "missing_days": sorted(set(days) - set(used)),
-                **params,
-            }
-        tables[USER_WINDOW_DS] = _conform(_query(con, USER_WINDOW_SQL), USER_WINDOW)
+        stored, computed, missing = _daily_sources(con, root, days, recompute=recompute)
+        if ds in missing:
+            raise MissingInputError(
+                f"features/user_daily and features/pin_daily for ds={ds} are missing and so is raw data to "
+                f"compute them; run `python -m features.build --step daily --ds {ds}` once "
+                f"{RAW_EVENTS} and {RAW_PINS} of {ds} have landed"
+            )
+        if missing:
+            log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
+        base = {
+            "step": "window",
+            "ds": ds,
+            "mode": "recompute" if recompute else "daily_aggregates",
+            "window_start": days[0],
+            "window_end": ds,
+            "computed_from_raw": computed,
+            "missing_days": missing,
+            **params,
+        }
+        summary: dict[str, Any] = {}
+        for name, daily in (("user", USER_DAILY_DS), ("pin", PIN_DAILY_DS)):
+            inputs = [_ref(daily, d) for d in stored] + [
+                ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
+            ]
+            summary[f"features/{name}_window"] = {**base, "dataset": f"features/{name}_window", "inputs": inputs}
 
+        summary[USER_WINDOW_DS] = _write_query(
+            con, USER_WINDOW_SQL, None, root, USER_WINDOW_DS, ds, USER_WINDOW, summary[USER_WINDOW_DS]
+        )
         totals_row = _row(con, PIN_TOTALS_SQL)
         totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
         if totals["impressions"] > 0:
@@ -486,11 +658,14 @@ def build_window(
             global_rates, source = dict(DEFAULT_GLOBAL_RATES), "defaults"
         con.execute(SMOOTHED_MACRO)
         pin_params = {"prior": prior_impressions} | {f"global_{k}": v for k, v in global_rates.items()}
-        tables[PIN_WINDOW_DS] = _conform(_query(con, PIN_WINDOW_SQL, pin_params), PIN_WINDOW)
-    summary[PIN_WINDOW_DS] |= {"totals": totals, "global_rates": global_rates, "global_rates_source": source}
-    for dataset, table in tables.items():
-        summary[dataset]["rows"] = table.num_rows
-        write_table(root, dataset, ds, table, metadata=summary[dataset])
+        pin_meta = summary[PIN_WINDOW_DS] | {
+            "totals": totals,
+            "global_rates": global_rates,
+            "global_rates_source": source,
+        }
+        summary[PIN_WINDOW_DS] = _write_query(
+            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW_DS, ds, PIN_WINDOW, pin_meta
+        )
     return summary
 
 
@@ -500,15 +675,16 @@ def build_sequences(
     sequence_length: int = 50,
     window_days: int = 30,
     *,
+    recompute: bool = False,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_sequence`` as of the end of ``ds``: each user's last N engagements.
 
     Incremental when the sequences of ``ds-1`` are complete and were built with the same parameters:
-    they are merged with the engagements of ``ds``. Otherwise a full recompute from the raw events of the
-    window's days that exist (missing ones recorded). Both drop actions before the window's first day
-    and rank by (ts, pin_id, action) descending, so an incremental build equals a full recompute.
-    Users without any action left are not written.
+    they are merged with the engagements of ``ds``. Otherwise (or with ``recompute``) a full recompute
+    from the raw events of the window's days that exist (missing ones recorded). Both drop actions
+    before the window's first day and rank by (ts, pin_id, action) descending, so an incremental build
+    equals a full recompute. Users without any action left are not written.
     """
     ds = ds_str(ds)
     _check_positive("sequence_length", sequence_length, "--sequence-length")
@@ -517,11 +693,14 @@ def build_sequences(
     days = day_range(window_start, ds)
     previous_ds = shift_ds(ds, -1)
     pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
-    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    _require(root, RAW_EVENTS, ds, _events_hint(ds))
 
     params = {"sequence_length": sequence_length, "window_days": window_days}
     mode, reason = "full", f"{_ref(USER_SEQUENCE_DS, previous_ds)} is missing"
-    if is_complete(root, USER_SEQUENCE_DS, previous_ds):
+    previous_meta: dict[str, Any] = {}
+    if recompute:
+        reason = "recompute requested"
+    elif is_complete(root, USER_SEQUENCE_DS, previous_ds):
         previous_meta = read_metadata(root, USER_SEQUENCE_DS, previous_ds)
         previous_params = {k: previous_meta.get(k) for k in params}
         if previous_params == params:
@@ -536,45 +715,40 @@ def build_sequences(
         _view(con, "pins", pins, PINS)
         _check_unique_pins(con, ds)
         if mode == "incremental":
-            _view(con, "events", events, EVENTS)
             _view(con, "previous_sequence", data_files(root, USER_SEQUENCE_DS, previous_ds), USER_SEQUENCE)
-            con.execute(f"CREATE TEMP VIEW items AS {PREVIOUS_ITEMS_SQL} UNION ALL {ENGAGEMENTS_SQL}")
-            inputs = [_ref(USER_SEQUENCE_DS, previous_ds), _ref(RAW_EVENTS, ds)]
+            engagements = _engagements_sql(root, [ds])
+            inputs = [_ref(USER_SEQUENCE_DS, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
             carried = previous_meta.get("missing_days", [])
             missing_days = sorted(d for d in carried if d >= window_start)
         else:
-            present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d)]
-            for day in present:
-                events = events + data_files(root, RAW_EVENTS, day)
-            _view(con, "events", events, EVENTS)
-            con.execute(f"CREATE TEMP VIEW items AS {ENGAGEMENTS_SQL}")
-            inputs = [_ref(RAW_EVENTS, d) for d in [*present, ds]]
+            # A day needs its events and its pins snapshot (the categories of its actions).
+            present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d) and is_complete(root, RAW_PINS, d)]
+            _view(con, "previous_sequence", [], USER_SEQUENCE)
+            engagements = _engagements_sql(root, [*present, ds])
+            inputs = [_ref(raw, d) for d in [*present, ds] for raw in (RAW_EVENTS, RAW_PINS)]
             missing_days = sorted(set(days) - set(present) - {ds})
-        table = _query(
-            con,
-            USER_SEQUENCE_SQL,
-            {
-                "window_start": _day_start(window_start),
-                "window_end": _day_start(shift_ds(ds, 1)),
-                "sequence_length": sequence_length,
-                "unknown": UNKNOWN_ID,
-            },
-        )
-    table = _conform(table, USER_SEQUENCE)
-    summary = {
-        "step": "sequences",
-        "dataset": USER_SEQUENCE_DS,
-        "ds": ds,
-        "mode": mode,
-        "mode_reason": reason,
-        "window_start": window_start,
-        "window_end": ds,
-        "inputs": [*inputs, _ref(RAW_PINS, ds)],
-        "missing_days": missing_days,
-        "rows": table.num_rows,
-        **params,
-    }
-    write_table(root, USER_SEQUENCE_DS, ds, table, metadata=summary)
+        if missing_days:
+            log.warning("sequences of ds=%s: no events for %s (not in the sequences)", ds, ", ".join(missing_days))
+        metadata = {
+            "step": "sequences",
+            "dataset": USER_SEQUENCE_DS,
+            "ds": ds,
+            "mode": mode,
+            "mode_reason": reason,
+            "window_start": window_start,
+            "window_end": ds,
+            "inputs": inputs,
+            "missing_days": missing_days,
+            **params,
+        }
+        sql_params = {
+            "window_start": _day_start(window_start),
+            "window_end": _day_start(shift_ds(ds, 1)),
+            "sequence_length": sequence_length,
+            "unknown": UNKNOWN_ID,
+        }
+        sql = USER_SEQUENCE_SQL.format(engagements=engagements)
+        summary = _write_query(con, sql, sql_params, root, USER_SEQUENCE_DS, ds, USER_SEQUENCE, metadata)
     return {USER_SEQUENCE_DS: summary}
 
 
@@ -589,11 +763,14 @@ def build_examples(
 ) -> dict[str, Any]:
     """Write ``examples`` of ``ds``: one row per impression of ds with its labels and its features.
 
-    Features are those of ``ds-1`` only (point in time). When a ds-1 feature partition is missing, its
-    users/pins get zero counts, the prior rates (the global rates of the ds-1 pin_window metadata, else
-    DEFAULT_GLOBAL_RATES) and an empty sequence, and the partition is listed in ``missing_inputs``.
+    Features are those of the end of ``ds-1`` only (point in time). A missing ds-1 feature partition is
+    an error naming it when the raw events of ds-1 are there (build that day first: the DAG's
+    ``depends_on_past`` does); when ds-1 has no raw events either (the first day, or a gap), its users
+    and pins get zero counts, the prior rates (the global rates of the ds-1 pin_window metadata, else
+    DEFAULT_GLOBAL_RATES) and an empty sequence, and the partitions are listed in ``missing_inputs``.
     Impressions without a positive label are kept with probability ``negative_downsample`` (a hash of
-    ``impression_id`` and ``seed``, so a rerun keeps the same rows); the rate is in the metadata.
+    ``impression_id`` and ``seed``, so a rerun keeps the same rows); the rate, and the weight
+    ``1/negative_downsample`` that undoes it, are in the metadata.
     """
     ds = ds_str(ds)
     _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
@@ -604,30 +781,38 @@ def build_examples(
     features_ds = shift_ds(ds, -1)
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
     pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    feature_inputs = (
+        ("user_window", USER_WINDOW_DS, USER_WINDOW),
+        ("pin_window", PIN_WINDOW_DS, PIN_WINDOW),
+        ("user_sequence", USER_SEQUENCE_DS, USER_SEQUENCE),
+    )
+    missing_inputs = [_ref(d, features_ds) for _, d, _ in feature_inputs if not is_complete(root, d, features_ds)]
+    if missing_inputs and is_complete(root, RAW_EVENTS, features_ds):
+        raise MissingInputError(
+            f"examples of ds={ds} need the features as of the end of {features_ds}, but "
+            f"{', '.join(missing_inputs)} are missing while {_ref(RAW_EVENTS, features_ds)} is there; build "
+            f"that day first (`python -m features.build --ds {features_ds}`), then rerun this day"
+        )
 
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
-    missing_inputs: list[str] = []
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine) as con:
         _view(con, "events", events, EVENTS)
         _view(con, "pins", pins, PINS)
         _check_unique_pins(con, ds)
-        for name, dataset, schema in (
-            ("user_window", USER_WINDOW_DS, USER_WINDOW),
-            ("pin_window", PIN_WINDOW_DS, PIN_WINDOW),
-            ("user_sequence", USER_SEQUENCE_DS, USER_SEQUENCE),
-        ):
-            if is_complete(root, dataset, features_ds):
+        for name, dataset, schema in feature_inputs:
+            if _ref(dataset, features_ds) in missing_inputs:
+                _view(con, name, [], schema)
+            else:
                 _view(con, name, data_files(root, dataset, features_ds), schema)
                 inputs.append(_ref(dataset, features_ds))
-            else:
-                _view(con, name, [], schema)
-                missing_inputs.append(_ref(dataset, features_ds))
         if _ref(PIN_WINDOW_DS, features_ds) in inputs:
             recorded = read_metadata(root, PIN_WINDOW_DS, features_ds).get("global_rates")
             if recorded:
                 global_rates = {k: float(recorded[k]) for k in DEFAULT_GLOBAL_RATES}
                 rates_source = _ref(PIN_WINDOW_DS, features_ds)
+        if missing_inputs:
+            log.warning("examples of ds=%s: no features of %s (cold start): %s", ds, features_ds, missing_inputs)
         con.execute(SMOOTHED_MACRO)
         con.execute(KEEP_HASH_MACRO)
         params = {
@@ -636,28 +821,28 @@ def build_examples(
             "seed": seed,
             "negative_downsample": negative_downsample,
         } | {f"global_{k}": v for k, v in global_rates.items()}
-        table = _conform(_query(con, EXAMPLES_SQL, params), EXAMPLES)
         counts = _row(con, IMPRESSION_COUNTS_SQL)
-    summary = {
-        "step": "examples",
-        "dataset": EXAMPLES_DS,
-        "ds": ds,
-        "features_ds": features_ds,
-        "inputs": inputs,
-        "missing_inputs": missing_inputs,
-        "missing_days": [features_ds] if missing_inputs else [],
-        "rows": table.num_rows,
-        "impressions": int(counts[0]),
-        "impressions_unknown_pin": int(counts[1]),
-        "positives": {label: int(pc.sum(table[label]).as_py() or 0) for label in LABELS},
-        "negative_downsample": negative_downsample,
-        "seed": seed,
-        "prior_impressions": prior_impressions,
-        "global_rates": global_rates,
-        "global_rates_source": rates_source,
-        "dense_features": list(DENSE_FEATURES),
-    }
-    write_table(root, EXAMPLES_DS, ds, table, metadata=summary)
+        metadata = {
+            "step": "examples",
+            "dataset": EXAMPLES_DS,
+            "ds": ds,
+            "features_ds": features_ds,
+            "inputs": inputs,
+            "missing_inputs": missing_inputs,
+            "missing_days": [features_ds] if missing_inputs else [],
+            "impressions": int(counts[0]),
+            "impressions_unknown_pin": int(counts[1]),
+            "negative_downsample": negative_downsample,
+            "negative_weight": 1.0 / negative_downsample if negative_downsample > 0 else None,
+            "seed": seed,
+            "prior_impressions": prior_impressions,
+            "global_rates": global_rates,
+            "global_rates_source": rates_source,
+            "dense_features": list(DENSE_FEATURES),
+        }
+        summary = _write_query(
+            con, EXAMPLES_SQL, params, root, EXAMPLES_DS, ds, EXAMPLES, metadata, sums=LABELS, sums_key="positives"
+        )
     return {EXAMPLES_DS: summary}
 
 
@@ -670,13 +855,18 @@ def build_day(
     prior_impressions: float = 20.0,
     negative_downsample: float = 1.0,
     seed: int = 0,
+    recompute: bool = False,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
-    """Run daily → window → sequences → examples for ``ds``; the summaries of every output, by dataset."""
+    """Run daily → window → sequences → examples for ``ds``; the summaries of every output, by dataset.
+
+    ``recompute`` builds the window and the sequences from the raw events of the window's days instead of
+    the daily aggregates and the previous day's sequences (the full recompute).
+    """
     return {
         **build_daily(root, ds, engine=engine),
-        **build_window(root, ds, window_days, prior_impressions, engine=engine),
-        **build_sequences(root, ds, sequence_length, window_days, engine=engine),
+        **build_window(root, ds, window_days, prior_impressions, recompute=recompute, engine=engine),
+        **build_sequences(root, ds, sequence_length, window_days, recompute=recompute, engine=engine),
         **build_examples(root, ds, prior_impressions, negative_downsample, seed, engine=engine),
     }
 
@@ -714,6 +904,11 @@ def _parser() -> argparse.ArgumentParser:
         help="probability of keeping an example without a positive label, in [0, 1] (default: 1, keep all)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the negative downsampling hash (default: 0)")
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="build the window and the sequences from the raw events of the window's days (full recompute)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="DuckDB threads (default: 2)")
     parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit, e.g. 4GB (default: 4GB)")
     parser.add_argument(
@@ -730,9 +925,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if step == "daily":
         return build_daily(args.root, args.ds, engine=engine)
     if step == "window":
-        return build_window(args.root, args.ds, args.window_days, args.prior_impressions, engine=engine)
+        return build_window(
+            args.root, args.ds, args.window_days, args.prior_impressions, recompute=args.recompute, engine=engine
+        )
     if step == "sequences":
-        return build_sequences(args.root, args.ds, args.sequence_length, args.window_days, engine=engine)
+        return build_sequences(
+            args.root, args.ds, args.sequence_length, args.window_days, recompute=args.recompute, engine=engine
+        )
     if step == "examples":
         return build_examples(
             args.root, args.ds, args.prior_impressions, args.negative_downsample, args.seed, engine=engine
@@ -745,6 +944,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prior_impressions=args.prior_impressions,
         negative_downsample=args.negative_downsample,
         seed=args.seed,
+        recompute=args.recompute,
         engine=engine,
     )
 

@@ -67,10 +67,26 @@ RAW_DATASETS: dict[str, pa.Schema] = {"events": EVENTS, "pins": PINS, "users": U
 # Counts per action type, in this order, for the daily aggregates and the window features.
 COUNT_COLUMNS: tuple[str, ...] = ("impressions", "clicks", "repins", "hides", "closeups")
 
+# Per-category engagement of a user: one entry per category of the pins the user saw, sorted by category;
+# ``engagements`` counts every action other than impression. A pin missing from the day's pins snapshot
+# counts under category -1.
+CATEGORY_ENGAGEMENT = pa.list_(
+    pa.struct(
+        [
+            pa.field("category", pa.int32()),
+            pa.field("impressions", pa.int64()),
+            pa.field("engagements", pa.int64()),
+        ]
+    )
+)
+
 USER_DAILY = pa.schema(
     [pa.field("user_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
-    + [pa.field("distinct_pins", pa.int64(), nullable=False)]
+    + [
+        pa.field("distinct_pins", pa.int64(), nullable=False),
+        pa.field("categories", CATEGORY_ENGAGEMENT, nullable=False),
+    ]
 )
 
 PIN_DAILY = pa.schema(
@@ -83,7 +99,10 @@ PIN_DAILY = pa.schema(
 USER_WINDOW = pa.schema(
     [pa.field("user_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
-    + [pa.field("ctr", pa.float64(), nullable=False)]
+    + [
+        pa.field("ctr", pa.float64(), nullable=False),
+        pa.field("categories", CATEGORY_ENGAGEMENT, nullable=False),
+    ]
 )
 
 PIN_WINDOW = pa.schema(
@@ -96,7 +115,8 @@ PIN_WINDOW = pa.schema(
     ]
 )
 
-# Last N engagements (actions other than impression) per user as of the end of ds, most recent first.
+# Last N engagements (actions other than impression) per user as of the end of ds, most recent first,
+# within the window; an action's category is that of its pin in the pins snapshot of the action's day.
 USER_SEQUENCE = pa.schema(
     [
         pa.field("user_id", pa.int64(), nullable=False),

@@ -141,6 +141,11 @@ def test_daily_counts_and_distinct(root: Path) -> None:
         "hides": 0,
         "closeups": 0,
         "distinct_pins": 2,
+        # Engagement per category of the day's pins snapshot (pin 10: category 100, pin 11: 110).
+        "categories": [
+            {"category": 100, "impressions": 1, "engagements": 1},
+            {"category": 110, "impressions": 1, "engagements": 0},
+        ],
     }
     assert rows_by(pins, "pin_id")[10] == {
         "pin_id": 10,
@@ -152,7 +157,7 @@ def test_daily_counts_and_distinct(root: Path) -> None:
         "distinct_users": 2,
     }
     assert summary[build.USER_DAILY_DS]["rows"] == 3  # users 1, 2, 4
-    assert read_metadata(root, build.PIN_DAILY_DS, D1)["inputs"] == [f"raw/events/ds={D1}"]
+    assert read_metadata(root, build.PIN_DAILY_DS, D1)["inputs"] == [f"raw/events/ds={D1}", f"raw/pins/ds={D1}"]
 
 
 # --- window ---------------------------------------------------------------------------------------------
@@ -171,6 +176,12 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
     u1 = rows_by(users, "user_id")[1]
     assert (u1["impressions"], u1["clicks"], u1["repins"], u1["hides"], u1["closeups"]) == (6, 3, 1, 1, 1)
     assert u1["ctr"] == pytest.approx(0.5)
+    assert u1["categories"] == [
+        {"category": 100, "impressions": 1, "engagements": 2},  # D3: closeup + click on pin 10
+        {"category": 110, "impressions": 2, "engagements": 1},  # D2 repin, D4 impression only
+        {"category": 120, "impressions": 2, "engagements": 2},  # D2 hide, D4 click
+        {"category": 130, "impressions": 1, "engagements": 1},
+    ]
     assert 4 not in rows_by(users, "user_id")
 
     # Global over every pin of D2..D4: 9 impressions, 4 clicks, 1 repin, 1 hide.
@@ -188,11 +199,26 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
 
 
 @pytest.mark.unit
-def test_window_records_missing_daily_partitions(root: Path) -> None:
-    for day in (D1, D3, D4):
+def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: Path) -> None:
+    for day in DAYS:
         build.build_daily(root, day, engine=ENGINE)
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
+    build.build_window(root, D4, window_days=3, engine=ENGINE)
+    expected = {d: read_table(root, d, D4) for d in (build.USER_WINDOW_DS, build.PIN_WINDOW_DS)}
 
+    # D2's daily aggregates are missing: computed from its raw partitions, same result, nothing written for D2.
+    for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
+        shutil.rmtree(partition_path(root, dataset, D2))
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
+    assert summary[build.USER_WINDOW_DS]["computed_from_raw"] == [D2]
+    assert summary[build.USER_WINDOW_DS]["missing_days"] == []
+    assert f"raw/events/ds={D2}" in summary[build.PIN_WINDOW_DS]["inputs"]
+    assert not partition_path(root, build.USER_DAILY_DS, D2).exists()
+    for dataset, table in expected.items():
+        assert read_table(root, dataset, D4).equals(table), dataset
+
+    # No raw events of D2 either (a gap): the day is named in missing_days and left out.
+    shutil.rmtree(partition_path(root, build.RAW_EVENTS, D2))
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
     assert summary[build.USER_WINDOW_DS]["missing_days"] == [D2]
     assert read_metadata(root, build.PIN_WINDOW_DS, D4)["missing_days"] == [D2]
     u1 = rows_by(read_table(root, build.USER_WINDOW_DS, D4), "user_id")[1]

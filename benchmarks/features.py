@@ -1,0 +1,479 @@
+"""Benchmark of the daily feature build (DuckDB) against pandas and against a full 30-day recompute.
+
+    .venv/bin/python benchmarks/features.py                       # >= 5M events in the day, 30-day history
+    .venv/bin/python benchmarks/features.py --events 500000       # a quick run
+
+Setup (not timed): one synthetic day of about ``--events`` events (``features.synthetic``), and a cheap
+history of ``--window-days - 1`` days before it: copies of the same day shifted back by whole days (ids
+and timestamps), the daily aggregates of those days (the same aggregates, copied), and the window and
+sequences of the day before (built once from the raw history).
+
+Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
+
+* ``incremental`` — the daily build as the DAG runs it: aggregates of the day, the window from the daily
+  aggregates, the sequences from the previous day's plus the day's events, the examples;
+* ``full`` — the same outputs recomputed from the raw events of the whole window (``recompute=True``);
+* ``pandas`` — a straightforward pandas (with numpy/pyarrow for I/O and lists) implementation of the
+  same four steps with the same inputs, checked against the DuckDB outputs.
+
+The last line printed is one JSON object: ``events_per_s`` (events of the day / incremental seconds),
+``speedup_vs_pandas``, ``incremental_vs_full`` (incremental seconds / full seconds: the cost ratio),
+``peak_rss_mb`` (of the incremental build), with the seconds and peaks of every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from features import build  # noqa: E402
+from features.contracts import (  # noqa: E402
+    ACTIONS,
+    COUNT_COLUMNS,
+    ENGAGEMENTS,
+    EXAMPLES,
+    LABELS,
+    PIN_DAILY,
+    PIN_WINDOW,
+    USER_DAILY,
+    USER_SEQUENCE,
+    USER_WINDOW,
+)
+from features.storage import (  # noqa: E402
+    data_files,
+    day_range,
+    partition_path,
+    read_metadata,
+    read_table,
+    shift_ds,
+    write_partition,
+    write_table,
+)
+
+DAY = "2026-06-30"
+DAY_US = 86_400 * 1_000_000
+EVENT_ID_DAY_STRIDE = 10**9
+# Events per user and day in the synthetic world (about 20 impressions and their engagements, 90% active).
+EVENTS_PER_USER = 21.5
+OUTPUTS = (
+    build.USER_DAILY_DS,
+    build.PIN_DAILY_DS,
+    build.USER_WINDOW_DS,
+    build.PIN_WINDOW_DS,
+    build.USER_SEQUENCE_DS,
+    build.EXAMPLES_DS,
+)
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# --- setup ----------------------------------------------------------------------------------------------
+
+
+def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from features.synthetic import WorldConfig, generate_world
+
+    users = math.ceil(args.events / EVENTS_PER_USER)
+    say(f"generating one day of ~{args.events} events ({users} users)")
+    generated = root / "generated"
+    generate_world(
+        generated, WorldConfig(start=DAY, days=1, users=users, pins=max(1000, users // 2), seed=1, active_rate=0.9)
+    )
+    for dataset in ("raw/events", "raw/pins"):
+        shutil.copytree(partition_path(generated, dataset, DAY), partition_path(root, dataset, DAY))
+    shutil.rmtree(generated)
+
+    history = day_range(shift_ds(DAY, -(args.window_days - 1)), shift_ds(DAY, -1))
+    say(f"writing {len(history)} history days (the day shifted back)")
+    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    source = data_files(root, build.RAW_EVENTS, DAY)[0]
+    with build.connect(engine) as con:
+        for day in history:
+            back = (np.datetime64(DAY) - np.datetime64(day)).astype(int)
+            with write_partition(root, build.RAW_EVENTS, day) as tmp:
+                con.execute(
+                    f"""COPY (SELECT event_id - {back * EVENT_ID_DAY_STRIDE} AS event_id,
+                                     impression_id - {back * EVENT_ID_DAY_STRIDE} AS impression_id,
+                                     user_id, pin_id, action, surface, ts - INTERVAL {back} DAY AS ts
+                              FROM read_parquet('{source}'))
+                        TO '{tmp / "part-00000.parquet"}' (FORMAT parquet)"""
+                )
+            shutil.copytree(partition_path(root, build.RAW_PINS, DAY), partition_path(root, build.RAW_PINS, day))
+    # The history's daily aggregates: those of one history day, copied to the others (same events, shifted).
+    say("building the history's daily aggregates, window and sequences of the day before")
+    build.build_daily(root, history[-1], engine=engine)
+    for day in history[:-1]:
+        for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
+            shutil.copytree(partition_path(root, dataset, history[-1]), partition_path(root, dataset, day))
+    build.build_window(root, history[-1], args.window_days, engine=engine)
+    build.build_sequences(root, history[-1], args.sequence_length, args.window_days, recompute=True, engine=engine)
+    events = pq.read_metadata(partition_path(root, build.RAW_EVENTS, DAY) / "part-00000.parquet").num_rows
+    return {"events": int(events), "history_days": len(history), "users": users}
+
+
+# --- measured phases (each in its own process) ----------------------------------------------------------
+
+
+def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> dict[str, Any]:
+    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    started = time.perf_counter()
+    summary = build.build_day(
+        root, DAY, window_days=args.window_days, sequence_length=args.sequence_length,
+        negative_downsample=args.negative_downsample, recompute=recompute, engine=engine,
+    )
+    seconds = time.perf_counter() - started
+    return {
+        "seconds": seconds,
+        "peak_rss_mb": peak_rss_mb(),
+        "sequences_mode": summary[build.USER_SEQUENCE_DS]["mode"],
+        "rows": {dataset: summary[dataset]["rows"] for dataset in OUTPUTS},
+    }
+
+
+def _nest(keys: np.ndarray, fields: dict[str, pa.Array], sort_keys: np.ndarray | None = None) -> tuple[np.ndarray, pa.Array]:
+    """Group rows sorted by ``keys`` into one list per key: (unique keys, list<struct> or list array)."""
+    unique, starts = np.unique(keys, return_index=True)
+    offsets = pa.array(np.append(starts, len(keys)).astype(np.int32))
+    values = fields[next(iter(fields))] if len(fields) == 1 else pa.StructArray.from_arrays(list(fields.values()), list(fields))
+    return unique, pa.ListArray.from_arrays(offsets, values)
+
+
+def _hash_keep(impression_ids: np.ndarray, seed: int) -> np.ndarray:
+    return np.array(
+        [int(hashlib.md5(f"{seed}:{i}".encode()).hexdigest()[:13], 16) / 2**52 for i in impression_ids.tolist()]
+    )
+
+
+def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The same four outputs of DAY with pandas (reads the same inputs, writes under ``out``)."""
+    import pandas as pd
+
+    started = time.perf_counter()
+    prev = shift_ds(DAY, -1)
+    events = read_table(root, build.RAW_EVENTS, DAY).to_pandas()
+    events["ts"] = events["ts"].dt.tz_convert(None)  # naive UTC: numpy datetime64 columns, not objects
+    pins = read_table(root, build.RAW_PINS, DAY, columns=["pin_id", "category", "creator_id"]).to_pandas()
+    action_names = dict(zip(ACTIONS, COUNT_COLUMNS, strict=True))
+
+    # Daily aggregates.
+    counts = {}
+    for key, other, distinct in (("user_id", "pin_id", "distinct_pins"), ("pin_id", "user_id", "distinct_users")):
+        table = (
+            events.groupby([key, "action"]).size().unstack(fill_value=0).reindex(columns=list(ACTIONS), fill_value=0)
+        )
+        table.columns = [action_names[a] for a in table.columns]
+        table[distinct] = events.groupby(key)[other].nunique()
+        counts[key] = table.reset_index().sort_values(key)
+    ev = events.merge(pins[["pin_id", "category"]], on="pin_id", how="left")
+    ev["category"] = ev["category"].fillna(build.UNKNOWN_ID).astype(np.int32)
+    ev["is_impression"] = ev["action"] == "impression"
+    ev["is_engagement"] = ~ev["is_impression"]
+    per_cat = (
+        ev.groupby(["user_id", "category"])
+        .agg(impressions=("is_impression", "sum"), engagements=("is_engagement", "sum"))
+        .reset_index()
+    )
+
+    def categories_column(long: pd.DataFrame) -> pa.Array:
+        _, lists = _nest(
+            long["user_id"].to_numpy(),
+            {
+                "category": pa.array(long["category"].to_numpy(np.int32)),
+                "impressions": pa.array(long["impressions"].to_numpy(np.int64)),
+                "engagements": pa.array(long["engagements"].to_numpy(np.int64)),
+            },
+        )
+        return lists
+
+    user_daily = pa.Table.from_pandas(counts["user_id"], preserve_index=False).append_column(
+        "categories", categories_column(per_cat)
+    )
+    write_table(out, build.USER_DAILY_DS, DAY, user_daily.select(USER_DAILY.names).cast(USER_DAILY))
+    pin_daily = pa.Table.from_pandas(counts["pin_id"], preserve_index=False)
+    write_table(out, build.PIN_DAILY_DS, DAY, pin_daily.select(PIN_DAILY.names).cast(PIN_DAILY))
+
+    # Window: the daily aggregates of the window's days (this day from above, the others from storage).
+    days = day_range(shift_ds(DAY, -(args.window_days - 1)), DAY)
+    daily_tables = [read_table(out if d == DAY else root, build.USER_DAILY_DS, d) for d in days]
+    flat = []
+    for t in daily_tables:
+        lengths = pc.list_value_length(t["categories"]).to_numpy()
+        cats = pc.list_flatten(t["categories"])
+        flat.append(
+            pd.DataFrame(
+                {
+                    "user_id": np.repeat(t["user_id"].to_numpy(), lengths),
+                    "category": pc.struct_field(cats, "category").to_numpy(),
+                    "impressions": pc.struct_field(cats, "impressions").to_numpy(),
+                    "engagements": pc.struct_field(cats, "engagements").to_numpy(),
+                }
+            )
+        )
+    user_sums = (
+        pd.concat([t.drop_columns(["categories"]).to_pandas() for t in daily_tables])
+        .groupby("user_id")[list(COUNT_COLUMNS)]
+        .sum()
+        .reset_index()
+        .sort_values("user_id")
+    )
+    user_sums["ctr"] = np.where(user_sums["impressions"] > 0, user_sums["clicks"] / user_sums["impressions"].clip(lower=1), 0.0)
+    cat_sums = pd.concat(flat).groupby(["user_id", "category"])[["impressions", "engagements"]].sum().reset_index()
+    user_window = pa.Table.from_pandas(user_sums, preserve_index=False).append_column(
+        "categories", categories_column(cat_sums)
+    )
+    write_table(out, build.USER_WINDOW_DS, DAY, user_window.select(USER_WINDOW.names).cast(USER_WINDOW))
+    pin_sums = (
+        pd.concat([read_table(out if d == DAY else root, build.PIN_DAILY_DS, d).to_pandas() for d in days])
+        .groupby("pin_id")[list(COUNT_COLUMNS)]
+        .sum()
+        .reset_index()
+        .sort_values("pin_id")
+    )
+    prior = 20.0
+    for count, rate in (("clicks", "ctr"), ("repins", "repin_rate"), ("hides", "hide_rate")):
+        global_rate = pin_sums[count].sum() / pin_sums["impressions"].sum()
+        pin_sums[rate] = (pin_sums[count] + prior * global_rate) / (pin_sums["impressions"] + prior)
+    write_table(out, build.PIN_WINDOW_DS, DAY, pa.Table.from_pandas(pin_sums, preserve_index=False).cast(PIN_WINDOW))
+
+    # Sequences: the previous day's state plus the day's engagements, last N per user within the window.
+    state = read_table(root, build.USER_SEQUENCE_DS, prev)
+    lengths = pc.list_value_length(state["seq_pin_ids"]).to_numpy()
+    previous = pd.DataFrame(
+        {
+            "user_id": np.repeat(state["user_id"].to_numpy(), lengths),
+            "pin_id": pc.list_flatten(state["seq_pin_ids"]).to_numpy(),
+            "action_idx": pc.list_flatten(state["seq_actions"]).to_numpy(),
+            "ts": pc.list_flatten(state["seq_ts"]).to_numpy(),
+        }
+    )
+    new = events[events["action"].isin(ENGAGEMENTS)]
+    new = pd.DataFrame(
+        {
+            "user_id": new["user_id"].to_numpy(),
+            "pin_id": new["pin_id"].to_numpy(),
+            "action_idx": new["action"].map({a: i for i, a in enumerate(ACTIONS)}).to_numpy(np.int32),
+            "ts": new["ts"].to_numpy(),
+        }
+    )
+    items = pd.concat([previous, new], ignore_index=True)
+    window_start = np.datetime64(days[0])
+    items = items[items["ts"].to_numpy().astype("datetime64[us]") >= window_start]
+    items = items.sort_values(["user_id", "ts", "pin_id", "action_idx"], ascending=[True, False, False, False])
+    items = items[items.groupby("user_id").cumcount() < args.sequence_length]
+    items = items.merge(pins[["pin_id", "category"]], on="pin_id", how="left", sort=False)
+    items["category"] = items["category"].fillna(build.UNKNOWN_ID).astype(np.int32)
+    seq_users, seq_pins = _nest(items["user_id"].to_numpy(), {"p": pa.array(items["pin_id"].to_numpy())})
+    sequences = pa.table(
+        {
+            "user_id": seq_users,
+            "seq_pin_ids": seq_pins,
+            "seq_actions": _nest(items["user_id"].to_numpy(), {"a": pa.array(items["action_idx"].to_numpy(np.int32))})[1],
+            "seq_categories": _nest(items["user_id"].to_numpy(), {"c": pa.array(items["category"].to_numpy())})[1],
+            "seq_ts": _nest(items["user_id"].to_numpy(), {"t": pa.array(items["ts"].to_numpy(), pa.timestamp("us", tz="UTC"))})[1],
+        }
+    )
+    write_table(out, build.USER_SEQUENCE_DS, DAY, sequences.cast(USER_SEQUENCE))
+
+    # Examples: the day's impressions with labels, features of the day before.
+    imps = events[events["action"] == "impression"][["impression_id", "ts", "user_id", "pin_id", "surface"]]
+    eng = events[events["action"] != "impression"]
+    for label in LABELS:
+        positive = eng.loc[eng["action"] == label, "impression_id"].unique()
+        imps[label] = imps["impression_id"].isin(positive).astype(np.int8)
+    imps = imps.merge(pins, on="pin_id", how="left")
+    imps[["category", "creator_id"]] = imps[["category", "creator_id"]].fillna(build.UNKNOWN_ID)
+    uw = read_table(root, build.USER_WINDOW_DS, prev).drop_columns(["categories"]).to_pandas()
+    pw = read_table(root, build.PIN_WINDOW_DS, prev).to_pandas()
+    uw.columns = ["user_id", *[f"u_{c}" for c in uw.columns[1:]]]
+    pw.columns = ["pin_id", *[f"p_{c}" for c in pw.columns[1:]]]
+    imps = imps.merge(uw, on="user_id", how="left").merge(pw, on="pin_id", how="left")
+    rates = read_metadata(root, build.PIN_WINDOW_DS, prev)["global_rates"]
+    for column in imps.columns:
+        if column.startswith("u_") or (column.startswith("p_") and column[2:] in COUNT_COLUMNS):
+            imps[column] = imps[column].fillna(0.0)
+    for rate in ("ctr", "repin_rate", "hide_rate"):
+        imps[f"p_{rate}"] = imps[f"p_{rate}"].fillna(rates[rate])  # smoothed(0, 0) = the global rate
+    positive = imps[list(LABELS)].max(axis=1) == 1
+    keep = positive.to_numpy() | (_hash_keep(imps["impression_id"].to_numpy(), args.seed) < args.negative_downsample)
+    imps = imps[keep].sort_values("impression_id").reset_index(drop=True)
+    seq_state = read_table(root, build.USER_SEQUENCE_DS, prev)
+    position = pd.Series(np.arange(seq_state.num_rows), index=seq_state["user_id"].to_numpy())
+    rows = pa.array(imps["user_id"].map(position), from_pandas=True)  # NaN (no sequence) -> null
+    taken = seq_state.take(pc.cast(rows, pa.int64()))
+    empty = {"seq_pin_ids": pa.int64(), "seq_actions": pa.int32(), "seq_categories": pa.int32(), "seq_ts": pa.timestamp("us", tz="UTC")}
+    lists = {name: pc.if_else(pc.is_null(taken[name]), pa.scalar([], pa.list_(t)), taken[name]) for name, t in empty.items()}
+    seq_lengths = pc.list_value_length(lists["seq_ts"]).to_numpy()
+    seq_ts = pc.list_flatten(lists["seq_ts"]).to_numpy().astype("datetime64[us]").astype(np.int64)
+    imp_ts = np.repeat(imps["ts"].to_numpy().astype("datetime64[us]").astype(np.int64), seq_lengths)
+    ages = pa.array(((imp_ts - seq_ts) / 3600e6).astype(np.float32))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(seq_lengths)]).astype(np.int32))
+    imps["ts"] = imps["ts"].dt.tz_localize("UTC")
+    table = pa.Table.from_pandas(imps, preserve_index=False)
+    for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
+        table = table.append_column(name, lists[name])
+    table = table.append_column("seq_age_hours", pa.ListArray.from_arrays(offsets, ages))
+    write_table(out, build.EXAMPLES_DS, DAY, table.select(EXAMPLES.names).cast(EXAMPLES))
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "peak_rss_mb": peak_rss_mb()}
+
+
+def compare(a: Path, b: Path, *, strict: bool) -> dict[str, str]:
+    """Per output of DAY: 'equal', 'equal within 1e-6' (floats, unless ``strict``), or what differs."""
+    result = {}
+    for dataset in OUTPUTS:
+        left, right = read_table(a, dataset, DAY), read_table(b, dataset, DAY)
+        if left.equals(right):
+            result[dataset] = "equal"
+        elif left.num_rows != right.num_rows:
+            result[dataset] = f"rows differ: {left.num_rows} != {right.num_rows}"
+        else:
+            differ = [
+                name
+                for name in left.column_names
+                if not left[name].equals(right[name])
+                and (
+                    strict
+                    or not pa.types.is_floating(left[name].type)
+                    or not np.allclose(left[name].to_numpy(), right[name].to_numpy(), rtol=1e-6, atol=1e-9)
+                )
+            ]
+            result[dataset] = f"columns differ: {differ}" if differ else "equal within 1e-6"
+    return result
+
+
+# --- driver ---------------------------------------------------------------------------------------------
+
+
+def run_phase(name: str, args: argparse.Namespace, root: Path, extra: list[str] | None = None) -> dict[str, Any]:
+    command = [
+        sys.executable, __file__, "--phase", name, "--root", str(root),
+        "--window-days", str(args.window_days), "--sequence-length", str(args.sequence_length),
+        "--negative-downsample", str(args.negative_downsample), "--seed", str(args.seed),
+        "--threads", str(args.threads), "--memory-limit", args.memory_limit, *(extra or []),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"phase {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def link_inputs(source: Path, target: Path, window_days: int) -> None:
+    """A root that sees the raw data and the day before's features of ``source`` but none of DAY's outputs."""
+    (target / "raw").symlink_to(source / "raw")
+    prev = shift_ds(DAY, -1)
+    for dataset in (build.USER_WINDOW_DS, build.PIN_WINDOW_DS, build.USER_SEQUENCE_DS):
+        link = partition_path(target, dataset, prev)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(partition_path(source, dataset, prev))
+    for day in day_range(shift_ds(DAY, -(window_days - 1)), prev):
+        for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
+            link = partition_path(target, dataset, day)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(partition_path(source, dataset, day))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=5_200_000, help="events in the measured day (default: 5.2M)")
+    parser.add_argument("--window-days", type=int, default=30)
+    parser.add_argument("--sequence-length", type=int, default=50)
+    parser.add_argument("--negative-downsample", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="DuckDB threads (default: 2)")
+    parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (default: 4GB)")
+    parser.add_argument("--workdir", default=None, help="where to build (default: a temporary folder, removed)")
+    parser.add_argument("--phase", choices=("incremental", "full", "pandas"), help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.phase:
+        root = Path(args.root)
+        if args.phase == "pandas":
+            result = phase_pandas(root, Path(args.out), args)
+        else:
+            result = phase_duckdb(root, args, recompute=args.phase == "full")
+        print(json.dumps(result))
+        return 0
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="pinflow-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        root, full_root, pandas_root = work / "root", work / "full", work / "pandas"
+        for path in (root, full_root, pandas_root):
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+        started = time.perf_counter()
+        world = setup(root, args)
+        setup_s = time.perf_counter() - started
+        say(f"setup done in {setup_s:.0f}s: {world['events']} events in {DAY}, {world['history_days']} history days")
+        link_inputs(root, full_root, args.window_days)
+
+        say("incremental daily build (DuckDB)")
+        incremental = run_phase("incremental", args, root)
+        say(f"  {incremental['seconds']:.1f}s, peak RSS {incremental['peak_rss_mb']:.0f} MB")
+        say("full 30-day recompute (DuckDB)")
+        full = run_phase("full", args, full_root)
+        say(f"  {full['seconds']:.1f}s, peak RSS {full['peak_rss_mb']:.0f} MB")
+        say("pandas")
+        pandas = run_phase("pandas", args, root, ["--out", str(pandas_root)])
+        say(f"  {pandas['seconds']:.1f}s, peak RSS {pandas['peak_rss_mb']:.0f} MB")
+
+        same_as_full = compare(root, full_root, strict=True)
+        same_as_pandas = compare(root, pandas_root, strict=False)
+        events = world["events"]
+        summary = {
+            "events": events,
+            "history_days": world["history_days"],
+            "threads": args.threads,
+            "memory_limit": args.memory_limit,
+            "negative_downsample": args.negative_downsample,
+            "sequence_length": args.sequence_length,
+            "seconds": {"incremental": incremental["seconds"], "full": full["seconds"], "pandas": pandas["seconds"]},
+            "peak_rss_mb_by_phase": {
+                "incremental": incremental["peak_rss_mb"],
+                "full": full["peak_rss_mb"],
+                "pandas": pandas["peak_rss_mb"],
+            },
+            "rows": incremental["rows"],
+            "incremental_equals_full": same_as_full,
+            "duckdb_vs_pandas": same_as_pandas,
+            "events_per_s": round(events / incremental["seconds"]),
+            "speedup_vs_pandas": round(pandas["seconds"] / incremental["seconds"], 2),
+            "incremental_vs_full": round(incremental["seconds"] / full["seconds"], 3),
+            "peak_rss_mb": round(incremental["peak_rss_mb"]),
+        }
+        print(json.dumps(summary))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
