@@ -24,8 +24,12 @@ label: click, repin, hide) with `torchrun` on the chosen backend, evaluates it o
 promotion gate gives the new version the `champion` alias only if it is at least as good as the current
 champion on the same day; a promotion emits `pinflow_champion_model`, which starts corpus inference.
 
-Infrastructure failures (lost process, stall) are retried and resume from the last checkpoint; a
-bug, a NaN loss, missing data or OOM fail at once with the reason.
+The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
+team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The task defers to
+the triggerer while the job runs; a restarted or retried task reattaches to its running job instead of
+submitting another. Infrastructure failures (lost node, Spot reclaim, stall) are retried and resume from
+the last checkpoint; a bug, a NaN loss, missing data or OOM fail at once with the reason. The task's
+extra links open the job's console page and the MLflow run.
 """,
     schedule=[EXAMPLES],
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
@@ -40,7 +44,7 @@ bug, a NaN loss, missing data or OOM fail at once with the reason.
         "retry_policy": retry_policy(),
     },
     params={
-        "backend": Param("local", enum=list(BACKENDS), description="Where the job runs."),
+        "backend": Param("local", enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
         "train_days": Param(7, type="integer", minimum=1, maximum=30, description="Days of examples before the evaluation day to train on."),
         "epochs": Param(2, type="integer", minimum=1, maximum=100),
@@ -68,6 +72,7 @@ bug, a NaN loss, missing data or OOM fail at once with the reason.
         procs_per_node="{{ params.procs_per_node }}",
         overrides={"epochs": "{{ params.epochs }}", "lr": "{{ params.lr }}", "batch_size": "{{ params.batch_size }}"},
         execution_timeout=timedelta(hours=12),
+        deferrable=True,
     )
 
     @task(outlets=[CHAMPION_MODEL])

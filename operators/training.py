@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import BaseOperator, BaseOperatorLink, Context, ResumableJobMixin
 
 from operators import config
-from operators.errors import DataFailure, InfraFailure
+from operators.errors import DataFailure, InfraFailure, PinflowTaskError, UserFailure
 
-# Fields of training.config.RunConfig a trigger-form param may set.
-TUNABLE = ("epochs", "batch_size", "lr", "seed", "max_steps")
+if TYPE_CHECKING:
+    from airflow.sdk.types import TaskInstanceKey
+
+# Fields of training.config.RunConfig a trigger-form param (or a test) may set.
+TUNABLE = ("epochs", "batch_size", "lr", "seed", "max_steps", "checkpoint_every", "heartbeat_every_s", "fail_nan_at_step")
 
 
 def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
@@ -36,21 +39,75 @@ def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
     return {"train_days": train, "eval_ds": eval_ds}
 
 
-class DistributedTrainingOperator(BaseOperator):
-    """Train the ranker as a distributed job on a compute backend, and wait for it.
+def _write_text(url: str, text: str) -> None:
+    """Write a small file to a local path or an fsspec URL (s3://... in production)."""
+    if "://" not in url or url.startswith("file://"):
+        path = Path(url.removeprefix("file://"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    import fsspec
 
-    Preflight (the backend answers, the inputs exist) → submit, or find the job already submitted for
-    this task try (its name is derived from dag, run, task and try, so a restarted worker never starts
-    a duplicate) → watch heartbeats → classify the outcome into a typed error per failure class.
-    Checkpoints live per DAG run, so an INFRA retry resumes where the failed try stopped.
+    with fsspec.open(url, "w") as f:
+        f.write(text)
+
+
+def _read_text(url: str) -> str:
+    if "://" not in url or url.startswith("file://"):
+        return Path(url.removeprefix("file://")).read_text()
+    import fsspec
+
+    with fsspec.open(url, "r") as f:
+        return str(f.read())
+
+
+class JobConsoleLink(BaseOperatorLink):
+    """The training job's page: the AWS Batch console, the Kubernetes dashboard, or the local job folder."""
+
+    name = "Training job"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        return str(getattr(operator, "_links", {}).get("job", ""))
+
+
+class MlflowRunLink(BaseOperatorLink):
+    """The MLflow run the training job logged to."""
+
+    name = "MLflow run"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
+        return str(getattr(operator, "_links", {}).get("mlflow", ""))
+
+
+class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
+    """Train the ranker as a distributed job on a compute backend.
+
+    Preflight (the spec is valid for the platform config, the inputs exist, the backend answers) → submit,
+    or reattach to the job recorded for this task in the task state store (a restarted worker or a rerun
+    while the job still runs never submits a second; a job that has ended is never reattached) → wait,
+    deferred to :class:`~operators.triggers.ComputeJobTrigger` (``deferrable=True``) or polling on the
+    worker (Airflow's ``ResumableJobMixin``) → classify the outcome into a typed error per failure class
+    (``operators.errors``), which the task's retry policy retries (INFRA) or fails now.
+
+    Job names are deterministic per (dag, run, task, try), and before submitting the operator looks up
+    the names of this task's earlier tries: a worker that died between submitting and recording the job
+    id cannot cause a duplicate either. Checkpoints live per DAG run, so an INFRA retry resumes where the
+    failed try stopped. ``on_kill`` cancels the job on both paths.
 
     :param plan: ``{"train_days": [...], "eval_ds": ...}`` (templated).
-    :param backend: ``local`` (templated).
+    :param backend: ``local``, ``batch`` or ``kubernetes`` (templated).
     :param overrides: RunConfig fields from the trigger form, e.g. epochs, lr (templated).
+    :param nodes: nodes of the job (templated; default: ``training.nodes``).
+    :param procs_per_node: processes per node (templated; default: ``training.procs_per_node``).
+    :param team: a team under ``teams:`` in the platform config: its queue, fair share and priority.
+    :param deferrable: wait in the triggerer instead of on a worker slot.
+    :param poll_seconds: seconds between status checks (default: ``training.poll_seconds``).
     """
 
     template_fields: Sequence[str] = ("plan", "backend", "overrides", "nodes", "procs_per_node")
     ui_color = "#d6e4ff"
+    operator_extra_links = (JobConsoleLink(), MlflowRunLink())
+    external_id_key = "training_job"
 
     def __init__(
         self,
@@ -61,6 +118,8 @@ class DistributedTrainingOperator(BaseOperator):
         nodes: int | str | None = None,
         procs_per_node: int | str | None = None,
         team: str = "ranking",
+        deferrable: bool = True,
+        poll_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -70,28 +129,48 @@ class DistributedTrainingOperator(BaseOperator):
         self.nodes = nodes
         self.procs_per_node = procs_per_node
         self.team = team
-        self._job: tuple[Any, str] | None = None
+        self.deferrable = deferrable
+        self.poll_seconds = poll_seconds
+        self._job: dict[str, Any] | None = None
+        self._links: dict[str, str] = {}
 
-    def execute(self, context: Context) -> dict[str, Any]:
-        from operators.backends import JobSpec, get_backend
-        from operators.jobs import job_name, wait_for_job
+    # -- the job ---------------------------------------------------------------------------------------------
+    def _settings(self) -> dict[str, Any]:
+        cfg = config.load()
+        training = cfg["training"]
+        return {
+            "cfg": cfg,
+            "poll": float(self.poll_seconds or training.get("poll_seconds", 10)),
+            "stall": float(training["heartbeat_timeout_seconds"]),
+        }
+
+    def _job_name(self, context: Context, try_number: int) -> str:
+        from operators.jobs import job_name
+
+        ti = context["ti"]
+        return job_name("train", ti.dag_id, ti.run_id, f"try{try_number}")
+
+    def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
+        """The backend, the validated job spec, the run's RUN.json content and where it goes."""
+        from operators.backends import JobSpec, get_backend, validate_for
+        from operators.jobs import job_name
 
         cfg = config.load()
         training = cfg["training"]
-        if self.team not in cfg["teams"]:
-            raise ValueError(f"team {self.team!r} is not in config/platform.yaml teams: {sorted(cfg['teams'])}")
+        backend_name = str(self.backend)
         ti = context["ti"]
-        name = job_name("train", ti.dag_id, ti.run_id, f"try{ti.try_number}")
+        name = self._job_name(context, ti.try_number)
         run_key = job_name("run", ti.dag_id, ti.run_id)
-        home = Path(cfg["home"])
-        output_dir = home / "runs" / name
+        # The local backend's job writes under PINFLOW_HOME; remote jobs write to the shared storage root.
+        runs = str(Path(cfg["home"]) / "runs") if backend_name == "local" else f"{str(cfg['storage_root']).rstrip('/')}/runs"
+        output_dir = f"{runs}/{name}"
         run_config = {
             "root": cfg["storage_root"],
             "train_days": list(self.plan["train_days"]),
             "eval_ds": self.plan["eval_ds"],
-            "output_dir": str(output_dir),
+            "output_dir": output_dir,
             # Shared by every try of this DAG run: a retry resumes from the last checkpoint.
-            "checkpoint_dir": str(Path(cfg["storage_root"]) / "models" / cfg["mlflow"]["model_name"] / run_key / "checkpoints"),
+            "checkpoint_dir": f"{str(cfg['storage_root']).rstrip('/')}/models/{cfg['mlflow']['model_name']}/{run_key}/checkpoints",
             "mlflow_tracking_uri": cfg["mlflow"]["tracking_uri"],
             "mlflow_artifact_location": cfg["mlflow"]["artifact_root"],
             "experiment": cfg["mlflow"]["experiment"],
@@ -104,46 +183,186 @@ class DistributedTrainingOperator(BaseOperator):
             "lr": float(training["lr"]),
         }
         run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
-
-        backend = get_backend(str(self.backend), str(home))
+        backend = get_backend(backend_name, cfg["home"], cfg)
         spec = JobSpec(
             name=name,
-            command=["-m", "training.train", "--config", str(output_dir / "RUN.json")],
+            command=["-m", "training.train", "--config", f"{output_dir}/RUN.json"],
             team=self.team,
             image=str(training["image"]),
             distributed=True,
             nodes=int(self.nodes or training["nodes"]),
             procs_per_node=int(self.procs_per_node or training["procs_per_node"]),
+            gpus_per_node=int(training.get("gpus_per_node", 0)),
             checkpoint_dir=run_config["checkpoint_dir"],
         )
-        spec.validate()
-        self._preflight(backend, home)
+        validate_for(spec, dict(cfg.get("teams") or {}), backend=backend_name)
+        backend.dry_run(spec)  # the backend's own checks (schema, resources) before anything is submitted
+        return backend, spec, run_config, output_dir
 
-        job_id = backend.find(name)
+    def _remember(self, context: Context, job: dict[str, Any]) -> None:
+        """Keep the job for on_kill, the extra links and the log."""
+        from operators.backends import get_backend
+
+        self._job = job
+        try:
+            url = get_backend(job["backend"]).console_url(job["job_id"])
+        except Exception:  # noqa: BLE001 - a link is not worth failing a job for
+            url = ""
+        if url and self._links.get("job") != url:
+            self._links["job"] = url
+            context["ti"].xcom_push(key=JobConsoleLink().xcom_key, value=url)
+            self.log.info("%s job %s: %s", job["backend"], job["job_id"], url)
+
+    # ResumableJobMixin: the stored external id is the job's record, a dict.
+    def submit_job(self, context: Context) -> dict[str, Any]:
+        """Reattach to a job an earlier try of this task left running, or submit this try's job."""
+        backend, spec, run_config, output_dir = self._prepare(context)
+        self._preflight(backend)
+        ti = context["ti"]
+        # Closes the window between submitting and recording the id: names are deterministic per try.
+        for earlier in range(ti.try_number - 1, 0, -1):
+            name = self._job_name(context, earlier)
+            found = backend.find(name)
+            if found and not backend.status(found).state.terminal:
+                self.log.info("reattaching to job %s that try %d submitted and did not record", found, earlier)
+                job = {"backend": backend.name, "job_id": found, "name": name,
+                       "output_dir": output_dir.replace(spec.name, name)}
+                self._remember(context, job)
+                return job
+        job_id = backend.find(spec.name)
         if job_id:
             self.log.info("reattaching to job %s submitted earlier for this task try", job_id)
         else:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "RUN.json").write_text(json.dumps(run_config, indent=2))
+            _write_text(f"{output_dir}/RUN.json", json.dumps(run_config, indent=2))
             job_id = backend.submit(spec)
             self.log.info(
-                "submitted %s job %s: %d node(s) × %d process(es), train %s, evaluate %s; logs in %s",
-                backend.name, job_id, spec.nodes, spec.procs_per_node,
+                "submitted %s job %s: %d node(s) × %d process(es), team %s, train %s, evaluate %s; output in %s",
+                backend.name, job_id, spec.nodes, spec.procs_per_node, spec.team,
                 ", ".join(run_config["train_days"]), run_config["eval_ds"], output_dir,
             )
-        self._job = (backend, job_id)
-        wait_for_job(
-            backend, job_id, output_dir=output_dir, what="training job",
-            stall_seconds=float(training["heartbeat_timeout_seconds"]),
-        )
-        self._job = None
-        result = json.loads((output_dir / "result.json").read_text())
+        job = {"backend": backend.name, "job_id": job_id, "name": spec.name, "output_dir": output_dir}
+        self._remember(context, job)
+        return job
+
+    def _status(self, job: Any) -> Any:
+        from operators.backends import get_backend
+
+        return get_backend(str(job["backend"])).status(str(job["job_id"]))
+
+    def get_job_status(self, external_id: Any, context: Context) -> str:
+        try:
+            return str(self._status(external_id).state.value)
+        except LookupError:
+            return "MISSING"  # its record is gone: submit anew
+
+    def is_job_active(self, status: str) -> bool:
+        return status in ("PENDING", "RUNNING")
+
+    def is_job_succeeded(self, status: str) -> bool:
+        return status == "SUCCEEDED"
+
+    def poll_until_complete(self, external_id: Any, context: Context) -> Any:
+        from operators.backends import get_backend
+        from operators.jobs import wait_for_job
+
+        job = dict(external_id)  # type: ignore[arg-type]
+        self._remember(context, job)
+        settings = self._settings()
+        try:
+            wait_for_job(
+                get_backend(job["backend"]), job["job_id"], output_dir=job["output_dir"], what="training job",
+                poll_seconds=settings["poll"], stall_seconds=settings["stall"],
+            )
+        except PinflowTaskError:
+            self._forget(context)
+            raise
+        finally:
+            self._job = None
+        # The mixin returns this when it reattached; otherwise it calls get_job_result itself.
+        return self.get_job_result(job, context)
+
+    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
+        job = dict(external_id)  # type: ignore[arg-type]
+        try:
+            result: dict[str, Any] = json.loads(_read_text(f"{job['output_dir']}/result.json"))
+        except FileNotFoundError as err:
+            raise UserFailure(
+                f"training job {job['job_id']} succeeded but wrote no result.json in {job['output_dir']}: "
+                "the entry point must write it (training.train)"
+            ) from err
+        if result.get("mlflow_run_id"):
+            base = str(config.load()["mlflow"].get("ui_url") or "http://localhost:5000").rstrip("/")
+            self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
         return result
 
-    def _preflight(self, backend: Any, home: Path) -> None:
-        """Cheap checks before anything is submitted: the backend's state folder is writable, inputs exist."""
+    # -- the task --------------------------------------------------------------------------------------------
+    def execute(self, context: Context) -> Any:
+        if not self.deferrable:
+            return self.execute_resumable(context)
+        store = context.get("task_state_store")
+        stored = store.get(self.external_id_key) if store is not None else None
+        job: dict[str, Any] | None = dict(stored) if isinstance(stored, dict) else None
+        if job:
+            status = self.get_job_status(job, context)
+            if self.is_job_active(status):
+                self.log.info("reattaching to job %s (recorded by an earlier try)", job["job_id"])
+                self._remember(context, job)
+            elif self.is_job_succeeded(status):
+                return self.get_job_result(job, context)
+            else:
+                job = None  # ended: never reattached; this try submits a new job that resumes
+        if job is None:
+            job = self.submit_job(context)
+            if store is not None:
+                store.set(self.external_id_key, job)
+        self._defer(job)
+        return None  # not reached: defer() raises
+
+    def _defer(self, job: dict[str, Any]) -> None:
+        from operators.triggers import ComputeJobTrigger
+
+        settings = self._settings()
+        self.defer(
+            trigger=ComputeJobTrigger(
+                backend=job["backend"], job_id=job["job_id"], output_dir=job["output_dir"],
+                poll_seconds=settings["poll"], stall_seconds=settings["stall"],
+            ),
+            method_name="execute_complete",
+        )
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+        """Re-check the job through its backend (the event is only a hint) and classify the outcome."""
+        from operators.backends import get_backend
+        from operators.jobs import raise_for_status
+
+        if not event or not event.get("job_id"):
+            # Resumed without the trigger's event (its triggerer died with it): decide again from the store.
+            self.log.warning("resumed without a trigger event: reattaching through the task state store")
+            return self.execute(context)
+        job = {k: event[k] for k in ("backend", "job_id", "output_dir")}
+        backend = get_backend(job["backend"])
+        self._remember(context, job)
+        try:
+            if event.get("state") == "STALLED":
+                raise InfraFailure(str(event.get("reason")))
+            raise_for_status(backend, backend.status(job["job_id"]), what="training job")
+        except PinflowTaskError:
+            self._forget(context)
+            raise
+        finally:
+            self._job = None
+        return self.get_job_result(job, context)
+
+    def _forget(self, context: Context) -> None:
+        """The recorded job has ended badly: a retry must submit a new one, never reattach to it."""
+        store = context.get("task_state_store")
+        if store is not None:
+            store.delete(self.external_id_key)
+
+    def _preflight(self, backend: Any) -> None:
+        """Cheap checks before anything is submitted: the inputs exist, the backend answers."""
         from features.storage import is_complete
 
         missing = [d for d in [*self.plan["train_days"], self.plan["eval_ds"]]
@@ -151,15 +370,16 @@ class DistributedTrainingOperator(BaseOperator):
         if missing:
             raise DataFailure(f"examples partitions missing or incomplete: {missing}; run pin_daily_features for them")
         try:
-            (home / "jobs").mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise InfraFailure(f"preflight: {backend.name} backend state folder {home / 'jobs'} is not writable: {err}") from err
+            backend.ping()
+        except Exception as err:
+            raise InfraFailure(f"preflight: the {backend.name} backend does not answer: {err}") from err
 
     def on_kill(self) -> None:
         if self._job is not None:
-            backend, job_id = self._job
-            self.log.info("task killed: cancelling job %s", job_id)
-            backend.cancel(job_id)
+            from operators.backends import get_backend
+
+            self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
+            get_backend(self._job["backend"]).cancel(self._job["job_id"])
 
 
 def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any]:

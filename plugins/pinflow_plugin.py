@@ -54,10 +54,12 @@ def on_task_instance_failed(previous_state: Any, task_instance: Any, error: Base
 
 def _operator_extra_links() -> list[Any]:
     # Registered here so that the API server, which deserializes DAGs, can show the validation tasks'
-    # "Data Docs" button (the link class must be known to the plugin manager).
+    # "Data Docs" button and the training task's job console and MLflow run buttons (the link class must
+    # be known to the plugin manager).
+    from operators.training import JobConsoleLink, MlflowRunLink
     from operators.validation import DataDocsLink
 
-    return [DataDocsLink()]
+    return [DataDocsLink(), JobConsoleLink(), MlflowRunLink()]
 
 
 class PinflowPlugin(AirflowPlugin):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -82,10 +83,12 @@ def torchrun_args(
 def exit_code_of_failures(exit_codes: Sequence[int]) -> int:
     """One exit code for a node from its workers' codes.
 
-    A class code a worker chose (DATA, INFRA, NaN, OOM) wins; then a worker killed by a signal (negative
-    code: killed from outside, the node or process was lost: INFRA); a bare 1 only when nothing else.
+    A class code a worker chose (DATA, INFRA, NaN, OOM) wins; then a worker killed by a signal other than
+    SIGTERM (killed from outside: lost node, OOM killer: INFRA); then a bare 1 (an uncaught exception:
+    USER); a SIGTERM alone last (INFRA). torchrun itself sends SIGTERM to the surviving workers once one
+    fails, so a SIGTERM is usually a consequence, not the cause.
     """
-    for pick in (lambda c: c > 1, lambda c: c < 0, lambda c: c != 0):
+    for pick in (lambda c: c > 1, lambda c: c < 0 and c != -signal.SIGTERM, lambda c: c == 1, lambda c: c != 0):
         chosen = [c for c in exit_codes if pick(c)]
         if chosen:
             return int(ExitCode.INFRA) if chosen[0] < 0 else chosen[0]

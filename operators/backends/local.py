@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,23 @@ class LocalBackend:
     def console_url(self, job_id: str) -> str:
         return self.job_dir(job_id).as_uri()
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: str, grace_seconds: float = 20.0) -> None:
+        """Stop every node (SIGTERM, then SIGKILL after ``grace_seconds``) and return once they are gone,
+        so a retry never finds the cancelled job still running."""
         request = self._request(job_id)
-        for pid in request["pids"]:
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in request["pids"]:
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace_seconds
+            while time.monotonic() < deadline:
+                for pid in request["pids"]:
+                    _reap(pid)
+                if not any(_alive(pid) for pid in request["pids"]):
+                    return
+                time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:

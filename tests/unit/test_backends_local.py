@@ -108,3 +108,11 @@ def test_exit_codes_map_to_failure_classes():
     assert exit_code_of_failures([1, -9]) == ExitCode.INFRA
     assert exit_code_of_failures([1, 1]) == 1
     assert exit_code_of_failures([]) == 0
+
+
+@pytest.mark.unit
+def test_sigterm_from_torchrun_is_a_consequence_not_the_cause():
+    # torchrun SIGTERMs the surviving workers once one fails: the failing worker's code names the class.
+    assert exit_code_of_failures([-15, 1]) == 1
+    assert exit_code_of_failures([-15, -9]) == ExitCode.INFRA
+    assert exit_code_of_failures([-15, -15]) == ExitCode.INFRA

@@ -1,0 +1,99 @@
+"""Triggers: wait for a compute job in the triggerer, off the worker slots."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+class ComputeJobTrigger(BaseTrigger):
+    """Poll a job on a compute backend until it ends or its heartbeats stall.
+
+    Serialises only ids and settings (the backend's name, the job id, the heartbeat folder, the poll and
+    stall times); the backend is rebuilt from the platform config in the triggerer. Fires one event:
+    ``{"backend", "job_id", "output_dir", "state", "failure_class", "reason"}`` with state ``SUCCEEDED``, ``FAILED`` or ``STALLED``
+    (a stalled job has been cancelled). The operator's ``execute_complete`` re-checks through the backend.
+    Killing the task (``on_kill``) cancels the job.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        job_id: str,
+        output_dir: str | None = None,
+        poll_seconds: float = 10.0,
+        stall_seconds: float = 300.0,
+        home: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.job_id = job_id
+        self.output_dir = output_dir
+        self.poll_seconds = float(poll_seconds)
+        self.stall_seconds = float(stall_seconds)
+        self.home = home
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "backend": self.backend,
+                "job_id": self.job_id,
+                "output_dir": self.output_dir,
+                "poll_seconds": self.poll_seconds,
+                "stall_seconds": self.stall_seconds,
+                "home": self.home,
+            },
+        )
+
+    def _job(self) -> dict[str, Any]:
+        return {"backend": self.backend, "job_id": self.job_id, "output_dir": self.output_dir}
+
+    def _backend(self) -> Any:
+        from operators.backends import get_backend
+
+        return get_backend(self.backend, self.home)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from operators.jobs import HeartbeatWatch, describe_beats, read_heartbeats
+
+        backend = await asyncio.to_thread(self._backend)
+        watch = HeartbeatWatch(self.stall_seconds)
+        last_log = 0.0
+        while True:
+            # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
+            status = await asyncio.to_thread(backend.status, self.job_id)
+            if status.state.terminal:
+                yield TriggerEvent({
+                    **self._job(),
+                    "state": status.state.value,
+                    "failure_class": status.failure_class.value if status.failure_class else None,
+                    "reason": status.reason,
+                })
+                return
+            if self.output_dir:
+                beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
+                if beats and time.monotonic() - last_log > 30:
+                    last_log = time.monotonic()
+                    self.log.info("job %s: %s", self.job_id, describe_beats(beats))
+                if watch.observe(beats):
+                    await asyncio.to_thread(backend.cancel, self.job_id)
+                    yield TriggerEvent({
+                        **self._job(),
+                        "state": "STALLED",
+                        "failure_class": "INFRA",
+                        "reason": watch.stall_message("job", self.job_id),
+                    })
+                    return
+            await asyncio.sleep(self.poll_seconds)
+
+    async def on_kill(self) -> None:
+        """The user killed the deferred task: cancel its job (not called when a triggerer restarts)."""
+        backend = await asyncio.to_thread(self._backend)
+        self.log.info("task killed while deferred: cancelling %s job %s", self.backend, self.job_id)
+        await asyncio.to_thread(backend.cancel, self.job_id)
