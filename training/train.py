@@ -2,13 +2,16 @@
 
 Runs under ``torchrun`` (any number of nodes and processes; it reads RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT as torchrun sets them) or alone as a world of one. CPU: gloo; CUDA: nccl and
-bf16 autocast. DDP, AdamW, warmup + cosine LR, gradient clipping, weighted per-head BCE.
+bf16 autocast. ``strategy``: DDP, or FSDP2 (``fully_shard``: embedding tables and optimizer state sharded
+across ranks). AdamW, warmup + cosine LR, gradient clipping, weighted per-head BCE. With ``ablation``
+the model without the action sequence trains in lockstep on the same batches, for the evaluation.
 
 Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, when it fails,
 ``<output_dir>/failure-rank{r}.json`` (exit code, failure class, message, traceback). Checkpoints go to
 ``<checkpoint_dir>/step-XXXXXXXX/`` every ``checkpoint_every`` steps and at the end; a (re)started job
-resumes from the newest complete one, at the saved step (the data order is a function of seed and epoch,
-so the batches already trained on in that epoch are skipped). At the end rank 0 evaluates on ``eval_ds``,
+resumes exactly from the newest complete one: model, optimizer, LR schedule, every rank's RNG states and
+the input position (the data order is a function of seed and epoch; the batches already trained on in
+that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds``,
 logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
 writes ``<output_dir>/result.json`` atomically.
 """
@@ -41,11 +44,18 @@ RESULT_FILE = "result.json"
 EPILOG = f"""\
 {fields_help()}
 
-Exit codes (training.failures.ExitCode): 0 OK; 1 USER (bug or bad config, fail now); 65 DATA (missing or
-malformed input partition); 75 INFRA (lost peer, collective timeout: retry, it resumes from the last
-checkpoint); 76 NAN_LOSS (diverged: fail now); 137 OOM. Under torchrun the launcher's own exit code is 1 for
-any worker failure: start it with `python -m training.launch --nproc-per-node=N ... -- -m training.train
---config RUN.json`, which exits with the failing worker's code, or read <output_dir>/failure-rank*.json.
+Exit codes (training.failures.ExitCode), one per failure class (DESIGN.md section 4):
+  0    OK
+  1    USER      a bug in the model code or an invalid RUN.json: fail now, fix the named field
+  65   DATA      a missing, incomplete or malformed input partition: fail now, nothing downstream runs
+  75   INFRA     a lost peer, a collective (gloo/NCCL) timeout, MLflow not answering, killed from outside:
+                 retry; the job resumes exactly from the newest complete checkpoint
+  76   NAN_LOSS  (class USER) the loss or the gradient norm became NaN/Inf on some rank: fail now; lower lr
+  137  OOM       out of (GPU) memory, or the kernel's OOM killer: fail; lower batch_size or shard (fsdp)
+Under torchrun the launcher's own exit code is 1 for any worker failure: start it with `python -m
+training.launch --nproc-per-node=N ... -- -m training.train --config RUN.json`, which exits with the
+failing worker's code (a worker killed by a signal: 75), or read <output_dir>/failure-rank*.json.
+Health check before training: `python -m training.preflight --config RUN.json` (exits 0, 65 or 75).
 
 Files: <output_dir>/heartbeat-rank<r>.json, failure-rank<r>.json, result.json;
 <checkpoint_dir>/step-XXXXXXXX/ (DCP + COMPLETE.json), mlflow_run.json.
