@@ -74,3 +74,44 @@ def test_killed_node_is_infra_and_cancel_stops_everything(tmp_path):
         assert time.monotonic() < deadline, "node 0 still running after cancel"
         time.sleep(0.2)
     assert backend.status(job).failure_class is FailureClass.INFRA
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _platform_env(platform: str, rank: int, port: int) -> dict[str, str]:
+    if platform == "batch":
+        env = {"AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_NODE_INDEX": str(rank), "PINFLOW_RDZV_PORT": str(port)}
+        if rank:  # Batch sets the main node's address on the other nodes only
+            env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
+        return env
+    # What the Kubeflow training operator sets with nprocPerNode: torchrun's view in PET_*, WORLD_SIZE in processes.
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PET_NNODES": "2", "PET_NODE_RANK": str(rank),
+            "PET_NPROC_PER_NODE": "1", "WORLD_SIZE": "2", "RANK": str(rank)}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("platform", ["batch", "pytorchjob"])
+def test_entry_point_takes_the_rendezvous_from_the_platform(tmp_path, platform):
+    """Two "nodes" started with exactly the variables AWS Batch or a PyTorchJob sets, and nothing else."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_BATCH_", "MASTER_", "PET_", "WORLD_SIZE", "RANK"))}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "training.launch", "--nproc-per-node=1", f"--rdzv-id={platform}", "--", WORKER],
+            env={**base, **_platform_env(platform, rank, port), "WORKER_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*.txt")) == ["2 3.0", "2 3.0"]
