@@ -115,7 +115,7 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=2_000_000, help="events in the day (at least)")
     parser.add_argument("--users", type=int, default=20_000, help="users of the synthetic world before tiling")
     parser.add_argument("--history", type=int, default=3, help="validated days before the day")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement (best reported)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each measurement (best reported)")
     parser.add_argument(
         "--keep", type=Path, default=None, help="write the setup here and keep it; reused when it is there already"
     )
