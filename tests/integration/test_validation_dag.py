@@ -1,5 +1,5 @@
 """The validation gate through Airflow: a corrupted day fails its validation task, is quarantined, and
-nothing downstream runs.
+nothing downstream runs; a day that never lands fails the deferrable sensor at its timeout.
 
 ``pin_daily_features`` runs with ``dag.test()`` in a subprocess (this file is also its driver:
 ``python test_validation_dag.py STORAGE_ROOT DS``) against the session's Airflow metadata database and a
@@ -50,6 +50,16 @@ def main() -> None:
 
 
 # -- the test ------------------------------------------------------------------------------------------------
+def drive(root: Path, ds: str, log: Path, **env_overrides: str) -> dict:
+    env = {**os.environ, "PINFLOW_STORAGE_ROOT": str(root), **env_overrides}
+    with log.open("w") as out:
+        proc = subprocess.run([sys.executable, str(HERE), str(root), ds], stdout=out, stderr=subprocess.STDOUT,
+                              env=env, cwd=REPO, timeout=600)
+    lines = [line for line in log.read_text().splitlines() if line.startswith("SUMMARY ")]
+    assert lines, f"driver printed no summary (exit {proc.returncode}):\n{log.read_text()[-6000:]}"
+    return json.loads(lines[-1][len("SUMMARY "):])
+
+
 def _value(raw: object) -> object:
     """An XCom value as read from the metadata database (JSON text, or already decoded)."""
     if isinstance(raw, str):
@@ -76,13 +86,7 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     storage.write_table(root, "raw/events", BAD, events)
     log = tmp_path / "driver.log"
 
-    env = {**os.environ, "PINFLOW_STORAGE_ROOT": str(root)}
-    with log.open("w") as out:
-        proc = subprocess.run([sys.executable, str(HERE), str(root), BAD], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, cwd=REPO, timeout=600)
-    lines = [line for line in log.read_text().splitlines() if line.startswith("SUMMARY ")]
-    assert lines, f"driver printed no summary (exit {proc.returncode}):\n{log.read_text()[-6000:]}"
-    summary = json.loads(lines[-1][len("SUMMARY "):])
+    summary = drive(root, BAD, log)
     states = summary["states"]
 
     assert states["wait_for_raw"] == "success"
@@ -106,6 +110,28 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert storage.is_complete(root, "raw/events", START)
     for dataset in ("features/user_daily", "features/pin_daily", "features/user_window", "examples"):
         assert not storage.partition_path(root, dataset, BAD).exists(), dataset
+
+
+
+@pytest.mark.integration
+def test_partition_that_never_lands_fails_the_deferred_sensor(airflow_db, tmp_path: Path) -> None:
+    from features.synthetic import WorldConfig, generate_world
+
+    root = tmp_path / "storage"
+    generate_world(root, WorldConfig(start=START, days=1, users=30, pins=40, seed=3))  # BAD never lands
+    log = tmp_path / "driver.log"
+
+    summary = drive(root, BAD, log, PINFLOW_VALIDATION__SENSOR_TIMEOUT_SECONDS="2",
+                    PINFLOW_VALIDATION__SENSOR_POKE_SECONDS="1")
+
+    states = summary["states"]
+    assert states["wait_for_raw"] == "failed", states
+    assert {states[t] for t in ("validate_events", "validate_pins", "validate_users", *DOWNSTREAM)} == {
+        "upstream_failed"
+    }, states
+    text = log.read_text()
+    assert "DataFailure" in text and f"raw partitions of ds={BAD} did not land within 2 s" in text
+    assert f"raw/events/ds={BAD} does not exist" in text
 
 
 if __name__ == "__main__":
