@@ -82,7 +82,8 @@ class MlflowRunLink(BaseOperatorLink):
 class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     """Train the ranker as a distributed job on a compute backend.
 
-    Preflight (the spec is valid for the platform config, the inputs exist, the backend answers) → submit,
+    Preflight (the spec is valid for the platform config, the inputs exist, the backend answers; on the
+    nodes, ``training.preflight`` runs as the job's first step) → submit,
     or reattach to the job recorded for this task in the task state store (a restarted worker or a rerun
     while the job still runs never submits a second; a job that has ended is never reattached) → wait,
     deferred to :class:`~operators.triggers.ComputeJobTrigger` (``deferrable=True``) or polling on the
@@ -194,6 +195,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             procs_per_node=int(self.procs_per_node or training["procs_per_node"]),
             gpus_per_node=int(training.get("gpus_per_node", 0)),
             checkpoint_dir=run_config["checkpoint_dir"],
+            # The nodes' health check (devices, all-reduce, disk, inputs, MLflow) as the job's first step.
+            preflight=bool(training.get("preflight", True)),
         )
         validate_for(spec, dict(cfg.get("teams") or {}), backend=backend_name)
         backend.dry_run(spec)  # the backend's own checks (schema, resources) before anything is submitted

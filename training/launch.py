@@ -106,12 +106,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: from the platform)")
     parser.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous")
     parser.add_argument("--rdzv-id", default="pinflow", help="a job-unique rendezvous id")
+    parser.add_argument(
+        "--preflight", action="store_true",
+        help="first run `-m training.preflight --config <the command's --config>` in the same world; "
+        "if a check fails, exit with its code (65 DATA, 75 INFRA) without training",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. -m training.train")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --, e.g. -- -m training.train --config RUN.json")
 
+    steps = [(command, args.rdzv_id)]
+    if args.preflight:
+        steps.insert(0, (preflight_command(command), f"{args.rdzv_id}-preflight"))
+    for step, rdzv_id in steps:
+        code = _run_torchrun(step, args, rdzv_id)
+        if code != ExitCode.OK:
+            return code
+    return ExitCode.OK
+
+
+def preflight_command(command: Sequence[str]) -> list[str]:
+    """``-m training.preflight --config X`` for a worker command that has ``--config X``."""
+    items = list(command)
+    for i, item in enumerate(items):
+        if item == "--config" and i + 1 < len(items):
+            return ["-m", "training.preflight", "--config", items[i + 1]]
+        if item.startswith("--config="):
+            return ["-m", "training.preflight", item]
+    raise ValueError(f"--preflight needs the worker command's --config RUN.json: {' '.join(items)}")
+
+
+def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -122,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id,
+            rdzv_id=rdzv_id,
         )
     )
     try:
@@ -130,9 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
         code = exit_code_of_failures(codes)
-        print(f"pinflow launch: workers failed with exit codes {codes}; node exits {code}", file=sys.stderr)
+        print(f"pinflow launch: {' '.join(command[:2])} workers failed with exit codes {codes}; node exits {code}",
+              file=sys.stderr)
         return code
-    return ExitCode.OK
+    return int(ExitCode.OK)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: int = 6 * 3600
     checkpoint_dir: str | None = None
+    # Distributed jobs: run ``training.preflight`` in the same world first (``training.launch --preflight``).
+    preflight: bool = False
 
     def validate(self) -> None:
         """Fail before anything is submitted, saying which setting to change."""

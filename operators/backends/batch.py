@@ -137,7 +137,7 @@ class BatchBackend:
         if not spec.distributed:
             return ["python", *spec.command]
         return ["python", "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}",
-                f"--rdzv-id={spec.name}", "--", *spec.command]
+                f"--rdzv-id={spec.name}", *(["--preflight"] if spec.preflight else []), "--", *spec.command]
 
     def _environment(self, spec: JobSpec) -> list[dict[str, str]]:
         env = {"PYTHONUNBUFFERED": "1", "PINFLOW_RDZV_PORT": str(self.options["rdzv_port"]), **spec.env}

@@ -105,7 +105,7 @@ class KubernetesBackend:
             limits["vpc.amazonaws.com/efa"] = str(opts["efa_devices"])
         if spec.distributed:
             command = ["python", "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}",
-                       f"--rdzv-id={spec.name}", "--", *spec.command]
+                       f"--rdzv-id={spec.name}", *(["--preflight"] if spec.preflight else []), "--", *spec.command]
         else:
             command = ["python", *spec.command]
         env = {"PYTHONUNBUFFERED": "1", **spec.env}

@@ -47,7 +47,7 @@ class LocalBackend:
                     sys.executable, "-m", "training.launch",
                     f"--nproc-per-node={spec.procs_per_node}", f"--nnodes={spec.nodes}",
                     f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={spec.name}",
-                    "--", *spec.command,
+                    *(["--preflight"] if spec.preflight else []), "--", *spec.command,
                 ]
                 for rank in range(spec.nodes)
             ]

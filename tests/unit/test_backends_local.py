@@ -116,3 +116,15 @@ def test_sigterm_from_torchrun_is_a_consequence_not_the_cause():
     assert exit_code_of_failures([-15, 1]) == 1
     assert exit_code_of_failures([-15, -9]) == ExitCode.INFRA
     assert exit_code_of_failures([-15, -15]) == ExitCode.INFRA
+
+
+@pytest.mark.unit
+def test_preflight_runs_first_in_the_same_world(tmp_path):
+    from training.launch import preflight_command
+
+    argv = get_backend("local", str(tmp_path)).dry_run(spec(preflight=True))["nodes"][0]["argv"]
+    assert argv[argv.index("--") - 1] == "--preflight"
+    assert preflight_command(["-m", "training.train", "--config", "/r/RUN.json"]) == [
+        "-m", "training.preflight", "--config", "/r/RUN.json"]
+    with pytest.raises(ValueError, match="--config"):
+        preflight_command(["-m", "training.train"])
