@@ -22,13 +22,14 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -266,8 +267,8 @@ SELECT e.user_id, e.pin_id,
        (CASE e.action {_ACTION_INDEX} END)::INTEGER AS action_idx,
        coalesce(p.category, $unknown)::INTEGER AS category,
        e.ts
-FROM read_parquet([{{events}}]) AS e
-LEFT JOIN read_parquet([{{pins}}]) AS p ON p.pin_id = e.pin_id
+FROM read_parquet([{{events}}], hive_partitioning = false) AS e
+LEFT JOIN read_parquet([{{pins}}], hive_partitioning = false) AS p ON p.pin_id = e.pin_id
 WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end
 """
 
@@ -382,22 +383,19 @@ SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
        i.surface,
        {_USER_FEATURES},
        {_PIN_FEATURES},
-       coalesce(s.seq_pin_ids, []::BIGINT[]) AS seq_pin_ids,
-       coalesce(s.seq_actions, []::INTEGER[]) AS seq_actions,
-       coalesce(s.seq_categories, []::INTEGER[]) AS seq_categories,
-       -- epoch_us arithmetic: the same value as date_diff('microsecond', ...), many times faster in a lambda.
-       coalesce(
-         list_transform(s.seq_ts, lambda t: (epoch_us(i.ts) - epoch_us(t)) / 3600e6),
-         []::DOUBLE[]
-       )::FLOAT[] AS seq_age_hours,
+       s.seq_row,
        {_LABEL_NAMES}
 FROM sampled AS i
 LEFT JOIN pins AS p ON p.pin_id = i.pin_id
 LEFT JOIN user_window AS u ON u.user_id = i.user_id
 LEFT JOIN pin_window AS pw ON pw.pin_id = i.pin_id
-LEFT JOIN user_sequence AS s ON s.user_id = i.user_id
+LEFT JOIN sequence_rows AS s ON s.user_id = i.user_id
 ORDER BY i.impression_id
 """
+# The user's sequence is attached to each example by ``seq_row`` (its row in the ds-1 sequences, NULL when
+# the user has none) after the query, with an Arrow gather: sorting and copying lists of 50 inside the
+# query cost more than everything else of the day. ``_attach_sequences`` does it, with the age of each
+# action at the impression: seq_age_hours = (impression ts - action ts) in hours, as FLOAT.
 
 IMPRESSION_COUNTS_SQL = """
 SELECT count(*) AS impressions,
@@ -431,7 +429,10 @@ def _view(con: duckdb.DuckDBPyConnection, name: str, files: Sequence[Path], sche
     """Expose Parquet files as view ``name``; no files gives an empty view with the contract's schema."""
     if files:
         paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM read_parquet([{paths}])")
+        # No hive partitioning: the ds=... folder must not add a column to the contract's.
+        con.execute(
+            f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM read_parquet([{paths}], hive_partitioning = false)"
+        )
     else:
         con.register(name, schema.empty_table())
 
@@ -466,10 +467,12 @@ def _write_query(
     *,
     sums: Sequence[str] = (),
     sums_key: str = "sums",
+    transform: Callable[[pa.Table], pa.Table] | None = None,
 ) -> dict[str, Any]:
     """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
 
-    Batches are cast to the contract ``schema`` as they come, so the result never sits whole in memory.
+    Batches (passed through ``transform`` first, if given) are cast to the contract ``schema`` as they
+    come, so the result never sits whole in memory.
     Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``).
     """
     relation = con.sql(sql, params=params)
@@ -478,11 +481,15 @@ def _write_query(
     totals = dict.fromkeys(sums, 0)
     with write_partition(root, dataset, ds) as tmp:
         reader = relation.to_arrow_reader(BATCH_ROWS)
-        with pq.ParquetWriter(tmp / DATA_FILE, schema) as writer:
+        # Dictionary encoding only for strings: on ids, counts and lists it costs 3x the write time for
+        # nothing (it falls back to plain encoding on high-cardinality columns anyway).
+        strings = [f.name for f in schema if pa.types.is_string(f.type)]
+        with pq.ParquetWriter(tmp / DATA_FILE, schema, use_dictionary=strings) as writer:
             for batch in reader:
                 if not batch.num_rows:
                     continue
-                conformed = _conform(pa.Table.from_batches([batch]), schema)
+                table = pa.Table.from_batches([batch])
+                conformed = _conform(transform(table) if transform else table, schema)
                 writer.write_table(conformed, row_group_size=64 * 1024)
                 rows += conformed.num_rows
                 for column in sums:
@@ -490,6 +497,33 @@ def _write_query(
         summary = {**metadata, "rows": rows} | ({sums_key: totals} if sums else {})
         (tmp / "_metadata.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def _attach_sequences(sequences: pa.Table) -> Callable[[pa.Table], pa.Table]:
+    """A batch transform that replaces ``seq_row`` by the four sequence lists of that row of ``sequences``.
+
+    A NULL ``seq_row`` (a user without a sequence) gets empty lists: it points at an extra empty row.
+    """
+    empty = pa.table({name: pa.array([[]], sequences.schema.field(name).type) for name in sequences.column_names})
+    padded = pa.concat_tables([sequences.select(empty.column_names).cast(empty.schema), empty]).combine_chunks()
+    pad_row = padded.num_rows - 1
+
+    def attach(batch: pa.Table) -> pa.Table:
+        rows = pc.fill_null(batch["seq_row"], pad_row)
+        taken = padded.take(rows)
+        seq_ts = taken["seq_ts"].combine_chunks()
+        lengths = pc.list_value_length(seq_ts).to_numpy(zero_copy_only=False)
+        action_us = pc.list_flatten(seq_ts).cast(pa.int64()).to_numpy(zero_copy_only=False)
+        impression_us = batch["ts"].cast(pa.int64()).to_numpy()
+        # The same arithmetic as DuckDB's epoch_us difference / 3600e6 as DOUBLE, then FLOAT.
+        ages = ((np.repeat(impression_us, lengths) - action_us) / 3600e6).astype(np.float32)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        out = batch.drop_columns(["seq_row"])
+        for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
+            out = out.append_column(name, taken[name])
+        return out.append_column("seq_age_hours", pa.ListArray.from_arrays(offsets, pa.array(ages)))
+
+    return attach
 
 
 def _day_start(ds: str) -> dt.datetime:
@@ -801,11 +835,12 @@ def build_examples(
         _view(con, "pins", pins, PINS)
         _check_unique_pins(con, ds)
         for name, dataset, schema in feature_inputs:
-            if _ref(dataset, features_ds) in missing_inputs:
-                _view(con, name, [], schema)
-            else:
-                _view(con, name, data_files(root, dataset, features_ds), schema)
+            files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)
+            if files:
                 inputs.append(_ref(dataset, features_ds))
+            _view(con, name, files, schema)
+        sequences = _query(con, f"SELECT {', '.join(USER_SEQUENCE.names)} FROM user_sequence ORDER BY user_id")
+        con.register("sequence_rows", pa.table({"user_id": sequences["user_id"], "seq_row": np.arange(sequences.num_rows)}))
         if _ref(PIN_WINDOW_DS, features_ds) in inputs:
             recorded = read_metadata(root, PIN_WINDOW_DS, features_ds).get("global_rates")
             if recorded:
@@ -841,7 +876,8 @@ def build_examples(
             "dense_features": list(DENSE_FEATURES),
         }
         summary = _write_query(
-            con, EXAMPLES_SQL, params, root, EXAMPLES_DS, ds, EXAMPLES, metadata, sums=LABELS, sums_key="positives"
+            con, EXAMPLES_SQL, params, root, EXAMPLES_DS, ds, EXAMPLES, metadata,
+            sums=LABELS, sums_key="positives", transform=_attach_sequences(sequences.drop_columns(["user_id"])),
         )
     return {EXAMPLES_DS: summary}
 
