@@ -282,6 +282,14 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     assert "resumed from" in proc.stderr
     assert "not an exact resume" not in proc.stderr
 
+    # FSDP2 saves each rank's rows of a table (sharded at rest); DDP one replicated copy.
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint import complete_checkpoints
+
+    metadata = dcp.FileSystemReader(str(complete_checkpoints(killed / "checkpoints")[-1][1])).read_metadata()
+    chunks = metadata.state_dict_metadata["model.pin_emb.weight"].chunks
+    assert len(chunks) == (2 if strategy == "fsdp" else 1)
     a = final_state(straight / "checkpoints", tmp_path, "straight")
     b = final_state(killed / "checkpoints", tmp_path, "killed")
     assert a["step"] == b["step"] and a["step"] > killed_at
