@@ -67,7 +67,7 @@ class RunConfig:
     batch_size: int = _f("examples per batch per rank (the global batch is batch_size x world size)", 256)
     lr: float = _f("peak learning rate of AdamW (reached after warmup_steps)", 2e-3)
     weight_decay: float = _f("AdamW weight decay", 1e-5)
-    warmup_steps: int = _f("linear warmup steps, then cosine decay to min_lr_ratio x lr", 50)
+    warmup_steps: int = _f("linear warmup steps, then cosine decay to min_lr_ratio x lr", 20)
     min_lr_ratio: float = _f("final learning rate of the cosine schedule, as a fraction of lr", 0.1)
     grad_clip: float = _f("clip the global gradient norm to this value (0 = no clipping)", 1.0)
     loss_weights: dict[str, float] = _f(
