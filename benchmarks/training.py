@@ -167,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rows-per-day", type=int, default=12000, help="examples per day (two days)")
     parser.add_argument("--batch-size", type=int, default=512, help="examples per step per rank")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternating pipeline/memory runs; the best of each counts"
+    )
     parser.add_argument("--steps", type=int, default=16, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each measurement")
-    parser.add_argument("--num-workers", type=int, default=1, help="DataLoader workers of the pipeline run")
+    parser.add_argument(
+        "--num-workers", type=int, default=0, help="DataLoader workers of the pipeline run (training.train default: 0)"
+    )
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="wrapping of the 1 vs 2 runs")
     parser.add_argument("--ablation", action="store_true", help="also train the ablation model, as training does")
     args = parser.parse_args(argv)
@@ -197,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         memory_batches = [b for _, b in zip(range(needed), stream(root, args.batch_size), strict=False)]
 
-        # Interleave pipeline and memory twice and keep each one's best, so that a noisy neighbour
+        # Interleave pipeline and memory runs and keep each one's best, so that a noisy neighbour
         # slows both alike.
         runs: dict[str, list[dict[str, float]]] = {"pipeline": [], "memory": []}
-        for _ in range(2):
+        for _ in range(args.repeats):
             models, optimizers = make_model(args.ablation)
             runs["pipeline"].append(timed(models, optimizers, loader, args.steps, args.warmup))
             models, optimizers = make_model(args.ablation)
