@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
-TUNABLE = ("epochs", "batch_size", "lr", "seed", "max_steps", "checkpoint_every", "heartbeat_every_s", "fail_nan_at_step")
+TUNABLE = (
+    "epochs", "batch_size", "lr", "strategy", "seed", "max_steps", "checkpoint_every", "heartbeat_every_s", "fail_nan_at_step",
+)
 
 
 def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
