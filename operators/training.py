@@ -296,7 +296,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
                 "the entry point must write it (training.train)"
             ) from err
         if result.get("mlflow_run_id"):
-            base = str(config.load()["mlflow"].get("ui_url") or "http://localhost:5000").rstrip("/")
+            base = str(config.load()["mlflow"]["ui_url"]).rstrip("/")
             self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
