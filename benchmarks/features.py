@@ -73,14 +73,7 @@ DAY_US = 86_400 * 1_000_000
 EVENT_ID_DAY_STRIDE = 10**9
 # Events per user and day in the synthetic world (about 20 impressions and their engagements, 90% active).
 EVENTS_PER_USER = 21.5
-OUTPUTS = (
-    build.USER_DAILY_DS,
-    build.PIN_DAILY_DS,
-    build.USER_WINDOW_DS,
-    build.PIN_WINDOW_DS,
-    build.USER_SEQUENCE_DS,
-    build.EXAMPLES_DS,
-)
+OUTPUTS = build.OUTPUTS
 
 
 def say(message: str) -> None:

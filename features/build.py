@@ -71,6 +71,8 @@ USER_WINDOW_DS = "features/user_window"
 PIN_WINDOW_DS = "features/pin_window"
 USER_SEQUENCE_DS = "features/user_sequence"
 EXAMPLES_DS = "examples"
+# Every dataset a day's build writes, in build order.
+OUTPUTS = (USER_DAILY_DS, PIN_DAILY_DS, USER_WINDOW_DS, PIN_WINDOW_DS, USER_SEQUENCE_DS, EXAMPLES_DS)
 
 # Category and creator of a pin that is not in the day's pins snapshot.
 UNKNOWN_ID = -1

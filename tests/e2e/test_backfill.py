@@ -35,14 +35,7 @@ DAYS = day_range(START, shift_ds(START, 2))
 DAG_ID = "pin_daily_features"
 # Short window and sequences, and downsampling, so that each of them shows in three days.
 FEATURES = {"window_days": 2, "sequence_length": 4, "negative_downsample": 0.5, "negative_downsample_seed": 3}
-OUTPUTS = (
-    build.USER_DAILY_DS,
-    build.PIN_DAILY_DS,
-    build.USER_WINDOW_DS,
-    build.PIN_WINDOW_DS,
-    build.USER_SEQUENCE_DS,
-    build.EXAMPLES_DS,
-)
+OUTPUTS = build.OUTPUTS
 RUNS_TIMEOUT_S = 1200
 
 

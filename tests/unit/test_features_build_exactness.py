@@ -27,14 +27,7 @@ BUILT = [d for d in DAYS if d != GAP]
 PARAMS = {"window_days": 3, "sequence_length": 6, "negative_downsample": 0.5, "seed": 11}
 ENGINE = build.DuckDBSettings(threads=1, memory_limit="512MB")
 RAW = (build.RAW_EVENTS, build.RAW_PINS, "raw/users")
-OUTPUTS = (
-    build.USER_DAILY_DS,
-    build.PIN_DAILY_DS,
-    build.USER_WINDOW_DS,
-    build.PIN_WINDOW_DS,
-    build.USER_SEQUENCE_DS,
-    build.EXAMPLES_DS,
-)
+OUTPUTS = build.OUTPUTS
 
 
 def copy_raw(source: Path, target: Path) -> Path:
