@@ -3,7 +3,10 @@
 Layout: ``<checkpoint_dir>/step-XXXXXXXX/`` holds the DCP files of every rank plus ``COMPLETE.json``,
 which rank 0 writes last, after every rank has finished writing. A folder without the marker is a
 checkpoint that died half-way: readers ignore it and the next save at that step replaces it. Only the
-marker is needed for atomicity, so the same scheme works on a shared filesystem and on object stores.
+marker is needed for atomicity, so the same scheme works on a shared filesystem and on object stores:
+``checkpoint_dir`` is a local path (DCP's ``FileSystemWriter``) or a URL such as ``s3://bucket/prefix``
+(DCP's fsspec writer and reader; the marker is one PUT, and finding the newest complete checkpoint is one
+listing of the markers).
 
 The state is ``{"model", "optim"}`` through ``torch.distributed.checkpoint.state_dict`` (the same code
 serves DDP and FSDP2: keys are unwrapped FQNs, sharded tables are saved shard by shard and resharded on
@@ -15,11 +18,10 @@ be visible to every node.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
-import shutil
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from features.storage import write_json_atomic
+from training import storage_io
 from training.runtime import now_iso
 
 log = logging.getLogger("training.checkpoint")
@@ -38,35 +40,54 @@ MARKER = "COMPLETE.json"
 PREFIX = "step-"
 
 
-def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> Path:
-    return Path(checkpoint_dir) / f"{PREFIX}{step:08d}"
+def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
+    return storage_io.join(checkpoint_dir, f"{PREFIX}{step:08d}")
 
 
-def complete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint, oldest first."""
-    base = Path(checkpoint_dir)
-    if not base.is_dir():
-        return []
+def complete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """(step, folder path or URL) of every complete checkpoint, oldest first."""
     found = []
-    for path in base.glob(f"{PREFIX}*"):
-        suffix = path.name[len(PREFIX) :]
-        if suffix.isdigit() and (path / MARKER).exists():
+    for marker in storage_io.glob(checkpoint_dir, f"{PREFIX}*/{MARKER}"):
+        path = os.path.dirname(marker)  # a local path or a URL: both are /-separated here
+        suffix = os.path.basename(path)[len(PREFIX) :]
+        if suffix.isdigit():
             found.append((int(suffix), path))
     return sorted(found)
 
 
 def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The marker of the newest complete checkpoint (step, epoch, examples_seen, path, ...), or None."""
-    import json
-
     for _, path in reversed(complete_checkpoints(checkpoint_dir)):
         try:
-            marker = json.loads((path / MARKER).read_text())
+            marker = json.loads(storage_io.read_text(storage_io.join(path, MARKER)))
         except (OSError, ValueError) as e:
             log.warning("ignoring checkpoint %s with an unreadable marker: %s", path, e)
             continue
-        return {**marker, "path": str(path)}
+        return {**marker, "path": path}
     return None
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint folder, its marker first: a deletion cut short never leaves a "complete" half."""
+    storage_io.remove(storage_io.join(path, MARKER))
+    storage_io.remove_tree(path)
+
+
+def _writer(path: str) -> dcp.StorageWriter:
+    if storage_io.is_remote(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # An object is durable once its upload completes: no fsync (which would os.sync() this node).
+        return FsspecWriter(path, sync_files=False)
+    return dcp.FileSystemWriter(path)
+
+
+def _reader(path: str) -> dcp.StorageReader:
+    if storage_io.is_remote(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(path)
+    return dcp.FileSystemReader(path)
 
 
 def _barrier() -> None:
@@ -122,7 +143,7 @@ def save(
     data: dict[str, int] | None = None,
     keep: int = 2,
     extra: dict[str, Any] | None = None,
-) -> Path:
+) -> str:
     """Save on every rank (a collective); rank 0 marks the folder complete and prunes old checkpoints.
 
     ``parts`` maps a name to (module, optimizer, scheduler); ``"model"`` is the trained model. ``data``
@@ -131,15 +152,14 @@ def save(
     """
     path = step_dir(checkpoint_dir, step)
     if is_main:
-        if path.exists():  # a save at this step that died before its marker, or an older run's
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        remove_checkpoint(path)  # a save at this step that died before its marker, or an older run's
+        storage_io.make_dirs(path)
     _barrier()
     state = _state(parts)
     state["train"] = {"step": step, "epoch": epoch, "examples_seen": examples_seen}
     state["data"] = dict(data or {})
     state["rng"] = {_rank_key(): rng_state()}
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=path, storage_writer=_writer(path))
     _barrier()  # every rank's files are in place
     if is_main:
         marker = {
@@ -152,9 +172,9 @@ def save(
             "time": now_iso(),
             **(extra or {}),
         }
-        write_json_atomic(path / MARKER, marker)
+        storage_io.write_json(storage_io.join(path, MARKER), marker)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
         log.info("checkpoint step %d written to %s", step, path)
     return path
 
@@ -169,11 +189,12 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
     state["train"] = {"step": 0, "epoch": 0, "examples_seen": 0}
     if restore_rng:
         state["rng"] = {_rank_key(): rng_state()}
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    path = os.fspath(path)
+    metadata = _reader(path).read_metadata()
     has_data = any(key.startswith("data.") or key == "data" for key in metadata.state_dict_metadata)
     if has_data:
         state["data"] = {k.split(".", 1)[1]: 0 for k in metadata.state_dict_metadata if k.startswith("data.")}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=path, storage_reader=_reader(path))
     for name, (model, optimizer, scheduler) in parts.items():
         p = _prefix(name)
         set_state_dict(model, optimizer, model_state_dict=state[f"{p}model"], optim_state_dict=state[f"{p}optim"])

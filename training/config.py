@@ -15,7 +15,6 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from features.contracts import LABELS
@@ -46,7 +45,7 @@ class RunConfig:
     """Settings of one training run (RUN.json). Required fields have no default."""
 
     # --- where things are -------------------------------------------------------------------------
-    root: str = _f("storage root (local path or file:// URL) holding examples/, raw/pins/ and truth/")
+    root: str = _f("storage root (local path, file:// or s3:// URL) holding examples/, raw/pins/ and truth/")
     train_days: list[str] = _f("days (YYYY-MM-DD) of the examples dataset to train on")
     eval_ds: str = _f("day (YYYY-MM-DD) of the examples dataset to evaluate on, after training")
     output_dir: str = _f("job folder: heartbeat-rank{r}.json, failure-rank{r}.json and result.json are written here")
@@ -131,9 +130,11 @@ class RunConfig:
     # ----------------------------------------------------------------------------------------------
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> RunConfig:
-        """Read and validate RUN.json; raise ConfigError naming the offending key."""
+        """Read and validate RUN.json (a local path or a URL); raise ConfigError naming the offending key."""
+        from training.storage_io import read_text
+
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(read_text(path))
         except FileNotFoundError:
             raise ConfigError(f"run config {path} does not exist") from None
         except json.JSONDecodeError as e:

@@ -8,6 +8,8 @@ batches each rank will produce and all stop at the same step (:meth:`ExampleStre
 no rank waits in a collective for a rank that ran out of data.
 
 Pin content embeddings come from a :class:`PinEmbeddings` table built from one ``raw/pins`` snapshot.
+The storage root is a local path or a URL (``s3://bucket/prefix``, through ``training.storage_io``): on
+an object store a row group is read with ranged GETs of its column chunks, never the whole file.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from features.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
-from features.storage import complete_days, data_files, ds_str
+from features.storage import ds_str
 from training.failures import DataError
+from training.storage_io import complete_days, data_files, parquet_file
 
 EXAMPLES = "examples"
 PINS = "raw/pins"
@@ -75,7 +77,8 @@ class PinEmbeddings:
             raise DataError(f"no complete {PINS} snapshot on or before ds={ds} under {root}")
         ids, vectors = [], []
         for path in data_files(root, PINS, day):
-            table = pq.read_table(path, columns=["pin_id", "embedding"])
+            with parquet_file(path) as parquet:
+                table = parquet.read(columns=["pin_id", "embedding"])
             ids.append(table.column("pin_id").to_numpy())
             emb = table.column("embedding").combine_chunks()
             vectors.append(emb.flatten().to_numpy().reshape(-1, EMBEDDING_DIM))
@@ -190,15 +193,15 @@ def example_units(root: str | os.PathLike[str], days: Sequence[str], min_units: 
         if not files:
             raise DataError(f"{EXAMPLES} partition ds={ds} under {root} has a marker but no Parquet file")
         for path in files:
-            parquet = pq.ParquetFile(path)
-            meta = parquet.metadata
-            missing = [c for c in EXAMPLE_COLUMNS if c not in parquet.schema_arrow.names]
+            with parquet_file(path) as parquet:
+                meta, names = parquet.metadata, parquet.schema_arrow.names
+            missing = [c for c in EXAMPLE_COLUMNS if c not in names]
             if missing:
                 raise DataError(f"{path} lacks the examples column(s) {', '.join(missing)}")
             for rg in range(meta.num_row_groups):
                 rows = meta.row_group(rg).num_rows
                 if rows:
-                    groups.append((str(path), rg, rows))
+                    groups.append((path, rg, rows))
     split = max(1, -(-min_units // max(1, len(groups))))
     units = []
     for name, rg, rows in groups:
@@ -349,7 +352,8 @@ class ExampleStream(IterableDataset):
 
     # ----------------------------------------------------------------------------------------------
     def _read(self, unit: WorkUnit, epoch: int) -> pa.Table:
-        table = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=list(EXAMPLE_COLUMNS))
+        with parquet_file(unit.path) as parquet:
+            table = parquet.read_row_group(unit.row_group, columns=list(EXAMPLE_COLUMNS))
         table = table.slice(unit.start, unit.rows)
         if self.shuffle:
             key = self._unit_index[unit]
@@ -416,7 +420,8 @@ def history_priors(root: str | os.PathLike[str], ds: str) -> dict[str, float]:
         "p_repin_rate": "p_impressions",
         "p_hide_rate": "p_impressions",
     }
-    table = pq.ParquetFile(files[0]).read_row_group(0, columns=sorted({*rates, *rates.values()}))
+    with parquet_file(files[0]) as parquet:
+        table = parquet.read_row_group(0, columns=sorted({*rates, *rates.values()}))
     out = {}
     for rate, count in rates.items():
         values = table.column(rate).to_numpy()

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from features.contracts import DENSE_FEATURES, LABELS
-from features.storage import data_files, is_complete
 from training.data import ExampleStream, PinEmbeddings
+from training.storage_io import data_files, is_complete
 
 TRUTH = "truth"
 # The popularity baseline of each head: the candidate pin's own smoothed rate.

@@ -8,7 +8,9 @@ with the same world as the training job. Every rank checks:
 - ``allreduce``: an all-reduce over the process group (gloo on CPU, NCCL on GPU) returns the exact sum,
   and its bandwidth (bus bandwidth, as nccl-tests counts it) is at least ``--min-bus-gbps``;
 - ``disk``: free space where ``checkpoint_dir`` lives covers ``keep_checkpoints + 1`` checkpoints of the
-  configured model (parameters + AdamW moments) plus ``--min-free-gb``, and it is writable;
+  configured model (parameters + AdamW moments) plus ``--min-free-gb``, and it is writable; on an object
+  store (``s3://...``) free space is not a question (the check says so) and writing and deleting a probe
+  object proves access;
 - ``data``: the pins snapshot and the examples partitions of ``train_days`` and ``eval_ds`` are complete
   and their first row group reads (rank 0 only: the footers of every file, one row group);
 - ``mlflow``: the tracking server answers (rank 0 only).
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from features.storage import write_json_atomic
+from training import storage_io
 from training.config import ConfigError, RunConfig
 from training.failures import ExitCode, FailureClass
 from training.runtime import DistEnv, exit_code_for, now_iso, setup_logging
@@ -128,6 +130,8 @@ def checkpoint_bytes(config: RunConfig) -> int:
 
 
 def check_disk(config: RunConfig, min_free_gb: float, env: DistEnv) -> dict[str, Any]:
+    if storage_io.is_remote(config.checkpoint_dir):
+        return check_object_store(config.checkpoint_dir, env)
     target = Path(config.checkpoint_dir)
     existing = target
     while not existing.exists() and existing != existing.parent:
@@ -148,9 +152,18 @@ def check_disk(config: RunConfig, min_free_gb: float, env: DistEnv) -> dict[str,
     return info
 
 
-def check_data(config: RunConfig) -> dict[str, Any]:
-    import pyarrow.parquet as pq
+def check_object_store(url: str, env: DistEnv) -> dict[str, Any]:
+    """Write, read back and delete a probe object under ``url`` (credentials, bucket, permissions)."""
+    probe = storage_io.join(url, f".preflight-{env.rank}-{os.getpid()}.json")
+    storage_io.write_json(probe, {"rank": env.rank, "time": now_iso()})
+    try:
+        storage_io.read_text(probe)
+    finally:
+        storage_io.remove(probe)
+    return {"path": url, "writable": True, "free_gb": None, "note": "object store: no free-space limit to check"}
 
+
+def check_data(config: RunConfig) -> dict[str, Any]:
     from training.data import EXAMPLE_COLUMNS, PinEmbeddings, example_units
 
     pins = PinEmbeddings.from_snapshot(config.root, max(config.train_days))
@@ -161,7 +174,8 @@ def check_data(config: RunConfig) -> dict[str, Any]:
 
         raise DataError(f"no rows in the examples of {'train_days' if not units else 'eval_ds'} under {config.root}")
     first = units[0]
-    table = pq.ParquetFile(first.path).read_row_group(first.row_group, columns=list(EXAMPLE_COLUMNS))
+    with storage_io.parquet_file(first.path) as parquet:
+        table = parquet.read_row_group(first.row_group, columns=list(EXAMPLE_COLUMNS))
     return {
         "pins": len(pins),
         "pins_snapshot_ds": pins.ds,
@@ -288,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("preflight failed before its checks (exit %d): %s", int(code), exc)
         return int(code)
     if env.is_main:
-        path = Path(args.report or Path(config.output_dir) / REPORT_FILE)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, report)
+        storage_io.write_json(args.report or storage_io.join(config.output_dir, REPORT_FILE), report)
         print(json.dumps(report), flush=True)
     return int(report["exit_code"])
 

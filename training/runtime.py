@@ -3,7 +3,7 @@
 - :class:`DistEnv` reads the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``MASTER_ADDR``, ``MASTER_PORT``); without them the process is rank 0 of a world of one.
 - :class:`Heartbeat` writes ``heartbeat-rank{r}.json`` atomically every few seconds, for the operator's
-  progress log and stall detection.
+  progress log and stall detection (``output_dir`` is a local folder or a URL: ``training.storage_io``).
 - :func:`exit_code_for` maps an exception to the documented exit code of its failure class
   (``training.failures``); :func:`write_failure` leaves ``failure-rank{r}.json`` with the reason, because
   an exit code crossing ``torchrun`` or a container runtime says *what class*, not *why*.
@@ -19,10 +19,9 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from features.storage import write_json_atomic
+from training import storage_io
 from training.failures import ExitCode, FailureClass, TrainingError, classify_exit_code
 
 log = logging.getLogger("training")
@@ -93,7 +92,7 @@ class Heartbeat:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], env: DistEnv, every_s: float = 10.0) -> None:
-        self.path = Path(output_dir) / f"heartbeat-rank{env.rank}.json"
+        self.path = storage_io.join(output_dir, f"heartbeat-rank{env.rank}.json")
         self.env = env
         self.every_s = every_s
         self.fields: dict[str, Any] = {"phase": "starting", "step": 0, "epoch": 0, "examples_per_s": 0.0}
@@ -127,8 +126,10 @@ class Heartbeat:
             "pid": os.getpid(),
         }
         try:
-            write_json_atomic(self.path, payload)
-        except OSError as e:  # a full or flaky disk must not kill training; the stall detector will notice
+            storage_io.write_json(self.path, payload)
+        # A full or flaky disk, or an object store not answering (its client's own errors are not all
+        # OSErrors), must not kill training: the stall detector will notice.
+        except Exception as e:  # noqa: BLE001
             log.warning("could not write heartbeat %s: %s", self.path, e)
         self._last, self._since, self._examples = now, now, 0
 
@@ -160,8 +161,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     return ExitCode.USER
 
 
-def failure_path(output_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(output_dir) / f"failure-rank{rank}.json"
+def failure_path(output_dir: str | os.PathLike[str], rank: int) -> str:
+    return storage_io.join(output_dir, f"failure-rank{rank}.json")
 
 
 def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseException, code: ExitCode) -> None:
@@ -179,6 +180,6 @@ def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseExcept
         "host": socket.gethostname(),
     }
     try:
-        write_json_atomic(failure_path(output_dir, rank), payload)
-    except OSError as e:
+        storage_io.write_json(failure_path(output_dir, rank), payload)
+    except Exception as e:  # noqa: BLE001 - the exit code still says the class; this file only says why
         log.warning("could not write the failure file for rank %d: %s", rank, e)

@@ -12,14 +12,13 @@ import copy
 import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from features.contracts import LABELS
-from features.storage import write_json_atomic
+from training import storage_io
 from training.config import RunConfig
 from training.model import SERVING_INPUTS, PinRanker, ServingModule
 
@@ -85,8 +84,10 @@ class Tracker:
         mlflow.set_tracking_uri(config.mlflow_tracking_uri)
         mlflow.set_registry_uri(config.mlflow_tracking_uri)
         self.client = MlflowClient(tracking_uri=config.mlflow_tracking_uri, registry_uri=config.mlflow_tracking_uri)
-        self.state_path = Path(config.checkpoint_dir) / STATE_FILE
-        self.state: dict[str, Any] = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.state_path = storage_io.join(config.checkpoint_dir, STATE_FILE)
+        self.state: dict[str, Any] = (
+            json.loads(storage_io.read_text(self.state_path)) if storage_io.exists(self.state_path) else {}
+        )
         self.experiment_id = self._experiment()
         self.run_id = self._run()
         self._pending: list[Any] = []
@@ -122,7 +123,7 @@ class Tracker:
             self.state = {}
         run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name)
         self.state = {"run_id": run.info.run_id, "experiment_id": self.experiment_id}
-        write_json_atomic(self.state_path, self.state)
+        storage_io.write_json(self.state_path, self.state)
         log.info("MLflow run %s in experiment %s", run.info.run_id, self.config.experiment)
         return str(run.info.run_id)
 
@@ -182,7 +183,7 @@ class Tracker:
         version = str(version) if version is not None else None
         model_uri = f"models:/{self.config.model_name}/{version}" if version else info.model_uri
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
-        write_json_atomic(self.state_path, self.state)
+        storage_io.write_json(self.state_path, self.state)
         return model_uri, version
 
     def end(self, status: str = "FINISHED") -> None:

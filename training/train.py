@@ -13,7 +13,8 @@ resumes exactly from the newest complete one: model, optimizer, LR schedule, eve
 the input position (the data order is a function of seed and epoch; the batches already trained on in
 that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds``,
 logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
-writes ``<output_dir>/result.json`` atomically.
+writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
+``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``training.storage_io``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from features.storage import write_json_atomic
+from training import storage_io
 from training.config import ConfigError, RunConfig, fields_help
 from training.failures import ExitCode, NanLossError
 from training.runtime import DistEnv, Heartbeat, exit_code_for, failure_path, setup_logging, write_failure
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="path of the run's RUN.json (fields below)")
+    parser.add_argument("--config", required=True, help="path or URL (s3://...) of the run's RUN.json (fields below)")
     return parser
 
 
@@ -468,7 +468,7 @@ class Trainer:
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
         }
-        write_json_atomic(Path(cfg.output_dir) / RESULT_FILE, result)
+        storage_io.write_json(storage_io.join(cfg.output_dir, RESULT_FILE), result)
         log.info("result: %s", json.dumps(result))
         return result
 
@@ -482,8 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    failure_path(config.output_dir, env.rank).unlink(missing_ok=True)
+    storage_io.make_dirs(config.output_dir)
+    storage_io.remove(failure_path(config.output_dir, env.rank))
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer = Trainer(config, env, heartbeat)
     try:

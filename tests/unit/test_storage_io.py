@@ -1,0 +1,133 @@
+"""training.storage_io on a local folder and on an fsspec URL (fsspec's in-process ``memory://`` filesystem,
+which goes through the same code as ``s3://``), and what the training job builds on it: partitions,
+streamed examples and DCP checkpoints on a URL. The same against a real S3 API: tests/integration/test_train_s3.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from training import checkpoint, storage_io
+from training.data import ExampleStream, PinEmbeddings
+from training.smoke_data import write_tiny_world
+
+pytestmark = pytest.mark.unit
+
+DAYS = ["2026-01-01", "2026-01-02"]
+
+
+@pytest.fixture(params=["local", "url"])
+def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "base")
+        return
+    url = f"memory:///{tmp_path.name}/base"
+    yield url
+    fs, path = storage_io.filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.fixture
+def tiny_world(tmp_path: Path) -> str:
+    write_tiny_world(tmp_path / "storage", DAYS, rows_per_day=60, pins=30, row_group_size=16, max_sequence=8)
+    return str(tmp_path / "storage")
+
+
+def test_small_files_round_trip_and_are_listed(base: str):
+    assert storage_io.is_remote(base) == base.startswith("memory://")
+    path = storage_io.join(base, "job", "heartbeat-rank0.json")
+    assert not storage_io.exists(path)
+    storage_io.make_dirs(storage_io.join(base, "job"))
+    storage_io.write_json(path, {"step": 3})
+    storage_io.write_json(path, {"step": 4})  # replaced whole
+    storage_io.write_json(storage_io.join(base, "job", "heartbeat-rank1.json"), {"step": 4})
+    assert storage_io.exists(path)
+    assert storage_io.read_text(path).replace(" ", "").replace("\n", "") == '{"step":4}'
+    assert storage_io.glob(storage_io.join(base, "job"), "heartbeat-rank*.json") == [
+        storage_io.join(base, "job", f"heartbeat-rank{r}.json") for r in (0, 1)
+    ]
+    assert storage_io.glob(storage_io.join(base, "nothing-here"), "*.json") == []
+    storage_io.remove(path)
+    storage_io.remove(path)  # not there: nothing happens
+    assert not storage_io.exists(path)
+    with pytest.raises(FileNotFoundError):
+        storage_io.read_text(path)
+    storage_io.remove_tree(storage_io.join(base, "job"))
+    storage_io.remove_tree(storage_io.join(base, "job"))
+    assert not storage_io.exists(storage_io.join(base, "job", "heartbeat-rank1.json"))
+
+
+def test_local_paths_and_file_urls_stay_local(tmp_path: Path):
+    assert not storage_io.is_remote(tmp_path) and not storage_io.is_remote(f"file://{tmp_path}")
+    assert storage_io.is_remote("s3://bucket/prefix")
+    assert storage_io.join(f"file://{tmp_path}", "a", "b") == str(tmp_path / "a" / "b")
+    assert storage_io.join("s3://bucket/prefix/", "a", "b.json") == "s3://bucket/prefix/a/b.json"
+    odd = tmp_path / "run[1]"  # glob characters in the folder name match themselves
+    storage_io.write_json(str(odd / "x.json"), {})
+    assert storage_io.glob(str(odd), "*.json") == [str(odd / "x.json")]
+
+
+def test_partitions_and_the_example_stream_read_the_same_from_a_url(tiny_world: str, tmp_path: Path):
+    url = f"memory:///{tmp_path.name}/storage"
+    fs = fsspec.filesystem("memory")
+    fs.put(f"{tiny_world}/", url, recursive=True)
+    try:
+        fs.rm(f"{url}/examples/ds=2026-01-02/_SUCCESS")  # an incomplete partition does not exist
+        assert storage_io.complete_days(url, "examples") == ["2026-01-01"]
+        assert not storage_io.is_complete(url, "examples", "2026-01-02")
+        with pytest.raises(FileNotFoundError, match="ds=2026-01-02 is missing or incomplete"):
+            storage_io.data_files(url, "examples", "2026-01-02")
+        assert storage_io.data_files(url, "examples", "2026-01-01") == [
+            f"{url}/examples/ds=2026-01-01/part-00000.parquet"
+        ]
+
+        def batches(root: str) -> list[dict[str, torch.Tensor]]:
+            pins = PinEmbeddings.from_snapshot(root, DAYS[0])
+            stream = ExampleStream(root, DAYS[:1], pins, batch_size=8, sequence_length=8, world_size=2, rank=1)
+            stream.set_epoch(1, skip=1)
+            return list(stream)
+
+        local, remote = batches(tiny_world), batches(url)
+        assert len(local) == len(remote) > 0
+        for a, b in zip(local, remote, strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        fs.rm(url, recursive=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP in a single process
+def test_checkpoints_on_a_url_save_prune_find_and_load(base: str):
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    model, opt, sched = build(0)
+    for step in (2, 4):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        saved = checkpoint.save(
+            base, step=step, epoch=0, examples_seen=3 * step, parts={"model": (model, opt, sched)},
+            data={"epoch": 0, "batches": step}, is_main=True, keep=1,
+        )
+        assert saved == checkpoint.step_dir(base, step)
+    storage_io.write_json(storage_io.join(checkpoint.step_dir(base, 6), ".metadata.tmp"), {})  # died unmarked
+    assert checkpoint.complete_checkpoints(base) == [(4, checkpoint.step_dir(base, 4))]  # step 2 pruned
+    assert not storage_io.exists(storage_io.join(checkpoint.step_dir(base, 2), checkpoint.MARKER))
+    latest = checkpoint.latest_checkpoint(base)
+    assert latest is not None and latest["step"] == 4 and latest["path"] == checkpoint.step_dir(base, 4)
+
+    fresh, fresh_opt, fresh_sched = build(1)
+    position = checkpoint.load(latest["path"], parts={"model": (fresh, fresh_opt, fresh_sched)})
+    assert position == {"step": 4, "epoch": 0, "examples_seen": 12, "data": {"epoch": 0, "batches": 4}}
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
