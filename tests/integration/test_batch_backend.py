@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.request
 
@@ -16,20 +15,9 @@ from operators.backends import JobSpec, JobState, get_backend
 TEAMS = {"ranking": {"queue": "ranking", "share": "ranking", "priority": 50}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def moto_url():
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
+def moto_url(moto_server):
+    url = moto_server
     # No Docker here: moto's "simple" Batch marks a submitted job as finished instead of running it.
     request = urllib.request.Request(f"{url}/moto-api/config", data=json.dumps({"batch": {"use_docker": False}}).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
@@ -46,7 +34,6 @@ def moto_url():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.stop()
 
 
 @pytest.fixture(scope="module")
