@@ -27,24 +27,14 @@ def job_name(*parts: str, max_len: int = 63) -> str:
 
 def read_heartbeats(output_dir: str | Path) -> list[dict[str, Any]]:
     """Every rank's latest heartbeat in ``output_dir`` (a local folder or an fsspec URL such as s3://...)."""
-    out = str(output_dir)
-    if "://" not in out or out.startswith("file://"):
-        beats = []
-        for path in sorted(Path(out.removeprefix("file://")).glob("heartbeat-rank*.json")):
-            try:
-                beats.append(json.loads(path.read_text()))
-            except (OSError, json.JSONDecodeError):
-                continue  # being replaced right now: next poll reads it
-        return beats
-    import fsspec
+    from training import storage_io
 
-    fs, root = fsspec.core.url_to_fs(out)
     beats = []
-    for path in sorted(fs.glob(f"{root.rstrip('/')}/heartbeat-rank*.json")):
+    for path in storage_io.glob(output_dir, "heartbeat-rank*.json"):
         try:
-            beats.append(json.loads(fs.cat_file(path)))
+            beats.append(json.loads(storage_io.read_text(path)))
         except (OSError, json.JSONDecodeError):
-            continue
+            continue  # being replaced right now (or gone): the next poll reads it
     return beats
 
 

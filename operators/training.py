@@ -41,28 +41,6 @@ def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
     return {"train_days": train, "eval_ds": eval_ds}
 
 
-def _write_text(url: str, text: str) -> None:
-    """Write a small file to a local path or an fsspec URL (s3://... in production)."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        return
-    import fsspec
-
-    with fsspec.open(url, "w") as f:
-        f.write(text)
-
-
-def _read_text(url: str) -> str:
-    if "://" not in url or url.startswith("file://"):
-        return Path(url.removeprefix("file://")).read_text()
-    import fsspec
-
-    with fsspec.open(url, "r") as f:
-        return str(f.read())
-
-
 class JobConsoleLink(BaseOperatorLink):
     """The training job's page: the AWS Batch console, the Kubernetes dashboard, or the local job folder."""
 
@@ -238,7 +216,9 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         if job_id:
             self.log.info("reattaching to job %s submitted earlier for this task try", job_id)
         else:
-            _write_text(f"{output_dir}/RUN.json", json.dumps(run_config, indent=2))
+            from training import storage_io  # a local folder or s3://... (the job reads it the same way)
+
+            storage_io.write_json(storage_io.join(output_dir, "RUN.json"), run_config)
             job_id = backend.submit(spec)
             self.log.info(
                 "submitted %s job %s: %d node(s) × %d process(es), team %s, train %s, evaluate %s; output in %s",
@@ -287,9 +267,11 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         return self.get_job_result(job, context)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
+        from training import storage_io
+
         job = dict(external_id)  # type: ignore[arg-type]
         try:
-            result: dict[str, Any] = json.loads(_read_text(f"{job['output_dir']}/result.json"))
+            result: dict[str, Any] = json.loads(storage_io.read_text(storage_io.join(job["output_dir"], "result.json")))
         except FileNotFoundError as err:
             raise UserFailure(
                 f"training job {job['job_id']} succeeded but wrote no result.json in {job['output_dir']}: "

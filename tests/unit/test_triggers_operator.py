@@ -72,7 +72,7 @@ def backend(monkeypatch):
     fake = Backend()
     monkeypatch.setattr("operators.backends.get_backend", lambda name, home=None, cfg=None: fake)
     monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend: None)
-    monkeypatch.setattr("operators.training._write_text", lambda url, text: None)
+    monkeypatch.setattr("training.storage_io.write_json", lambda path, payload: None)
     return fake
 
 
