@@ -27,7 +27,7 @@ def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
     The evaluation day is ``end_ds`` (default: the newest complete day); training uses up to
     ``train_days`` days before it.
     """
-    from features.storage import complete_days
+    from training.storage_io import complete_days  # a local root or s3://...
 
     days = complete_days(config.storage_root(), "examples")
     if not days:
@@ -350,7 +350,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     def _preflight(self, backend: Any) -> None:
         """Cheap checks before anything is submitted: the inputs exist, the backend answers."""
-        from features.storage import is_complete
+        from training.storage_io import is_complete
 
         missing = [d for d in [*self.plan["train_days"], self.plan["eval_ds"]]
                    if not is_complete(config.storage_root(), "examples", d)]
