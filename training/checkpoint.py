@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from training import storage_io
-from training.runtime import now_iso
+from training.failures import ExitCode, InfraError
+from training.runtime import exit_code_for, now_iso
 
 log = logging.getLogger("training.checkpoint")
 
@@ -88,6 +90,26 @@ def _reader(path: str) -> dcp.StorageReader:
 
         return FsspecReader(path)
     return dcp.FileSystemReader(path)
+
+
+def _failed(action: str, path: str, exc: CheckpointException) -> Exception:
+    """DCP's CheckpointException (a BaseException: no ``except Exception`` sees it) as an error of a class.
+
+    DCP raises it on every rank when any rank failed. A storage that failed for a while (no answer, a
+    5xx, a full disk, an I/O error) is INFRA: the job is retried and resumes from the previous complete
+    checkpoint. Anything else (a missing file, a denied write, a bug) is USER: fail now with the message.
+    """
+    causes = [cause for cause, _ in (exc.failures[rank] for rank in sorted(exc.failures))]
+    message = f"checkpoint {action} at {path} failed on rank(s) {sorted(exc.failures)}: " + "; ".join(
+        f"{type(cause).__name__}: {cause}" for cause in causes[:2]
+    )
+
+    def transient(cause: BaseException) -> bool:
+        if exit_code_for(cause) == ExitCode.INFRA:
+            return True
+        return isinstance(cause, OSError) and not isinstance(cause, PermissionError | FileNotFoundError)
+
+    return InfraError(message) if any(transient(c) for c in causes) else RuntimeError(message)
 
 
 def _barrier() -> None:
@@ -159,7 +181,10 @@ def save(
     state["train"] = {"step": step, "epoch": epoch, "examples_seen": examples_seen}
     state["data"] = dict(data or {})
     state["rng"] = {_rank_key(): rng_state()}
-    dcp.save(state, checkpoint_id=path, storage_writer=_writer(path))
+    try:
+        dcp.save(state, checkpoint_id=path, storage_writer=_writer(path))
+    except CheckpointException as e:
+        raise _failed("save", path, e) from e
     _barrier()  # every rank's files are in place
     if is_main:
         marker = {
@@ -194,7 +219,10 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
     has_data = any(key.startswith("data.") or key == "data" for key in metadata.state_dict_metadata)
     if has_data:
         state["data"] = {k.split(".", 1)[1]: 0 for k in metadata.state_dict_metadata if k.startswith("data.")}
-    dcp.load(state, checkpoint_id=path, storage_reader=_reader(path))
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=_reader(path))
+    except CheckpointException as e:
+        raise _failed("load", path, e) from e
     for name, (model, optimizer, scheduler) in parts.items():
         p = _prefix(name)
         set_state_dict(model, optimizer, model_state_dict=state[f"{p}model"], optim_state_dict=state[f"{p}optim"])

@@ -40,6 +40,8 @@ _INFRA_MARKERS = (
 )
 # An MLflow tracking server that does not answer is infrastructure, not a bug.
 _MLFLOW_INFRA_MARKERS = ("max retries exceeded", "api request to", "connection refused")
+# S3 error codes that a later try can get past (besides any 5xx reply).
+_S3_RETRY_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed")
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,9 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     """The documented exit code of an exception (training.failures):
 
     TrainingError subclasses → their own code; torch.OutOfMemoryError / MemoryError → OOM; errors of the
-    process group or rendezvous (gloo/NCCL timeouts, a lost peer), connection errors and an unreachable
-    MLflow server → INFRA; anything else → USER.
+    process group or rendezvous (gloo/NCCL timeouts, a lost peer), connection errors, an unreachable
+    MLflow server and an object store that does not answer or replies 5xx / throttling → INFRA; anything
+    else → USER.
     """
     import torch
 
@@ -158,7 +161,29 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.INFRA
     if type(exc).__name__ == "MlflowException" and any(m in message for m in _MLFLOW_INFRA_MARKERS):
         return ExitCode.INFRA
+    if object_store_unavailable(exc):
+        return ExitCode.INFRA
     return ExitCode.USER
+
+
+def object_store_unavailable(exc: BaseException) -> bool:
+    """A botocore error (S3 through s3fs) that a retry can get past: no connection, a timeout, a 5xx or
+    throttling reply. s3fs re-raises a reply as an OSError whose cause is the botocore error."""
+    if "botocore" not in sys.modules:  # nothing spoke to S3 in this process
+        return False
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        # EndpointConnectionError, ConnectTimeoutError; ReadTimeoutError, ConnectionClosedError
+        if isinstance(seen, BotoConnectionError | HTTPClientError):
+            return True
+        if isinstance(seen, ClientError):
+            status = int(seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            return status >= 500 or seen.response.get("Error", {}).get("Code") in _S3_RETRY_CODES
+        seen = seen.__cause__
+    return False
 
 
 def failure_path(output_dir: str | os.PathLike[str], rank: int) -> str:

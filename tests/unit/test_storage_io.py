@@ -131,3 +131,51 @@ def test_checkpoints_on_a_url_save_prune_find_and_load(base: str):
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_an_object_store_that_does_not_answer_is_infra_a_denied_one_is_user():
+    import errno
+
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from training.failures import ExitCode
+    from training.runtime import exit_code_for
+
+    def reply(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    def as_s3fs_raises(error: ClientError) -> OSError:
+        translated = OSError(errno.EIO, str(error))
+        translated.__cause__ = error
+        return translated
+
+    assert exit_code_for(EndpointConnectionError(endpoint_url="https://s3.amazonaws.com")) is ExitCode.INFRA
+    assert exit_code_for(as_s3fs_raises(reply(503, "SlowDown"))) is ExitCode.INFRA
+    assert exit_code_for(as_s3fs_raises(reply(500, "InternalError"))) is ExitCode.INFRA
+    assert exit_code_for(reply(403, "AccessDenied")) is ExitCode.USER
+    assert exit_code_for(PermissionError("Access Denied")) is ExitCode.USER
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_checkpoint_write_that_fails_in_storage_is_infra(base: str, monkeypatch: pytest.MonkeyPatch):
+    import errno
+
+    from training.failures import InfraError
+
+    def failing_writer(path: str) -> object:
+        writer = real_writer(path)
+
+        def write_data(plan: object, planner: object) -> None:
+            raise OSError(errno.EIO, "the storage went away")
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+        return writer
+
+    real_writer = checkpoint._writer
+    monkeypatch.setattr(checkpoint, "_writer", failing_writer)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(InfraError, match="checkpoint save at .* failed on rank\\(s\\) \\[0\\]: OSError: .*went away"):
+        checkpoint.save(base, step=1, epoch=0, examples_seen=1, parts={"model": (model, opt, sched)}, is_main=True)
+    assert checkpoint.latest_checkpoint(base) is None
