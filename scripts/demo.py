@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--days", type=int, default=int(demo["days"]), help="days of synthetic logs")
     parser.add_argument("--users", type=int, default=int(demo["users"]))
     parser.add_argument("--pins", type=int, default=int(demo["pins"]))
+    parser.add_argument("--impressions-per-user", type=int, default=int(demo["impressions_per_user"]),
+                        help="mean impressions of an active user per day")
+    parser.add_argument("--train-days", type=int, default=int(demo["train_days"]),
+                        help="days trained on, the ones before the last (evaluation) day; at most days - 1")
     parser.add_argument("--seed", type=int, default=int(demo["seed"]))
     parser.add_argument("--start", default=str(demo["start"]), help="first day, YYYY-MM-DD")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: config)")
@@ -91,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     log_file = home / "demo.log"
     home.mkdir(parents=True, exist_ok=True)
 
-    world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed)
+    world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
+                        impressions_per_user=args.impressions_per_user)
     world_file = root / "synthetic-world.json"
     if world_file.exists() and json.loads(world_file.read_text()).get("config") == world.__dict__:
         world_summary = json.loads(world_file.read_text())["summary"]
         say(f"synthetic world already under {root}: {world_summary['events']} events")
     else:
-        say(f"generating the synthetic world ({args.days} days, {args.users} users, {args.pins} pins) under {root}")
+        say(f"generating the synthetic world ({args.days} days, {args.users} users with "
+            f"{args.impressions_per_user} impressions a day, {args.pins} pins) under {root}")
         world_summary = generate_world(root, world)
         write_json_atomic(world_file, {"config": world.__dict__, "summary": world_summary})
     days: list[str] = list(world_summary["days"])
@@ -109,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     except DemoFailed as err:
         say(f"FAILED: {err}")
         return 1
+
+
+# The quality bar of issue 5: every head reaches this share of the oracle's lift over chance,
+# (auc - 0.5) / (oracle_auc - 0.5), and the model with the action sequence beats the ablation without it.
+ORACLE_RATIO_BAR = 0.9
+
+
+def quality_bar_met(metrics: dict[str, Any]) -> bool | None:
+    """Whether the model meets the quality bar; None without the truth or the ablation to judge by."""
+    ratios, ablation = metrics.get("oracle_ratio") or {}, metrics.get("ablation_auc") or {}
+    if not ratios or not ablation:
+        return None
+    return all(ratios.get(k) is not None and ratios[k] >= ORACLE_RATIO_BAR
+               and (ablation.get(k) is None or metrics["auc"][k] > ablation[k]) for k in metrics["auc"])
 
 
 def run_chain(
@@ -126,7 +146,7 @@ def run_chain(
         say(f"pin_daily_features ds={ds}: validated, features built, {rows} examples ({time.monotonic() - t0:.0f}s)")
 
     t0 = time.monotonic()
-    train_days = len(days) - 1
+    train_days = min(args.train_days, len(days) - 1)
     say(f"pin_ranker_training: torchrun, 2 processes (DDP, gloo), {train_days} training days, evaluated on {days[-1]}")
     train_run = run_dag(
         dags["pin_ranker_training"], log_file,
@@ -160,6 +180,9 @@ def run_chain(
         "auc": metrics["auc"],
         "baseline_auc": metrics["baseline_auc"],
         "oracle_auc": metrics.get("oracle_auc", {}),
+        "oracle_ratio": metrics.get("oracle_ratio", {}),
+        "ablation_auc": metrics.get("ablation_auc", {}),
+        "quality_bar_met": quality_bar_met(metrics),
         "model_name": result["model_name"],
         "model_version": result["model_version"],
         "promoted": bool(promotion),
@@ -169,6 +192,9 @@ def run_chain(
         "seconds": round(time.monotonic() - started, 1),
     }
     write_json_atomic(root / "demo-summary.json", summary)
+    ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["oracle_ratio"].items()))
+    say(f"share of the oracle's lift per head: {ratios} (bar {ORACLE_RATIO_BAR}); "
+        f"quality bar met: {summary['quality_bar_met']}")
     print(json.dumps(summary, indent=2), file=CONSOLE, flush=True)
     beats = all(metrics["auc"][k] > metrics["baseline_auc"][k] for k in metrics["auc"])
     if summary["pins_scored"] != summary["corpus_pins"] or not (beats or args.no_quality_check):

@@ -19,6 +19,7 @@ def demo_run(airflow_db, pinflow_home):
     env = {**os.environ, "PINFLOW_TRAINING__PROCS_PER_NODE": "2", "PINFLOW_TRAINING__BATCH_SIZE": "128"}
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--days", "4", "--users", "150", "--pins", "200",
+         "--impressions-per-user", "20", "--train-days", "3",
          "--epochs", "1", "--no-quality-check"],
         env=env, capture_output=True, text=True, timeout=900,
     )
@@ -56,6 +57,23 @@ def test_model_registered_and_evaluated(demo_run):
     for head in ("click", "repin", "hide"):
         assert 0.0 <= summary["auc"][head] <= 1.0
         assert 0.5 < summary["oracle_auc"][head] <= 1.0
+        ratio = (summary["auc"][head] - 0.5) / (summary["oracle_auc"][head] - 0.5)
+        assert summary["oracle_ratio"][head] == pytest.approx(ratio)
+        assert head in summary["ablation_auc"]
+    assert isinstance(summary["quality_bar_met"], bool)
+
+
+@pytest.mark.e2e
+def test_quality_ceiling_reads_the_demo_world(demo_run):
+    _, root = demo_run
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "quality_ceiling.py"), "--root", str(root)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["eval_ds"] == "2026-11-04" and out["hides"] > 0
+    # The category-level ceiling is a real signal, and below the oracle that also knows the finer taste.
+    assert 0.5 < out["hide_category_ceiling_auc"] < out["hide_oracle_auc"]
 
 
 @pytest.mark.e2e
