@@ -1,16 +1,26 @@
-"""A backfill through Airflow equals the days built one by one.
+"""Backfills through Airflow, while the scheduler runs: nothing lost, and the same rows as the days built one by one.
 
-Starts a private Airflow (SQLite metadata database, LocalExecutor): the DAG processor, the scheduler and
-the API server's execution API that task processes report to, as subprocesses of this test. Creates
-``airflow backfill create --dag-id pin_daily_features ... --reprocess-behavior completed`` (Airflow requires a
-reprocess behaviour for a DAG with ``depends_on_past`` tasks) over three days of a fresh synthetic world, with
-three runs active at once, waits for the runs (bounded), stops what it started, and compares every
-feature partition with a day-by-day build of the same raw data by row checksums.
+Starts a private Airflow (SQLite metadata database, LocalExecutor): the DAG processor, the scheduler and the API
+server (REST API and the execution API that task processes report to), as subprocesses of this test. Then, as a
+data engineer would:
+
+1. ``airflow backfill create --dag-id pin_daily_features ... --reprocess-behavior completed`` over the first two
+   days of a fresh synthetic world (Airflow requires a reprocess behaviour for a DAG with ``depends_on_past``
+   tasks);
+2. ``POST /api/v2/backfills`` (what the UI's Backfill dialog sends) over all three days, taking over the two
+   existing runs, while another connection commits to the metadata database every few milliseconds as a busy
+   scheduler does (without ``operators/metadata_db.py`` that fails at once with ``database is locked`` and can
+   delete the runs it took over);
+
+waits for the runs (bounded), stops what it started, and compares every feature partition with a day-by-day
+build of the same raw data by row checksums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -19,7 +29,9 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,6 +44,7 @@ from features.synthetic import WorldConfig, generate_world
 REPO = Path(__file__).resolve().parents[2]
 START = "2026-11-01"
 DAYS = day_range(START, shift_ds(START, 2))
+CLI_DAYS = DAYS[:2]
 DAG_ID = "pin_daily_features"
 # Short window and sequences, and downsampling, so that each of them shows in three days.
 FEATURES = {"window_days": 2, "sequence_length": 4, "negative_downsample": 0.5, "negative_downsample_seed": 3}
@@ -57,6 +70,7 @@ class Airflow:
     def __init__(self, home: Path) -> None:
         self.home = home
         self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         airflow_home = home / "airflow"
         airflow_home.mkdir(parents=True)
         self.db = airflow_home / "airflow.db"
@@ -65,22 +79,22 @@ class Airflow:
             "PINFLOW_HOME": str(home),
             "AIRFLOW_HOME": str(airflow_home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            # Also where Airflow finds plugins/airflow_local_settings.py (the SQLite settings under test).
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "3",
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.db}",
-            # Four processes write to one SQLite file: wait for its lock (sqlite3 gives up after 5 s).
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": "pinflow_test_sqlite.CONNECT_ARGS",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(home), os.environ.get("PYTHONPATH")])),
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.url,
             "AIRFLOW__API__WORKERS": "1",
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(16),
-            # Only the backfill's runs: no run of the latest interval when the DAG is unpaused.
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            # Only the backfills' runs: no run of the latest interval when the DAG is unpaused.
             "AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE": "False",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "GX_ANALYTICS_ENABLED": "False",
@@ -88,13 +102,6 @@ class Airflow:
             **{f"PINFLOW_FEATURES__{k.upper()}": str(v) for k, v in FEATURES.items()},
         }
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        (home / "pinflow_test_sqlite.py").write_text("CONNECT_ARGS = {'timeout': 60}\n")
-
-    def migrate(self) -> None:
-        """Create the metadata database, in WAL mode: readers then never block the scheduler's writes."""
-        self.cli("db", "migrate", timeout=600)
-        with sqlite3.connect(self.db) as con:
-            con.execute("PRAGMA journal_mode=WAL")
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
@@ -127,6 +134,26 @@ class Airflow:
         with sqlite3.connect(self.db, timeout=30) as con:
             return con.execute(sql, params).fetchall()
 
+    def api(self, method: str, path: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, object]]:
+        """One call of the REST API as the admin user of the simple auth manager; (status, JSON body)."""
+        headers = {"Content-Type": "application/json"}
+        if not path.startswith("/auth/"):
+            headers["Authorization"] = f"Bearer {self.token()}"
+        request = urllib.request.Request(
+            self.url + path, method=method, headers=headers, data=json.dumps(body).encode() if body else None
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            return error.code, {"detail": error.read().decode(errors="replace")}
+
+    def token(self) -> str:
+        passwords = json.loads((self.home / "airflow" / "simple_auth_manager_passwords.json.generated").read_text())
+        status, body = self.api("POST", "/auth/token", {"username": "admin", "password": passwords["admin"]})
+        assert status == 201, body
+        return str(body["access_token"])
+
     def diagnostics(self) -> str:
         parts = [f"--- {name}.log ---\n{(self.home / f'{name}.log').read_text(errors='replace')[-3000:]}"
                  for name in self.processes]
@@ -148,18 +175,60 @@ class Airflow:
             time.sleep(3)
         pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.diagnostics()}")
 
+    def backfill_finished(self, backfill_id: int, days: int) -> bool:
+        states = self.query("SELECT state FROM dag_run WHERE backfill_id = ?", backfill_id)
+        return len(states) == days and all(s in ("success", "failed") for (s,) in states)
+
+
+class BusyNeighbour(threading.Thread):
+    """Commits a row to the metadata database every few milliseconds, as a busy scheduler commits its loops."""
+
+    def __init__(self, db: Path) -> None:
+        super().__init__(daemon=True)
+        self.db, self.commits, self.stopping = db, 0, threading.Event()
+        with sqlite3.connect(db, timeout=60) as con:
+            con.execute("CREATE TABLE IF NOT EXISTS pinflow_test_neighbour (at REAL)")
+
+    def run(self) -> None:
+        con = sqlite3.connect(self.db, timeout=60)
+        while not self.stopping.is_set():
+            con.execute("INSERT INTO pinflow_test_neighbour VALUES (?)", (time.time(),))
+            con.commit()
+            self.commits += 1
+            time.sleep(0.002)
+        con.close()
+
+    def __enter__(self) -> BusyNeighbour:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.join(timeout=60)
+
+
+@dataclasses.dataclass
+class Backfilled:
+    storage: Path
+    runs_before_api: list[tuple[object, ...]]  # (id, run_id, logical_date) after the CLI backfill
+    api_status: int
+    api_body: dict[str, object]
+    neighbour_commits: int
+    backfill_days: list[tuple[object, ...]]  # backfill_dag_run rows of the API's backfill
+    runs_after: list[tuple[object, ...]]  # (id, run_id, logical_date, state, backfill_id) when all ended
+
 
 @pytest.fixture(scope="module")
-def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[tuple[object, ...]]]]:
+def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backfilled]:
     home = tmp_path_factory.mktemp("backfill")
     airflow = Airflow(home)
     storage = home / "storage"
     generate_world(storage, WorldConfig(start=START, days=len(DAYS), users=40, pins=60, seed=3, active_rate=0.9))
-    airflow.migrate()
+    airflow.cli("db", "migrate", timeout=600)
     try:
         airflow.start("dag-processor")
         airflow.start("scheduler")
-        airflow.start("api-server", "--apps", "execution", "--workers", "1")
+        airflow.start("api-server", "--apps", "core,execution", "--workers", "1")
         airflow.wait(
             f"the DAG processor to serialize {DAG_ID}",
             lambda: airflow.query("SELECT count(*) FROM serialized_dag WHERE dag_id = ?", DAG_ID)[0][0] > 0,
@@ -167,31 +236,67 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         )
         airflow.cli("dags", "unpause", DAG_ID)
         airflow.cli(
-            "backfill", "create", "--dag-id", DAG_ID, "--from-date", DAYS[0], "--to-date", DAYS[-1],
-            "--max-active-runs", str(len(DAYS)),
+            "backfill", "create", "--dag-id", DAG_ID, "--from-date", CLI_DAYS[0], "--to-date", CLI_DAYS[-1],
+            "--max-active-runs", str(len(CLI_DAYS)),
             # Required by Airflow for a DAG with depends_on_past tasks; on a fresh root nothing exists yet.
             "--reprocess-behavior", "completed",
         )
+        (cli_backfill,) = airflow.query("SELECT id FROM backfill WHERE dag_id = ?", DAG_ID)[0]
+        airflow.wait(f"{len(CLI_DAYS)} CLI backfill runs",
+                     lambda: airflow.backfill_finished(int(cli_backfill), len(CLI_DAYS)), timeout=RUNS_TIMEOUT_S)
+        # Airflow allows one active backfill per DAG: the scheduler closes this one once its runs ended.
+        airflow.wait("the CLI backfill to be marked complete",
+                     lambda: airflow.query("SELECT completed_at FROM backfill WHERE id = ?", cli_backfill)[0][0]
+                     is not None, timeout=120)
+        runs_before = airflow.query("SELECT id, run_id, logical_date FROM dag_run WHERE dag_id = ? ORDER BY id",
+                                    DAG_ID)
 
-        def finished() -> bool:
-            states = airflow.query("SELECT state FROM dag_run WHERE dag_id = ? AND run_type = 'backfill'", DAG_ID)
-            return len(states) == len(DAYS) and all(s in ("success", "failed") for (s,) in states)
-
-        airflow.wait(f"{len(DAYS)} backfill runs", finished, timeout=RUNS_TIMEOUT_S)
-        runs = airflow.query(
-            "SELECT logical_date, state FROM dag_run WHERE dag_id = ? AND run_type = 'backfill' ORDER BY logical_date",
-            DAG_ID,
+        airflow.api("GET", "/api/v2/version")  # the API server answers before the neighbour starts
+        with BusyNeighbour(airflow.db) as neighbour:
+            status, body = airflow.api("POST", "/api/v2/backfills", {
+                "dag_id": DAG_ID, "from_date": f"{DAYS[0]}T00:00:00Z", "to_date": f"{DAYS[-1]}T00:00:00Z",
+                "reprocess_behavior": "completed", "max_active_runs": len(DAYS),
+            })
+        if status == 200:
+            airflow.wait(f"{len(DAYS)} API backfill runs",
+                         lambda: airflow.backfill_finished(int(body["id"]), len(DAYS)),  # type: ignore[call-overload]
+                         timeout=RUNS_TIMEOUT_S)
+        yield Backfilled(
+            storage=storage, runs_before_api=runs_before, api_status=status, api_body=body,
+            neighbour_commits=neighbour.commits,
+            backfill_days=airflow.query(
+                "SELECT logical_date, dag_run_id, exception_reason FROM backfill_dag_run WHERE backfill_id = ? "
+                "ORDER BY logical_date", body.get("id")),
+            runs_after=airflow.query(
+                "SELECT id, run_id, logical_date, state, backfill_id FROM dag_run WHERE dag_id = ? ORDER BY id",
+                DAG_ID),
         )
-        assert [state for _, state in runs] == ["success"] * len(DAYS), f"{runs}\n{airflow.diagnostics()}"
-        yield storage, runs
     finally:
         airflow.stop()
 
 
 @pytest.mark.e2e
-def test_backfill_equals_day_by_day_build(backfilled: tuple[Path, list[tuple[object, ...]]], tmp_path: Path) -> None:
-    storage, runs = backfilled
-    assert [str(logical_date)[:10] for logical_date, _ in runs] == DAYS
+def test_api_backfill_while_scheduler_commits_keeps_every_run(backfilled: Backfilled) -> None:
+    assert backfilled.api_status == 200, backfilled.api_body
+    assert backfilled.neighbour_commits > 0
+    # The runs that existed before are all still there, taken over by the new backfill; one run per day.
+    before = {run_id: (run, day) for run, run_id, day in backfilled.runs_before_api}
+    assert len(before) == len(CLI_DAYS)
+    after = {run_id: (run, day, state, backfill) for run, run_id, day, state, backfill in backfilled.runs_after}
+    for run_id, (run, day) in before.items():
+        assert run_id in after and after[run_id][:2] == (run, day), (run_id, backfilled.runs_after)
+    assert [str(day)[:10] for _, _, day, _, _ in backfilled.runs_after] == DAYS
+    assert {backfill for *_, backfill in backfilled.runs_after} == {backfilled.api_body["id"]}
+    assert [state for _, _, _, state, _ in backfilled.runs_after] == ["success"] * len(DAYS)
+    # The backfill covers every requested day with a run, none skipped.
+    assert [(str(day)[:10], reason) for day, _, reason in backfilled.backfill_days] == [(d, None) for d in DAYS]
+    assert all(run is not None for _, run, _ in backfilled.backfill_days)
+
+
+@pytest.mark.e2e
+def test_backfill_equals_day_by_day_build(backfilled: Backfilled, tmp_path: Path) -> None:
+    storage = backfilled.storage
+    assert [state for _, _, _, state, _ in backfilled.runs_after] == ["success"] * len(DAYS)
 
     reference = tmp_path / "day-by-day"
     for dataset in ("raw/events", "raw/pins", "raw/users"):
