@@ -44,7 +44,7 @@ demo: install
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/mypy operators features training plugins dags scripts
+	$(BIN)/mypy core operators features training plugins dags scripts
 
 test: install lint
 	$(BIN)/python -m pytest

@@ -44,36 +44,39 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from features import build  # noqa: E402
-from features.contracts import (  # noqa: E402
+from core import contracts  # noqa: E402
+from core.contracts import (  # noqa: E402
     ACTIONS,
     COUNT_COLUMNS,
     ENGAGEMENTS,
-    EXAMPLES,
+    EXAMPLES_SCHEMA,
     LABELS,
-    PIN_DAILY,
-    PIN_WINDOW,
-    USER_DAILY,
-    USER_SEQUENCE,
-    USER_WINDOW,
+    PIN_DAILY_SCHEMA,
+    PIN_WINDOW_SCHEMA,
+    USER_DAILY_SCHEMA,
+    USER_SEQUENCE_SCHEMA,
+    USER_WINDOW_SCHEMA,
 )
-from features.storage import (  # noqa: E402
+from core.storage import (  # noqa: E402
+    DATA_FILE,
     data_files,
     day_range,
-    partition_path,
+    join,
+    partition,
     read_metadata,
     read_table,
     shift_ds,
     write_partition,
     write_table,
 )
+from features import build  # noqa: E402
 
 DAY = "2026-06-30"
 DAY_US = 86_400 * 1_000_000
 EVENT_ID_DAY_STRIDE = 10**9
 # Events per user and day in the synthetic world (about 20 impressions and their engagements, 90% active).
 EVENTS_PER_USER = 21.5
-OUTPUTS = build.OUTPUTS
+OUTPUTS = contracts.FEATURE_OUTPUTS
 
 
 def say(message: str) -> None:
@@ -100,43 +103,43 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     generate_world(
         generated, WorldConfig(start=DAY, days=1, users=base_users, pins=max(1000, users // 2), seed=1, active_rate=0.9)
     )
-    shutil.copytree(partition_path(generated, build.RAW_PINS, DAY), partition_path(root, build.RAW_PINS, DAY))
+    shutil.copytree(partition(generated, contracts.RAW_PINS, DAY), partition(root, contracts.RAW_PINS, DAY))
     engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
-    base_file = data_files(generated, build.RAW_EVENTS, DAY)[0]
-    with build.connect(engine) as con, write_partition(root, build.RAW_EVENTS, DAY) as tmp:
+    base_file = data_files(generated, contracts.RAW_EVENTS, DAY)[0]
+    with build.connect(engine) as con, write_partition(root, contracts.RAW_EVENTS, DAY) as tmp:
         con.execute(
             f"""COPY (SELECT event_id + k * 200000000 AS event_id, impression_id + k * 200000000 AS impression_id,
                              user_id + k * {base_users} AS user_id, pin_id, action, surface, ts
                       FROM read_parquet('{base_file}'), range({tiles}) AS r(k)
                       ORDER BY event_id)
-                TO '{tmp / "part-00000.parquet"}' (FORMAT parquet)"""
+                TO '{join(tmp, DATA_FILE)}' (FORMAT parquet)"""
         )
     shutil.rmtree(generated)
 
     history = day_range(shift_ds(DAY, -(args.window_days - 1)), shift_ds(DAY, -1))
     say(f"writing {len(history)} history days (the day shifted back)")
-    source = data_files(root, build.RAW_EVENTS, DAY)[0]
+    source = data_files(root, contracts.RAW_EVENTS, DAY)[0]
     with build.connect(engine) as con:
         for day in history:
             back = (np.datetime64(DAY) - np.datetime64(day)).astype(int)
-            with write_partition(root, build.RAW_EVENTS, day) as tmp:
+            with write_partition(root, contracts.RAW_EVENTS, day) as tmp:
                 con.execute(
                     f"""COPY (SELECT event_id - {back * EVENT_ID_DAY_STRIDE} AS event_id,
                                      impression_id - {back * EVENT_ID_DAY_STRIDE} AS impression_id,
                                      user_id, pin_id, action, surface, ts - INTERVAL {back} DAY AS ts
                               FROM read_parquet('{source}'))
-                        TO '{tmp / "part-00000.parquet"}' (FORMAT parquet)"""
+                        TO '{join(tmp, DATA_FILE)}' (FORMAT parquet)"""
                 )
-            shutil.copytree(partition_path(root, build.RAW_PINS, DAY), partition_path(root, build.RAW_PINS, day))
+            shutil.copytree(partition(root, contracts.RAW_PINS, DAY), partition(root, contracts.RAW_PINS, day))
     # The history's daily aggregates: those of one history day, copied to the others (same events, shifted).
     say("building the history's daily aggregates, window and sequences of the day before")
     build.build_daily(root, history[-1], engine=engine)
     for day in history[:-1]:
-        for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
-            shutil.copytree(partition_path(root, dataset, history[-1]), partition_path(root, dataset, day))
+        for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
+            shutil.copytree(partition(root, dataset, history[-1]), partition(root, dataset, day))
     build.build_window(root, history[-1], args.window_days, engine=engine)
     build.build_sequences(root, history[-1], args.sequence_length, args.window_days, recompute=True, engine=engine)
-    events = pq.read_metadata(partition_path(root, build.RAW_EVENTS, DAY) / "part-00000.parquet").num_rows
+    events = pq.read_metadata(data_files(root, contracts.RAW_EVENTS, DAY)[0]).num_rows
     return {"events": int(events), "history_days": len(history), "users": users}
 
 
@@ -165,7 +168,7 @@ def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> di
         "seconds": sum(step_seconds.values()),
         "step_seconds": step_seconds,
         "peak_rss_mb": peak_rss_mb(),
-        "sequences_mode": summary[build.USER_SEQUENCE_DS]["mode"],
+        "sequences_mode": summary[contracts.USER_SEQUENCE]["mode"],
         "rows": {dataset: summary[dataset]["rows"] for dataset in OUTPUTS},
     }
 
@@ -190,9 +193,9 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
 
     started = time.perf_counter()
     prev = shift_ds(DAY, -1)
-    events = read_table(root, build.RAW_EVENTS, DAY).to_pandas()
+    events = read_table(root, contracts.RAW_EVENTS, DAY).to_pandas()
     events["ts"] = events["ts"].dt.tz_convert(None)  # naive UTC: numpy datetime64 columns, not objects
-    pins = read_table(root, build.RAW_PINS, DAY, columns=["pin_id", "category", "creator_id"]).to_pandas()
+    pins = read_table(root, contracts.RAW_PINS, DAY, columns=["pin_id", "category", "creator_id"]).to_pandas()
     action_names = dict(zip(ACTIONS, COUNT_COLUMNS, strict=True))
 
     # Daily aggregates.
@@ -228,13 +231,13 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     user_daily = pa.Table.from_pandas(counts["user_id"], preserve_index=False).append_column(
         "categories", categories_column(per_cat)
     )
-    write_table(out, build.USER_DAILY_DS, DAY, user_daily.select(USER_DAILY.names).cast(USER_DAILY))
+    write_table(out, contracts.USER_DAILY, DAY, user_daily.select(USER_DAILY_SCHEMA.names).cast(USER_DAILY_SCHEMA))
     pin_daily = pa.Table.from_pandas(counts["pin_id"], preserve_index=False)
-    write_table(out, build.PIN_DAILY_DS, DAY, pin_daily.select(PIN_DAILY.names).cast(PIN_DAILY))
+    write_table(out, contracts.PIN_DAILY, DAY, pin_daily.select(PIN_DAILY_SCHEMA.names).cast(PIN_DAILY_SCHEMA))
 
     # Window: the daily aggregates of the window's days (this day from above, the others from storage).
     days = day_range(shift_ds(DAY, -(args.window_days - 1)), DAY)
-    daily_tables = [read_table(out if d == DAY else root, build.USER_DAILY_DS, d) for d in days]
+    daily_tables = [read_table(out if d == DAY else root, contracts.USER_DAILY, d) for d in days]
     flat = []
     for t in daily_tables:
         lengths = pc.list_value_length(t["categories"]).to_numpy()
@@ -261,9 +264,9 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     user_window = pa.Table.from_pandas(user_sums, preserve_index=False).append_column(
         "categories", categories_column(cat_sums)
     )
-    write_table(out, build.USER_WINDOW_DS, DAY, user_window.select(USER_WINDOW.names).cast(USER_WINDOW))
+    write_table(out, contracts.USER_WINDOW, DAY, user_window.select(USER_WINDOW_SCHEMA.names).cast(USER_WINDOW_SCHEMA))
     pin_sums = (
-        pd.concat([read_table(out if d == DAY else root, build.PIN_DAILY_DS, d).to_pandas() for d in days])
+        pd.concat([read_table(out if d == DAY else root, contracts.PIN_DAILY, d).to_pandas() for d in days])
         .groupby("pin_id")[list(COUNT_COLUMNS)]
         .sum()
         .reset_index()
@@ -273,10 +276,10 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     for count, rate in (("clicks", "ctr"), ("repins", "repin_rate"), ("hides", "hide_rate")):
         global_rate = pin_sums[count].sum() / pin_sums["impressions"].sum()
         pin_sums[rate] = (pin_sums[count] + prior * global_rate) / (pin_sums["impressions"] + prior)
-    write_table(out, build.PIN_WINDOW_DS, DAY, pa.Table.from_pandas(pin_sums, preserve_index=False).cast(PIN_WINDOW))
+    write_table(out, contracts.PIN_WINDOW, DAY, pa.Table.from_pandas(pin_sums, preserve_index=False).cast(PIN_WINDOW_SCHEMA))
 
     # Sequences: the previous day's state plus the day's engagements, last N per user within the window.
-    state = read_table(root, build.USER_SEQUENCE_DS, prev)
+    state = read_table(root, contracts.USER_SEQUENCE, prev)
     lengths = pc.list_value_length(state["seq_pin_ids"]).to_numpy()
     previous = pd.DataFrame(
         {
@@ -312,7 +315,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
             "seq_ts": _nest(items["user_id"].to_numpy(), {"t": pa.array(items["ts"].to_numpy(), pa.timestamp("us", tz="UTC"))})[1],
         }
     )
-    write_table(out, build.USER_SEQUENCE_DS, DAY, sequences.cast(USER_SEQUENCE))
+    write_table(out, contracts.USER_SEQUENCE, DAY, sequences.cast(USER_SEQUENCE_SCHEMA))
 
     # Examples: the day's impressions with labels, features of the day before.
     imps = events[events["action"] == "impression"][["impression_id", "ts", "user_id", "pin_id", "surface"]]
@@ -322,12 +325,12 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
         imps[label] = imps["impression_id"].isin(positive).astype(np.int8)
     imps = imps.merge(pins, on="pin_id", how="left")
     imps[["category", "creator_id"]] = imps[["category", "creator_id"]].fillna(build.UNKNOWN_ID)
-    uw = read_table(root, build.USER_WINDOW_DS, prev).drop_columns(["categories"]).to_pandas()
-    pw = read_table(root, build.PIN_WINDOW_DS, prev).to_pandas()
+    uw = read_table(root, contracts.USER_WINDOW, prev).drop_columns(["categories"]).to_pandas()
+    pw = read_table(root, contracts.PIN_WINDOW, prev).to_pandas()
     uw.columns = ["user_id", *[f"u_{c}" for c in uw.columns[1:]]]
     pw.columns = ["pin_id", *[f"p_{c}" for c in pw.columns[1:]]]
     imps = imps.merge(uw, on="user_id", how="left").merge(pw, on="pin_id", how="left")
-    rates = read_metadata(root, build.PIN_WINDOW_DS, prev)["global_rates"]
+    rates = read_metadata(root, contracts.PIN_WINDOW, prev)["global_rates"]
     for column in imps.columns:
         if column.startswith("u_") or (column.startswith("p_") and column[2:] in COUNT_COLUMNS):
             imps[column] = imps[column].fillna(0.0)
@@ -336,7 +339,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     positive = imps[list(LABELS)].max(axis=1) == 1
     keep = positive.to_numpy() | (_hash_keep(imps["impression_id"].to_numpy(), args.seed) < args.negative_downsample)
     imps = imps[keep].sort_values("impression_id").reset_index(drop=True)
-    seq_state = read_table(root, build.USER_SEQUENCE_DS, prev)
+    seq_state = read_table(root, contracts.USER_SEQUENCE, prev)
     position = pd.Series(np.arange(seq_state.num_rows), index=seq_state["user_id"].to_numpy())
     rows = pa.array(imps["user_id"].map(position), from_pandas=True)  # NaN (no sequence) -> null
     taken = seq_state.take(pc.cast(rows, pa.int64()))
@@ -352,7 +355,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
         table = table.append_column(name, lists[name])
     table = table.append_column("seq_age_hours", pa.ListArray.from_arrays(offsets, ages))
-    write_table(out, build.EXAMPLES_DS, DAY, table.select(EXAMPLES.names).cast(EXAMPLES))
+    write_table(out, contracts.EXAMPLES, DAY, table.select(EXAMPLES_SCHEMA.names).cast(EXAMPLES_SCHEMA))
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "peak_rss_mb": peak_rss_mb()}
 
@@ -402,15 +405,15 @@ def link_inputs(source: Path, target: Path, window_days: int) -> None:
     """A root that sees the raw data and the day before's features of ``source`` but none of DAY's outputs."""
     (target / "raw").symlink_to(source / "raw")
     prev = shift_ds(DAY, -1)
-    for dataset in (build.USER_WINDOW_DS, build.PIN_WINDOW_DS, build.USER_SEQUENCE_DS):
-        link = partition_path(target, dataset, prev)
+    for dataset in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE):
+        link = partition(target, dataset, prev)
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(partition_path(source, dataset, prev))
+        link.symlink_to(partition(source, dataset, prev))
     for day in day_range(shift_ds(DAY, -(window_days - 1)), prev):
-        for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
-            link = partition_path(target, dataset, day)
+        for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
+            link = partition(target, dataset, day)
             link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(partition_path(source, dataset, day))
+            link.symlink_to(partition(source, dataset, day))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from features import storage, synthetic  # noqa: E402
+from core import storage  # noqa: E402
+from features import synthetic  # noqa: E402
 from training.evaluate import auc  # noqa: E402
 
 

@@ -12,8 +12,8 @@ history checks compare rather than warn. Great Expectations is imported before t
 Measured in the same process, alternating, ``--repeat`` times each (the best of each is reported):
 
 * ``read`` — reading the partition's Parquet files into one Arrow table (``pyarrow.parquet``);
-* ``validate`` — ``validate_partition`` without Data Docs: read, schema, derived columns, the GX suite,
-  profile and history checks, report written;
+* ``validate`` — ``validate_partition`` without Data Docs (default thresholds, ``core.config.ValidationConfig``):
+  read, schema, derived columns, the GX suite, profile and history checks, report written;
 * ``validate_docs`` — the same with the GX Data Docs HTML rendered (once).
 
 The last line printed is one JSON object with ``events``, the seconds of each phase, ``events_per_s`` of
@@ -38,10 +38,14 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from features import contracts, storage, validate  # noqa: E402
+from core import contracts, storage  # noqa: E402
+from core.config import ValidationConfig  # noqa: E402
+from features import validate  # noqa: E402
 from features.synthetic import EVENT_ID_DAY_STRIDE, WorldConfig, generate_world  # noqa: E402
+from features.validation.suite import quiet_gx  # noqa: E402
 
 DS = "2026-11-20"
+CONFIG = ValidationConfig()
 
 
 def _shift_events(table: pa.Table, copy: int, users: int, days: int = 0) -> pa.Table:
@@ -59,7 +63,7 @@ def _shift_events(table: pa.Table, copy: int, users: int, days: int = 0) -> pa.T
             "surface": table.column("surface"),
             "ts": pa.array(ts, pa.int64()).cast(contracts.TS),
         },
-        schema=contracts.EVENTS,
+        schema=contracts.EVENTS_SCHEMA,
     )
 
 
@@ -85,12 +89,15 @@ def setup(root: Path, events: int, history: int, users: int) -> int:
             [_shift_events(day, c, users, -back) for c in range(copies)]
         )
         # Row groups as an upstream writer would make them; the read and the validation read the same files.
-        with storage.write_partition(root, "raw/events", ds) as tmp:
-            pq.write_table(table, tmp / storage.DATA_FILE, row_group_size=256 * 1024)
+        with storage.write_partition(root, "raw/events", ds) as staging:
+            with storage.open_output(storage.join(staging, storage.DATA_FILE)) as sink:
+                pq.write_table(table, sink, row_group_size=256 * 1024)
         storage.write_table(root, "raw/pins", ds, pins)
         storage.write_table(root, "raw/users", ds, people)
     for back in range(history, 0, -1):
-        report = validate.validate_partition(root, "events", storage.shift_ds(DS, -back), data_docs=False)
+        report = validate.validate_partition(
+            root, "events", storage.shift_ds(DS, -back), config=CONFIG, data_docs=False
+        )
         assert report.success, report.failure_message()
     return tiled.num_rows
 
@@ -98,13 +105,13 @@ def setup(root: Path, events: int, history: int, users: int) -> int:
 def read_once(root: Path) -> tuple[float, int]:
     started = time.perf_counter()
     files = storage.data_files(root, "raw/events", DS)
-    table = pa.concat_tables([pq.read_table(f) for f in files])
+    table = pa.concat_tables([storage.read_parquet(f) for f in files])
     return time.perf_counter() - started, table.num_rows
 
 
 def validate_once(root: Path, data_docs: bool) -> float:
     started = time.perf_counter()
-    report = validate.validate_partition(root, "events", DS, data_docs=data_docs)
+    report = validate.validate_partition(root, "events", DS, config=CONFIG, data_docs=data_docs)
     elapsed = time.perf_counter() - started
     assert report.success, report.failure_message()
     return elapsed
@@ -125,11 +132,12 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         if args.keep is not None and storage.is_complete(root, "raw/events", DS):  # reuse a kept setup
-            events = pq.ParquetFile(storage.data_files(root, "raw/events", DS)[0]).metadata.num_rows
+            with storage.parquet_file(storage.data_files(root, "raw/events", DS)[0]) as parquet:
+                events = parquet.metadata.num_rows
         else:
             events = setup(root, args.events, args.history, args.users)
         setup_s = time.perf_counter() - t0
-        validate._quiet_gx()
+        quiet_gx()
         read_s, validate_s = [], []
         for _ in range(args.repeat):
             seconds, rows = read_once(root)

@@ -7,7 +7,8 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from operators.assets import CHAMPION_MODEL, CORPUS_SCORES
+from core import config
+from operators.assets import CHAMPION_MODEL_ASSET, CORPUS_SCORES_ASSET
 from operators.errors import retry_policy
 
 with DAG(
@@ -21,7 +22,7 @@ again, so a retry or rerun resumes), then publishes
 `inference/<model>/<version>/ds=<day>/part-NNNNN.parquet` with `_MANIFEST.json` written last: readers
 use only manifested outputs.
 """,
-    schedule=[CHAMPION_MODEL],
+    schedule=[CHAMPION_MODEL_ASSET],
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -36,7 +37,7 @@ use only manifested outputs.
     params={
         "model_version": Param("champion", type="string", description="A version number, or the alias 'champion'."),
         "ds": Param(None, type=["null", "string"], format="date", description="Pin corpus snapshot day (default: newest)."),
-        "shards": Param(4, type="integer", minimum=1, maximum=4096, description="Shards of the corpus."),
+        "shards": Param(config.load().inference.shards, type="integer", minimum=1, maximum=4096, description="Shards of the corpus."),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -54,7 +55,7 @@ use only manifested outputs.
 
         return run_shard(work)
 
-    @task(outlets=[CORPUS_SCORES])
+    @task(outlets=[CORPUS_SCORES_ASSET])
     def publish(shard_results: list) -> dict:
         from operators.inference import publish
 

@@ -8,15 +8,15 @@ import pendulum
 from airflow.sdk import DAG, Param
 from airflow.timetables.interval import CronDataIntervalTimetable
 
-from operators import config
-from operators.assets import EXAMPLES
+from core import config
+from operators.assets import EXAMPLES_ASSET
 from operators.errors import retry_policy
 from operators.features import FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
 from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
 
 DS = "{{ params.ds or ds }}"
-_validation = config.section("validation")
+_cfg = config.load()
 
 with DAG(
     dag_id="pin_daily_features",
@@ -51,8 +51,8 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
     },
     params={
         "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD)."),
-        "negative_downsample": Param(None, type=["null", "number"], minimum=0.01, maximum=1.0, description="Keep this fraction of impressions without a label (default: config)."),
-        "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description="Engagements kept per user sequence (default: config)."),
+        "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
+        "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -61,8 +61,8 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
         datasets=["raw/events", "raw/pins", "raw/users"],
         ds=DS,
         deferrable=True,
-        poke_interval=int(_validation["sensor_poke_seconds"]),
-        timeout=int(_validation["sensor_timeout_seconds"]),
+        poke_interval=_cfg.validation.sensor_poke_seconds,
+        timeout=_cfg.validation.sensor_timeout_seconds,
     )
     validations = [
         ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0)
@@ -82,6 +82,6 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
     # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
     examples = FeatureBuildOperator(
         task_id="training_examples", step="examples", ds=DS, overrides=overrides,
-        depends_on_past=True, outlets=[EXAMPLES],
+        depends_on_past=True, outlets=[EXAMPLES_ASSET],
     )
     wait >> validations >> daily >> [window, sequences] >> examples

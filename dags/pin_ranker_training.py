@@ -7,10 +7,14 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from operators.assets import CHAMPION_MODEL, EXAMPLES
+from core import config
+from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
 from operators.errors import retry_policy
 from operators.training import DistributedTrainingOperator
+
+# The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*).
+_training = config.load().training
 
 with DAG(
     dag_id="pin_ranker_training",
@@ -31,7 +35,7 @@ submitting another. Infrastructure failures (lost node, Spot reclaim, stall) are
 the last checkpoint; a bug, a NaN loss, missing data or OOM fail at once with the reason. The task's
 extra links open the job's console page and the MLflow run.
 """,
-    schedule=[EXAMPLES],
+    schedule=[EXAMPLES_ASSET],
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -44,16 +48,16 @@ extra links open the job's console page and the MLflow run.
         "retry_policy": retry_policy(),
     },
     params={
-        "backend": Param("local", enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
+        "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
-        "train_days": Param(7, type="integer", minimum=1, maximum=30, description="Days of examples before the evaluation day to train on."),
-        "epochs": Param(1, type="integer", minimum=1, maximum=100, description="Passes over the training days."),
-        "lr": Param(0.003, type="number", exclusiveMinimum=0, maximum=1, description="Peak learning rate (AdamW, warmup then cosine)."),
-        "batch_size": Param(512, type="integer", minimum=8, maximum=65536, description="Examples per rank per step."),
-        "strategy": Param("ddp", enum=["ddp", "fsdp"], description="ddp: replicated model; fsdp: FSDP2, embedding tables sharded across ranks."),
-        "nodes": Param(1, type="integer", minimum=1, maximum=64, description="Nodes (local: agents on this machine)."),
-        "procs_per_node": Param(2, type="integer", minimum=1, maximum=8, description="Worker processes per node."),
-        "promotion_tolerance": Param(0.002, type="number", minimum=0, maximum=0.1, description="How much worse than the champion's mean AUC a new model may be and still be promoted."),
+        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of examples before the evaluation day to train on."),
+        "epochs": Param(_training.epochs, type="integer", minimum=1, maximum=100, description="Passes over the training days."),
+        "lr": Param(_training.lr, type="number", exclusiveMinimum=0, maximum=1, description="Peak learning rate (AdamW, warmup then cosine)."),
+        "batch_size": Param(_training.batch_size, type="integer", minimum=8, maximum=65536, description="Examples per rank per step."),
+        "strategy": Param(_training.strategy, enum=["ddp", "fsdp"], description="ddp: replicated model; fsdp: FSDP2, embedding tables sharded across ranks."),
+        "nodes": Param(_training.nodes, type="integer", minimum=1, maximum=64, description="Nodes (local: agents on this machine)."),
+        "procs_per_node": Param(_training.procs_per_node, type="integer", minimum=1, maximum=8, description="Worker processes per node."),
+        "promotion_tolerance": Param(_training.promotion_tolerance, type="number", minimum=0, maximum=0.1, description="How much worse than the champion's mean AUC a new model may be and still be promoted."),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -77,7 +81,7 @@ extra links open the job's console page and the MLflow run.
         deferrable=True,
     )
 
-    @task(outlets=[CHAMPION_MODEL])
+    @task(outlets=[CHAMPION_MODEL_ASSET])
     def promote(result: dict, params: dict | None = None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 

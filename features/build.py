@@ -25,7 +25,6 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import duckdb
@@ -34,45 +33,51 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from features.contracts import (
+from core.config import FeaturesConfig
+from core.contracts import (
     ACTIONS,
     COUNT_COLUMNS,
     DENSE_FEATURES,
     ENGAGEMENTS,
-    EVENTS,
+    EVENTS_SCHEMA,
     EXAMPLES,
+    EXAMPLES_SCHEMA,
     LABELS,
     PIN_DAILY,
+    PIN_DAILY_SCHEMA,
     PIN_WINDOW,
-    PINS,
+    PIN_WINDOW_SCHEMA,
+    PINS_SCHEMA,
+    RAW_EVENTS,
+    RAW_PINS,
     USER_DAILY,
+    USER_DAILY_SCHEMA,
     USER_SEQUENCE,
+    USER_SEQUENCE_SCHEMA,
     USER_WINDOW,
+    USER_WINDOW_SCHEMA,
 )
-from features.storage import (
+from core.failures import DataError, PinflowError
+from core.storage import (
     DATA_FILE,
+    METADATA_FILE,
     data_files,
     day_range,
     ds_str,
+    filesystem,
     is_complete,
-    partition_path,
+    is_remote,
+    join,
+    open_output,
+    partition,
     read_metadata,
     shift_ds,
+    write_json,
     write_partition,
 )
 
 log = logging.getLogger(__name__)
 
-RAW_EVENTS = "raw/events"
-RAW_PINS = "raw/pins"
-USER_DAILY_DS = "features/user_daily"
-PIN_DAILY_DS = "features/pin_daily"
-USER_WINDOW_DS = "features/user_window"
-PIN_WINDOW_DS = "features/pin_window"
-USER_SEQUENCE_DS = "features/user_sequence"
-EXAMPLES_DS = "examples"
-# Every dataset a day's build writes, in build order.
-OUTPUTS = (USER_DAILY_DS, PIN_DAILY_DS, USER_WINDOW_DS, PIN_WINDOW_DS, USER_SEQUENCE_DS, EXAMPLES_DS)
 
 # Category and creator of a pin that is not in the day's pins snapshot.
 UNKNOWN_ID = -1
@@ -80,18 +85,17 @@ UNKNOWN_ID = -1
 DEFAULT_GLOBAL_RATES: dict[str, float] = {"ctr": 0.0, "repin_rate": 0.0, "hide_rate": 0.0}
 # Rows per Arrow batch when streaming a query's result into its Parquet file.
 BATCH_ROWS = 256 * 1024
-# Exit code of the CLI when an input partition is missing or malformed; the same value as
-# training.failures.ExitCode.DATA (sysexits EX_DATAERR), so every backend classifies it as DATA.
-EXIT_DATA = 65
+# The defaults of every build parameter: the platform configuration's, defined once in core.config.
+DEFAULTS = FeaturesConfig()
 
 Step = Literal["daily", "window", "sequences", "examples", "all"]
 
 
-class MissingInputError(FileNotFoundError):
+class MissingInputError(DataError, FileNotFoundError):
     """A required input partition is missing or incomplete (a DATA failure: fail now, do not retry)."""
 
 
-class InputDataError(ValueError):
+class InputDataError(DataError, ValueError):
     """An input partition is there but its content cannot be used (a DATA failure)."""
 
 
@@ -105,14 +109,24 @@ class DuckDBSettings:
     system tmp. Outputs are streamed to Parquet in batches, so a large day never sits whole in Python.
     """
 
-    threads: int = 2
-    memory_limit: str = "4GB"
+    threads: int = DEFAULTS.duckdb_threads
+    memory_limit: str = DEFAULTS.duckdb_memory_limit
     temp_directory: str | None = None
+
+    @classmethod
+    def from_config(cls, features: FeaturesConfig) -> DuckDBSettings:
+        return cls(features.duckdb_threads, features.duckdb_memory_limit, features.duckdb_temp_directory or None)
 
 
 @contextmanager
-def connect(settings: DuckDBSettings | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB connection with the given resources, in UTC."""
+def connect(
+    settings: DuckDBSettings | None = None, root: str | os.PathLike[str] | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB connection with the given resources, in UTC.
+
+    With a storage ``root`` on an object store (``s3://``), DuckDB reads its Parquet files through the same
+    fsspec filesystem as the rest of the platform (no DuckDB extension to download).
+    """
     settings = settings or DuckDBSettings()
     spill = tempfile.mkdtemp(prefix="pinflow-duckdb-", dir=settings.temp_directory)
     try:
@@ -127,6 +141,8 @@ def connect(settings: DuckDBSettings | None = None) -> Iterator[duckdb.DuckDBPyC
         )
         try:
             con.execute("SET TimeZone = 'UTC'")
+            if root is not None and is_remote(root):
+                con.register_filesystem(filesystem(root)[0])
             yield con
         finally:
             con.close()
@@ -135,7 +151,7 @@ def connect(settings: DuckDBSettings | None = None) -> Iterator[duckdb.DuckDBPyC
 
 
 # --- SQL ------------------------------------------------------------------------------------------------
-# Column lists come from features.contracts so that the SQL cannot drift from the schemas.
+# Column lists come from core.contracts so that the SQL cannot drift from the schemas.
 
 _ACTION_OF_COUNT = dict(zip(COUNT_COLUMNS, ACTIONS, strict=True))  # "clicks" -> "click"
 _RATE_OF_ACTION = {"click": "ctr", "repin": "repin_rate", "hide": "hide_rate"}
@@ -324,7 +340,7 @@ ORDER BY user_id
 def _engagements_sql(root: str | os.PathLike[str], days: Sequence[str]) -> str:
     """The engagements of ``days`` (raw events and pins of each day), as one UNION ALL query."""
 
-    def quoted(paths: Sequence[Path]) -> str:
+    def quoted(paths: Sequence[str]) -> str:
         return ", ".join("'" + str(f).replace("'", "''") + "'" for f in paths)
 
     return "\nUNION ALL\n".join(
@@ -414,9 +430,9 @@ def _ref(dataset: str, ds: str) -> str:
     return f"{dataset}/ds={ds}"
 
 
-def _require(root: str | os.PathLike[str], dataset: str, ds: str, hint: str) -> list[Path]:
+def _require(root: str | os.PathLike[str], dataset: str, ds: str, hint: str) -> list[str]:
     """The Parquet files of a required input partition, or a MissingInputError saying what to do."""
-    path = partition_path(root, dataset, ds)
+    path = partition(root, dataset, ds)
     if not is_complete(root, dataset, ds):
         raise MissingInputError(
             f"required input {dataset} for ds={ds} is missing or incomplete (no _SUCCESS marker in {path}); {hint}"
@@ -427,7 +443,7 @@ def _require(root: str | os.PathLike[str], dataset: str, ds: str, hint: str) -> 
     return files
 
 
-def _view(con: duckdb.DuckDBPyConnection, name: str, files: Sequence[Path], schema: pa.Schema) -> None:
+def _view(con: duckdb.DuckDBPyConnection, name: str, files: Sequence[str], schema: pa.Schema) -> None:
     """Expose Parquet files as view ``name``; no files gives an empty view with the contract's schema."""
     if files:
         paths = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
@@ -481,12 +497,15 @@ def _write_query(
     assert relation is not None, "a SELECT returns a relation"
     rows = 0
     totals = dict.fromkeys(sums, 0)
-    with write_partition(root, dataset, ds) as tmp:
+    with write_partition(root, dataset, ds) as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
         # Dictionary encoding only for strings: on ids, counts and lists it costs 3x the write time for
         # nothing (it falls back to plain encoding on high-cardinality columns anyway).
         strings = [f.name for f in schema if pa.types.is_string(f.type)]
-        with pq.ParquetWriter(tmp / DATA_FILE, schema, use_dictionary=strings) as writer:
+        with (
+            open_output(join(staging, DATA_FILE)) as sink,
+            pq.ParquetWriter(sink, schema, use_dictionary=strings) as writer,
+        ):
             for batch in reader:
                 if not batch.num_rows:
                     continue
@@ -497,7 +516,7 @@ def _write_query(
                 for column in sums:
                     totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
         summary = {**metadata, "rows": rows} | ({sums_key: totals} if sums else {})
-        (tmp / "_metadata.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        write_json(join(staging, METADATA_FILE), summary)
     return summary
 
 
@@ -570,15 +589,15 @@ def build_daily(
     pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
     base: dict[str, Any] = {"step": "daily", "ds": ds, "inputs": [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)], "missing_days": []}
     summary: dict[str, Any] = {}
-    with connect(engine) as con:
-        _view(con, "events", events, EVENTS)
-        _view(con, "pins", pins, PINS)
+    with connect(engine, root) as con:
+        _view(con, "events", events, EVENTS_SCHEMA)
+        _view(con, "pins", pins, PINS_SCHEMA)
         _check_unique_pins(con, ds)
         (events_rows,) = _row(con, "SELECT count(*) FROM events")
         base["events"] = int(events_rows)
-        for dataset, sql, schema in ((USER_DAILY_DS, USER_DAILY_SQL, USER_DAILY), (PIN_DAILY_DS, PIN_DAILY_SQL, PIN_DAILY)):
+        for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
             summary[dataset] = _write_query(
-                con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY_DS else None,
+                con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset},
             )
     return summary
@@ -599,15 +618,15 @@ def _daily_sources(
     computed: list[str] = []
     missing: list[str] = []
     for day in days:
-        if not recompute and is_complete(root, USER_DAILY_DS, day) and is_complete(root, PIN_DAILY_DS, day):
+        if not recompute and is_complete(root, USER_DAILY, day) and is_complete(root, PIN_DAILY, day):
             stored.append(day)
         elif is_complete(root, RAW_EVENTS, day) and is_complete(root, RAW_PINS, day):
             computed.append(day)
         else:
             missing.append(day)
     for name, dataset, sql, schema in (
-        ("user_daily", USER_DAILY_DS, USER_DAILY_SQL, USER_DAILY),
-        ("pin_daily", PIN_DAILY_DS, PIN_DAILY_SQL, PIN_DAILY),
+        ("user_daily", USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA),
+        ("pin_daily", PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA),
     ):
         parts: list[str] = []
         files = [f for day in stored for f in data_files(root, dataset, day)]
@@ -615,8 +634,8 @@ def _daily_sources(
             _view(con, f"{name}_stored", files, schema)
             parts.append(f"SELECT * FROM {name}_stored")
         for i, day in enumerate(computed):
-            _view(con, "events", data_files(root, RAW_EVENTS, day), EVENTS)
-            _view(con, "pins", data_files(root, RAW_PINS, day), PINS)
+            _view(con, "events", data_files(root, RAW_EVENTS, day), EVENTS_SCHEMA)
+            _view(con, "pins", data_files(root, RAW_PINS, day), PINS_SCHEMA)
             _check_unique_pins(con, day)
             con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_raw_{i} AS {sql}", {"unknown": UNKNOWN_ID} if name == "user_daily" else None)
             parts.append(f"SELECT * FROM {name}_raw_{i}")
@@ -630,8 +649,8 @@ def _daily_sources(
 def build_window(
     root: str | os.PathLike[str],
     ds: str | dt.date,
-    window_days: int = 30,
-    prior_impressions: float = 20.0,
+    window_days: int = DEFAULTS.window_days,
+    prior_impressions: float = DEFAULTS.pin_prior_impressions,
     *,
     recompute: bool = False,
     engine: DuckDBSettings | None = None,
@@ -651,7 +670,7 @@ def build_window(
     _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
     days = day_range(shift_ds(ds, -(window_days - 1)), ds)
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
-    with connect(engine) as con:
+    with connect(engine, root) as con:
         stored, computed, missing = _daily_sources(con, root, days, recompute=recompute)
         if ds in missing:
             raise MissingInputError(
@@ -672,14 +691,14 @@ def build_window(
             **params,
         }
         summary: dict[str, Any] = {}
-        for name, daily in (("user", USER_DAILY_DS), ("pin", PIN_DAILY_DS)):
+        for name, daily in (("user", USER_DAILY), ("pin", PIN_DAILY)):
             inputs = [_ref(daily, d) for d in stored] + [
                 ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
             ]
             summary[f"features/{name}_window"] = {**base, "dataset": f"features/{name}_window", "inputs": inputs}
 
-        summary[USER_WINDOW_DS] = _write_query(
-            con, USER_WINDOW_SQL, None, root, USER_WINDOW_DS, ds, USER_WINDOW, summary[USER_WINDOW_DS]
+        summary[USER_WINDOW] = _write_query(
+            con, USER_WINDOW_SQL, None, root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW]
         )
         totals_row = _row(con, PIN_TOTALS_SQL)
         totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
@@ -694,13 +713,13 @@ def build_window(
             global_rates, source = dict(DEFAULT_GLOBAL_RATES), "defaults"
         con.execute(SMOOTHED_MACRO)
         pin_params = {"prior": prior_impressions} | {f"global_{k}": v for k, v in global_rates.items()}
-        pin_meta = summary[PIN_WINDOW_DS] | {
+        pin_meta = summary[PIN_WINDOW] | {
             "totals": totals,
             "global_rates": global_rates,
             "global_rates_source": source,
         }
-        summary[PIN_WINDOW_DS] = _write_query(
-            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW_DS, ds, PIN_WINDOW, pin_meta
+        summary[PIN_WINDOW] = _write_query(
+            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW, ds, PIN_WINDOW_SCHEMA, pin_meta
         )
     return summary
 
@@ -708,8 +727,8 @@ def build_window(
 def build_sequences(
     root: str | os.PathLike[str],
     ds: str | dt.date,
-    sequence_length: int = 50,
-    window_days: int = 30,
+    sequence_length: int = DEFAULTS.sequence_length,
+    window_days: int = DEFAULTS.window_days,
     *,
     recompute: bool = False,
     engine: DuckDBSettings | None = None,
@@ -732,34 +751,34 @@ def build_sequences(
     _require(root, RAW_EVENTS, ds, _events_hint(ds))
 
     params = {"sequence_length": sequence_length, "window_days": window_days}
-    mode, reason = "full", f"{_ref(USER_SEQUENCE_DS, previous_ds)} is missing"
+    mode, reason = "full", f"{_ref(USER_SEQUENCE, previous_ds)} is missing"
     previous_meta: dict[str, Any] = {}
     if recompute:
         reason = "recompute requested"
-    elif is_complete(root, USER_SEQUENCE_DS, previous_ds):
-        previous_meta = read_metadata(root, USER_SEQUENCE_DS, previous_ds)
+    elif is_complete(root, USER_SEQUENCE, previous_ds):
+        previous_meta = read_metadata(root, USER_SEQUENCE, previous_ds)
         previous_params = {k: previous_meta.get(k) for k in params}
         if previous_params == params:
             mode, reason = (
                 "incremental",
-                f"merged {_ref(USER_SEQUENCE_DS, previous_ds)} with {_ref(RAW_EVENTS, ds)}",
+                f"merged {_ref(USER_SEQUENCE, previous_ds)} with {_ref(RAW_EVENTS, ds)}",
             )
         else:
-            reason = f"{_ref(USER_SEQUENCE_DS, previous_ds)} was built with {previous_params}, not {params}"
+            reason = f"{_ref(USER_SEQUENCE, previous_ds)} was built with {previous_params}, not {params}"
 
-    with connect(engine) as con:
-        _view(con, "pins", pins, PINS)
+    with connect(engine, root) as con:
+        _view(con, "pins", pins, PINS_SCHEMA)
         _check_unique_pins(con, ds)
         if mode == "incremental":
-            _view(con, "previous_sequence", data_files(root, USER_SEQUENCE_DS, previous_ds), USER_SEQUENCE)
+            _view(con, "previous_sequence", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
             engagements = _engagements_sql(root, [ds])
-            inputs = [_ref(USER_SEQUENCE_DS, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
+            inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
             carried = previous_meta.get("missing_days", [])
             missing_days = sorted(d for d in carried if d >= window_start)
         else:
             # A day needs its events and its pins snapshot (the categories of its actions).
             present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d) and is_complete(root, RAW_PINS, d)]
-            _view(con, "previous_sequence", [], USER_SEQUENCE)
+            _view(con, "previous_sequence", [], USER_SEQUENCE_SCHEMA)
             engagements = _engagements_sql(root, [*present, ds])
             inputs = [_ref(raw, d) for d in [*present, ds] for raw in (RAW_EVENTS, RAW_PINS)]
             missing_days = sorted(set(days) - set(present) - {ds})
@@ -767,7 +786,7 @@ def build_sequences(
             log.warning("sequences of ds=%s: no events for %s (not in the sequences)", ds, ", ".join(missing_days))
         metadata = {
             "step": "sequences",
-            "dataset": USER_SEQUENCE_DS,
+            "dataset": USER_SEQUENCE,
             "ds": ds,
             "mode": mode,
             "mode_reason": reason,
@@ -784,16 +803,16 @@ def build_sequences(
             "unknown": UNKNOWN_ID,
         }
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
-        summary = _write_query(con, sql, sql_params, root, USER_SEQUENCE_DS, ds, USER_SEQUENCE, metadata)
-    return {USER_SEQUENCE_DS: summary}
+        summary = _write_query(con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata)
+    return {USER_SEQUENCE: summary}
 
 
 def build_examples(
     root: str | os.PathLike[str],
     ds: str | dt.date,
-    prior_impressions: float = 20.0,
-    negative_downsample: float = 1.0,
-    seed: int = 0,
+    prior_impressions: float = DEFAULTS.pin_prior_impressions,
+    negative_downsample: float = DEFAULTS.negative_downsample,
+    seed: int = DEFAULTS.negative_downsample_seed,
     *,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
@@ -818,9 +837,9 @@ def build_examples(
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
     pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
     feature_inputs = (
-        ("user_window", USER_WINDOW_DS, USER_WINDOW),
-        ("pin_window", PIN_WINDOW_DS, PIN_WINDOW),
-        ("user_sequence", USER_SEQUENCE_DS, USER_SEQUENCE),
+        ("user_window", USER_WINDOW, USER_WINDOW_SCHEMA),
+        ("pin_window", PIN_WINDOW, PIN_WINDOW_SCHEMA),
+        ("user_sequence", USER_SEQUENCE, USER_SEQUENCE_SCHEMA),
     )
     missing_inputs = [_ref(d, features_ds) for _, d, _ in feature_inputs if not is_complete(root, d, features_ds)]
     if missing_inputs and is_complete(root, RAW_EVENTS, features_ds):
@@ -832,22 +851,22 @@ def build_examples(
 
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
-    with connect(engine) as con:
-        _view(con, "events", events, EVENTS)
-        _view(con, "pins", pins, PINS)
+    with connect(engine, root) as con:
+        _view(con, "events", events, EVENTS_SCHEMA)
+        _view(con, "pins", pins, PINS_SCHEMA)
         _check_unique_pins(con, ds)
         for name, dataset, schema in feature_inputs:
             files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)
             if files:
                 inputs.append(_ref(dataset, features_ds))
             _view(con, name, files, schema)
-        sequences = _query(con, f"SELECT {', '.join(USER_SEQUENCE.names)} FROM user_sequence ORDER BY user_id")
+        sequences = _query(con, f"SELECT {', '.join(USER_SEQUENCE_SCHEMA.names)} FROM user_sequence ORDER BY user_id")
         con.register("sequence_rows", pa.table({"user_id": sequences["user_id"], "seq_row": np.arange(sequences.num_rows)}))
-        if _ref(PIN_WINDOW_DS, features_ds) in inputs:
-            recorded = read_metadata(root, PIN_WINDOW_DS, features_ds).get("global_rates")
+        if _ref(PIN_WINDOW, features_ds) in inputs:
+            recorded = read_metadata(root, PIN_WINDOW, features_ds).get("global_rates")
             if recorded:
                 global_rates = {k: float(recorded[k]) for k in DEFAULT_GLOBAL_RATES}
-                rates_source = _ref(PIN_WINDOW_DS, features_ds)
+                rates_source = _ref(PIN_WINDOW, features_ds)
         if missing_inputs:
             log.warning("examples of ds=%s: no features of %s (cold start): %s", ds, features_ds, missing_inputs)
         con.execute(SMOOTHED_MACRO)
@@ -861,7 +880,7 @@ def build_examples(
         counts = _row(con, IMPRESSION_COUNTS_SQL)
         metadata = {
             "step": "examples",
-            "dataset": EXAMPLES_DS,
+            "dataset": EXAMPLES,
             "ds": ds,
             "features_ds": features_ds,
             "inputs": inputs,
@@ -878,21 +897,21 @@ def build_examples(
             "dense_features": list(DENSE_FEATURES),
         }
         summary = _write_query(
-            con, EXAMPLES_SQL, params, root, EXAMPLES_DS, ds, EXAMPLES, metadata,
+            con, EXAMPLES_SQL, params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
             sums=LABELS, sums_key="positives", transform=_attach_sequences(sequences.drop_columns(["user_id"])),
         )
-    return {EXAMPLES_DS: summary}
+    return {EXAMPLES: summary}
 
 
 def build_day(
     root: str | os.PathLike[str],
     ds: str | dt.date,
     *,
-    window_days: int = 30,
-    sequence_length: int = 50,
-    prior_impressions: float = 20.0,
-    negative_downsample: float = 1.0,
-    seed: int = 0,
+    window_days: int = DEFAULTS.window_days,
+    sequence_length: int = DEFAULTS.sequence_length,
+    prior_impressions: float = DEFAULTS.pin_prior_impressions,
+    negative_downsample: float = DEFAULTS.negative_downsample,
+    seed: int = DEFAULTS.negative_downsample_seed,
     recompute: bool = False,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
@@ -912,12 +931,13 @@ def build_day(
 # --- CLI ------------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m features.build",
-        description="Build the feature partitions of one day (daily aggregates, windows, sequences, examples).",
+        description="Build the feature partitions of one day (daily aggregates, windows, sequences, examples). "
+        "Defaults come from the features: section of the platform configuration (python -m core.config).",
     )
-    parser.add_argument("--root", required=True, help="storage root: a local folder or a file:// URL")
+    parser.add_argument("--root", required=True, help="storage root: a local folder, a file:// or an s3:// URL")
     parser.add_argument("--ds", required=True, help="the partition day, YYYY-MM-DD")
     parser.add_argument(
         "--step",
@@ -925,33 +945,27 @@ def _parser() -> argparse.ArgumentParser:
         default="all",
         help="which output to build (default: all, in order)",
     )
-    parser.add_argument(
-        "--window-days", type=int, default=30, help="days in the window features and sequences (default: 30)"
-    )
-    parser.add_argument("--sequence-length", type=int, default=50, help="engagements kept per user (default: 50)")
-    parser.add_argument(
-        "--prior-impressions",
-        type=float,
-        default=20.0,
-        help="pseudo-impressions at the global rate that smooth each pin's rates (default: 20)",
-    )
-    parser.add_argument(
-        "--negative-downsample",
-        type=float,
-        default=1.0,
-        help="probability of keeping an example without a positive label, in [0, 1] (default: 1, keep all)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the negative downsampling hash (default: 0)")
+    parser.add_argument("--window-days", type=int, default=defaults.window_days,
+                        help="days in the window features and sequences (default: %(default)s)")
+    parser.add_argument("--sequence-length", type=int, default=defaults.sequence_length,
+                        help="engagements kept per user (default: %(default)s)")
+    parser.add_argument("--prior-impressions", type=float, default=defaults.pin_prior_impressions,
+                        help="pseudo-impressions at the global rate that smooth each pin's rates (default: %(default)s)")
+    parser.add_argument("--negative-downsample", type=float, default=defaults.negative_downsample,
+                        help="probability of keeping an example without a positive label, in (0, 1] (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.negative_downsample_seed,
+                        help="seed of the negative downsampling hash (default: %(default)s)")
     parser.add_argument(
         "--recompute",
         action="store_true",
         help="build the window and the sequences from the raw events of the window's days (full recompute)",
     )
-    parser.add_argument("--threads", type=int, default=2, help="DuckDB threads (default: 2)")
-    parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit, e.g. 4GB (default: 4GB)")
+    parser.add_argument("--threads", type=int, default=defaults.duckdb_threads, help="DuckDB threads (default: %(default)s)")
+    parser.add_argument("--memory-limit", default=defaults.duckdb_memory_limit,
+                        help="DuckDB memory limit, e.g. 4GB (default: %(default)s)")
     parser.add_argument(
         "--temp-directory",
-        default=None,
+        default=defaults.duckdb_temp_directory or None,
         help="parent folder for DuckDB spill files (default: the system temporary folder)",
     )
     return parser
@@ -988,12 +1002,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    from core import config
+
     try:
+        args = _parser(config.load().features).parse_args(argv)
         summary = run(args)
-    except (MissingInputError, InputDataError) as exc:
-        print(f"features.build: DATA error: {exc}", file=sys.stderr)
-        return EXIT_DATA
+    except PinflowError as exc:
+        print(f"features.build: {exc.failure_class.value} error: {exc}", file=sys.stderr)
+        return exc.exit_code
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 

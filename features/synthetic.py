@@ -55,25 +55,25 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from features import contracts, storage
+from core import contracts, storage
 
 LATENT_DIM = 8
 DAY_US = 86_400 * 1_000_000
 EVENT_ID_DAY_STRIDE = 10**9
 DATASETS: dict[str, pa.Schema] = {
-    "raw/events": contracts.EVENTS,
-    "raw/pins": contracts.PINS,
-    "raw/users": contracts.USERS,
-    "truth": contracts.TRUTH,
+    contracts.RAW_EVENTS: contracts.EVENTS_SCHEMA,
+    contracts.RAW_PINS: contracts.PINS_SCHEMA,
+    contracts.RAW_USERS: contracts.USERS_SCHEMA,
+    contracts.TRUTH: contracts.TRUTH_SCHEMA,
 }
 COUNTRIES: tuple[str, ...] = ("US", "BR", "GB", "DE", "FR", "JP", "IN", "CA")
 COUNTRY_P = np.array([0.4, 0.12, 0.1, 0.09, 0.08, 0.08, 0.08, 0.05])
@@ -419,7 +419,7 @@ def _day_tables(day: _Day, ds: str) -> tuple[pa.Table, pa.Table]:
             _strings(day.surface[src], contracts.SURFACES),
             pa.array(ts, contracts.TS),
         ],
-        schema=contracts.EVENTS,
+        schema=contracts.EVENTS_SCHEMA,
     )
     order = np.argsort(imp_event_id)
     truth = pa.Table.from_arrays(
@@ -429,7 +429,7 @@ def _day_tables(day: _Day, ds: str) -> tuple[pa.Table, pa.Table]:
             pa.array(day.p_repin[order], pa.float64()),
             pa.array(day.p_hide[order], pa.float64()),
         ],
-        schema=contracts.TRUTH,
+        schema=contracts.TRUTH_SCHEMA,
     )
     return events, truth
 
@@ -449,7 +449,7 @@ def _pins_table(world: _World) -> pa.Table:
             pa.array(world.pin_creator[ids] + 1, pa.int64()),
             pa.array(world.pin_created_us[ids], contracts.TS),
         ],
-        schema=contracts.PINS,
+        schema=contracts.PINS_SCHEMA,
     )
 
 
@@ -460,11 +460,11 @@ def _users_table(world: _World) -> pa.Table:
             _strings(world.user_country, COUNTRIES),
             pa.array(world.user_created_us, contracts.TS),
         ],
-        schema=contracts.USERS,
+        schema=contracts.USERS_SCHEMA,
     )
 
 
-def generate_world(root: str | Path, config: WorldConfig) -> dict[str, Any]:
+def generate_world(root: str | os.PathLike[str], config: WorldConfig) -> dict[str, Any]:
     """Write ``raw/events``, ``raw/pins``, ``raw/users`` and ``truth`` for every day of ``config``.
 
     Days are generated in order because the hidden recent-interest state carries over. A few unwritten
@@ -502,11 +502,11 @@ def generate_world(root: str | Path, config: WorldConfig) -> dict[str, Any]:
 
         events, truth = _day_tables(day, ds)
         pins = _pins_table(world)
-        storage.write_table(root, "raw/events", ds, events, {**meta, "rows": events.num_rows})
-        storage.write_table(root, "raw/pins", ds, pins, {**meta, "rows": pins.num_rows})
-        storage.write_table(root, "raw/users", ds, users, {**meta, "rows": users.num_rows})
+        storage.write_table(root, contracts.RAW_EVENTS, ds, events, {**meta, "rows": events.num_rows})
+        storage.write_table(root, contracts.RAW_PINS, ds, pins, {**meta, "rows": pins.num_rows})
+        storage.write_table(root, contracts.RAW_USERS, ds, users, {**meta, "rows": users.num_rows})
         truth_meta = {**meta, "rows": truth.num_rows, "intercepts": {k: round(v, 6) for k, v in bases.items()}}
-        storage.write_table(root, "truth", ds, truth, truth_meta)
+        storage.write_table(root, contracts.TRUTH, ds, truth, truth_meta)
         events_total += events.num_rows
         totals["impressions"] += len(day.user)
         for action, (src, _) in day.labels.items():
@@ -532,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Generate a deterministic synthetic world (raw/events, raw/pins, raw/users, truth) "
         "under a storage root, one partition per day. Prints a JSON summary line.",
     )
-    parser.add_argument("--root", required=True, help="storage root: a local folder or file:// URL")
+    parser.add_argument("--root", required=True, help="storage root: a local folder, a file:// or an s3:// URL")
     parser.add_argument("--start", required=True, help="first day, YYYY-MM-DD")
     parser.add_argument("--days", type=int, required=True, help="number of consecutive days to generate")
     parser.add_argument("--users", type=int, default=defaults.users, help="number of users (default: %(default)s)")

@@ -11,8 +11,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator, Context
 
-from operators import config
-from operators.errors import DataFailure
+from core import config
 
 FEATURE_STEPS = ("daily", "window", "sequences", "examples")
 
@@ -22,7 +21,10 @@ class FeatureBuildOperator(BaseOperator):
 
     :param step: one of ``daily``, ``window``, ``sequences``, ``examples``.
     :param ds: the partition day (templated).
-    :param overrides: feature settings that win over ``config/platform.yaml`` (templated), e.g. from params.
+    :param overrides: ``features:`` settings that win over the platform configuration for this run (templated),
+        e.g. from params; validated by the same typed model (a bad value fails the task as USER).
+
+    A missing or unusable input partition raises the build's ``DataError`` (no retry, nothing downstream).
     """
 
     template_fields: Sequence[str] = ("ds", "overrides")
@@ -38,35 +40,26 @@ class FeatureBuildOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         from features import build
 
-        settings = {**config.section("features"), **{k: v for k, v in self.overrides.items() if v is not None}}
-        root = config.storage_root()
-        engine = build.DuckDBSettings(
-            threads=int(settings["duckdb_threads"]),
-            memory_limit=str(settings["duckdb_memory_limit"]),
-            temp_directory=str(settings.get("duckdb_temp_directory") or "") or None,
-        )
-        window_days = int(settings["window_days"])
-        prior = float(settings["pin_prior_impressions"])
-        try:
-            if self.step == "daily":
-                summary = build.build_daily(root, self.ds, engine=engine)
-            elif self.step == "window":
-                summary = build.build_window(
-                    root, self.ds, window_days=window_days, prior_impressions=prior, engine=engine
-                )
-            elif self.step == "sequences":
-                summary = build.build_sequences(
-                    root, self.ds, sequence_length=int(settings["sequence_length"]),
-                    window_days=window_days, engine=engine,
-                )
-            else:
-                summary = build.build_examples(
-                    root, self.ds, prior_impressions=prior,
-                    negative_downsample=float(settings["negative_downsample"]),
-                    seed=int(settings.get("negative_downsample_seed") or 0), engine=engine,
-                )
-        except (build.MissingInputError, build.InputDataError) as err:
-            raise DataFailure(f"feature step {self.step} for ds={self.ds}: {err}") from err
+        cfg = config.load()
+        features = config.with_overrides(cfg.features, self.overrides, "the run's params")
+        root, ds, engine = cfg.storage_root, self.ds, build.DuckDBSettings.from_config(features)
+        if self.step == "daily":
+            summary = build.build_daily(root, ds, engine=engine)
+        elif self.step == "window":
+            summary = build.build_window(
+                root, ds, window_days=features.window_days, prior_impressions=features.pin_prior_impressions,
+                engine=engine,
+            )
+        elif self.step == "sequences":
+            summary = build.build_sequences(
+                root, ds, sequence_length=features.sequence_length, window_days=features.window_days, engine=engine
+            )
+        else:
+            summary = build.build_examples(
+                root, ds, prior_impressions=features.pin_prior_impressions,
+                negative_downsample=features.negative_downsample, seed=features.negative_downsample_seed,
+                engine=engine,
+            )
         for dataset, meta in summary.items():
             # Days left out or computed on demand are named in the task log, not only in the metadata.
             if meta.get("missing_days") or meta.get("computed_from_raw"):

@@ -2,39 +2,36 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from operators import config
-from operators.errors import DataFailure, UserFailure
+from core import config
+from core.contracts import INFERENCE, RAW_PINS
+from core.failures import DataError
 
 
 def plan_inference(model_version: str, ds: str | None, shards: int) -> list[dict[str, Any]]:
-    """One work item per shard: which model version scores which slice of which corpus snapshot, where to."""
-    from mlflow import MlflowClient
+    """One work item per shard: which model version scores which slice of which corpus snapshot, where to.
 
-    from features.storage import complete_days, partition_path
+    An unknown version or alias is a USER error; a registry that does not answer is INFRA (retried).
+    """
+    from core import storage
+    from operators import registry
 
     cfg = config.load()
-    name = cfg["mlflow"]["model_name"]
-    client = MlflowClient(tracking_uri=cfg["mlflow"]["tracking_uri"], registry_uri=cfg["mlflow"]["tracking_uri"])
-    try:
-        mv = (client.get_model_version(name, model_version) if model_version.isdigit()
-              else client.get_model_version_by_alias(name, model_version))
-    except Exception as err:  # noqa: BLE001 - MLflow raises MlflowException for an unknown version/alias
-        raise UserFailure(f"model {name} version/alias {model_version!r} not found in the registry: {err}") from err
-    days = complete_days(cfg["storage_root"], "raw/pins")
+    name = cfg.mlflow.model_name
+    mv = registry.model_version(registry.client(cfg.mlflow), name, model_version)
+    days = storage.complete_days(cfg.storage_root, RAW_PINS)
     ds = ds or (days[-1] if days else None)
     if ds is None or ds not in days:
-        raise DataFailure(f"pin corpus snapshot raw/pins ds={ds} is missing or incomplete")
-    out_dir = partition_path(cfg["storage_root"], f"inference/{name}/{mv.version}", ds)
+        raise DataError(f"pin corpus snapshot {RAW_PINS} ds={ds} is missing or incomplete under {cfg.storage_root}")
+    out_dir = storage.partition(cfg.storage_root, f"{INFERENCE}/{name}/{mv.version}", ds)
     plan = {
         "model_name": name,
         "model_version": str(mv.version),
         "model_uri": f"models:/{name}/{mv.version}",
         "ds": ds,
         "shards": shards,
-        "out_dir": str(out_dir),
+        "out_dir": out_dir,
     }
     return [{**plan, "shard": shard} for shard in range(shards)]
 
@@ -50,14 +47,14 @@ def score_shard(plan: dict[str, Any]) -> dict[str, Any]:
     shard = int(plan["shard"])
     ti = get_current_context()["ti"]
     name = job_name("score", ti.dag_id, ti.run_id, f"shard{shard}", f"try{ti.try_number}")
-    backend = get_backend(str(cfg["training"]["backend"]), cfg["home"])
+    backend = get_backend(cfg.training.backend, cfg)
     spec = JobSpec(
         name=name,
-        team="ranking",
+        team=cfg.training.team,
         command=[
             "-m", "training.inference",
-            "--model-uri", plan["model_uri"], "--tracking-uri", cfg["mlflow"]["tracking_uri"],
-            "--root", cfg["storage_root"], "--ds", plan["ds"],
+            "--model-uri", plan["model_uri"], "--tracking-uri", cfg.mlflow.tracking_uri,
+            "--root", cfg.storage_root, "--ds", plan["ds"],
             "--shard", str(shard), "--num-shards", str(plan["shards"]), "--out-dir", plan["out_dir"],
         ],
         env={"OMP_NUM_THREADS": "1"},
@@ -65,15 +62,18 @@ def score_shard(plan: dict[str, Any]) -> dict[str, Any]:
     )
     job_id = backend.find(name) or backend.submit(spec)
     wait_for_job(backend, job_id, poll_seconds=1.0, what=f"scoring job for shard {shard}")
-    part = Path(plan["out_dir"]) / f"part-{shard:05d}.parquet"
-    return {**plan, "part": str(part), "job_id": job_id}
+    from core.storage import join
+    from training.inference import part_name
+
+    return {**plan, "part": join(plan["out_dir"], part_name(shard)), "job_id": job_id}
 
 
 def publish(shard_results: list[dict[str, Any]]) -> dict[str, Any]:
     """Write the manifest last, once every shard is there: only then do readers see the output."""
-    from training.inference import publish_manifest
+    from core.storage import join
+    from training.inference import MANIFEST, publish_manifest
 
     plan = shard_results[0]
     manifest = publish_manifest(plan["out_dir"], plan["shards"], plan["model_uri"], plan["ds"])
     summary = {k: v for k, v in manifest.items() if k != "parts"}
-    return {**summary, "manifest": str(Path(plan["out_dir"]) / "_MANIFEST.json")}
+    return {**summary, "manifest": join(plan["out_dir"], MANIFEST)}

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core import storage
+from core.failures import ADVICE, ERROR_FOR_CLASS, FailureClass, InfraError
 from operators.backends.base import Backend, JobState, JobStatus
-from operators.errors import ERROR_FOR_CLASS, InfraFailure
-from training.failures import FailureClass
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,10 @@ def job_name(*parts: str, max_len: int = 63) -> str:
 
 def read_heartbeats(output_dir: str | Path) -> list[dict[str, Any]]:
     """Every rank's latest heartbeat in ``output_dir`` (a local folder or an fsspec URL such as s3://...)."""
-    from training import storage_io
-
     beats = []
-    for path in storage_io.glob(output_dir, "heartbeat-rank*.json"):
+    for path in storage.glob(output_dir, "heartbeat-rank*.json"):
         try:
-            beats.append(json.loads(storage_io.read_text(path)))
+            beats.append(storage.read_json(path))
         except (OSError, json.JSONDecodeError):
             continue  # being replaced right now (or gone): the next poll reads it
     return beats
@@ -74,12 +72,6 @@ def describe_beats(beats: list[dict[str, Any]]) -> str:
     )
 
 
-ADVICE = {
-    FailureClass.INFRA: "retrying from the last checkpoint",
-    FailureClass.USER: "fix the model code or the run's params, then clear the task",
-    FailureClass.DATA: "fix or rebuild the input partitions, then clear the task",
-    FailureClass.OOM: "lower batch_size or give each node more memory",
-}
 
 
 def raise_for_status(backend: Backend, status: JobStatus, *, what: str = "job") -> JobStatus:
@@ -87,7 +79,7 @@ def raise_for_status(backend: Backend, status: JobStatus, *, what: str = "job") 
     if status.state is JobState.SUCCEEDED:
         return status
     if not status.state.terminal:
-        raise InfraFailure(f"{what} {status.job_id} is still {status.state.value}: expected it to have ended")
+        raise InfraError(f"{what} {status.job_id} is still {status.state.value}: expected it to have ended")
     klass = status.failure_class or FailureClass.USER
     try:
         tail = backend.logs(status.job_id, tail=30)
@@ -107,7 +99,7 @@ def wait_for_job(
     stall_seconds: float = 300.0,
     what: str = "job",
 ) -> JobStatus:
-    """Poll until the job ends; raise the failure class's error, or InfraFailure after a stall.
+    """Poll until the job ends; raise the failure class's error, or InfraError after a stall.
 
     A stall (see :class:`HeartbeatWatch`) cancels the job first, so a retry does not race it.
     """
@@ -124,6 +116,6 @@ def wait_for_job(
                 log.info("%s %s: %s", what, job_id, describe_beats(beats))
             if watch.observe(beats):
                 backend.cancel(job_id)
-                raise InfraFailure(watch.stall_message(what, job_id))
+                raise InfraError(watch.stall_message(what, job_id))
         time.sleep(poll_seconds)
     return raise_for_status(backend, status, what=what)

@@ -2,8 +2,10 @@
 
 The sensor checks once on the worker; if a partition is still missing it hands the waiting to the
 triggerer (``RawPartitionTrigger``, which serializes only its arguments) and frees the worker slot. When
-the partitions do not all land before the sensor's timeout, the task fails as a ``DATA`` failure naming
-each missing partition and what is missing (the folder, or its ``_SUCCESS`` marker).
+the partitions do not all land before the sensor's timeout, the task fails as a ``DATA`` failure
+(``core.failures.DataError``) naming each missing partition and what is missing (the folder, or its
+``_SUCCESS`` marker). The storage root may be a local folder or an object store (``s3://...``): the check
+goes through ``core.storage``.
 """
 
 from __future__ import annotations
@@ -11,28 +13,27 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from operators import config
-from operators.errors import DataFailure
+from core import config, storage
+from core.failures import DataError
 
 
 def missing_partitions(root: str, datasets: Sequence[str], ds: str) -> dict[str, str]:
     """Dataset -> what is missing, for every partition of ``ds`` without its completion marker."""
-    from features.storage import MARKER, partition_path
-
     missing: dict[str, str] = {}
     for dataset in datasets:
-        path = partition_path(root, dataset, ds)
-        if not path.is_dir():
+        if storage.is_complete(root, dataset, ds):
+            continue
+        path = storage.partition(root, dataset, ds)
+        if not storage.is_dir(path):
             missing[dataset] = f"{path} does not exist"
-        elif not (path / MARKER).exists():
-            files = sorted(p.name for p in Path(path).glob("*.parquet"))
-            missing[dataset] = f"no {MARKER} marker in {path} ({len(files)} Parquet file(s) so far)"
+        else:
+            files = storage.glob(path, "*.parquet")
+            missing[dataset] = f"no {storage.MARKER} marker in {path} ({len(files)} Parquet file(s) so far)"
     return missing
 
 
@@ -76,7 +77,8 @@ class RawPartitionTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         deadline = dt.datetime.fromisoformat(self.timeout_at) if self.timeout_at else None
         while True:
-            # Stat calls on a local or mounted root are fast; in a thread they never block the event loop.
+            # Stat calls (local) and HEAD / LIST requests (object store) block: in a thread they never block
+            # the triggerer's event loop.
             missing = await asyncio.to_thread(missing_partitions, self.root, self.datasets, self.ds)
             if not missing:
                 yield TriggerEvent({"status": "success", "ds": self.ds, "missing": {}})
@@ -93,7 +95,8 @@ class RawPartitionSensor(BaseSensorOperator):
 
     With ``deferrable=True`` the waiting runs in the triggerer (``RawPartitionTrigger``); otherwise the
     sensor pokes in its own mode. A partition that has not landed after ``timeout`` seconds fails the task
-    with a ``DataFailure`` naming it.
+    with a ``DataError`` naming it. ``poke_interval`` and ``timeout`` default to
+    ``validation.sensor_poke_seconds`` and ``validation.sensor_timeout_seconds`` of the platform configuration.
 
     :param datasets: raw datasets to wait for, e.g. ``["raw/events", "raw/pins"]``.
     :param ds: the partition day, YYYY-MM-DD (templated).
@@ -103,13 +106,17 @@ class RawPartitionSensor(BaseSensorOperator):
     template_fields: Sequence[str] = ("ds",)
 
     def __init__(self, *, datasets: Sequence[str], ds: str, deferrable: bool = False, **kwargs: Any) -> None:
+        if "poke_interval" not in kwargs or "timeout" not in kwargs:
+            section = config.load().validation
+            kwargs.setdefault("poke_interval", section.sensor_poke_seconds)
+            kwargs.setdefault("timeout", section.sensor_timeout_seconds)
         super().__init__(**kwargs)
         self.datasets = list(datasets)
         self.ds = ds
         self.deferrable = deferrable
 
     def poke(self, context: Context) -> bool:
-        missing = missing_partitions(config.storage_root(), self.datasets, self.ds)
+        missing = missing_partitions(config.load().storage_root, self.datasets, self.ds)
         for dataset, what in missing.items():
             self.log.info("waiting for %s ds=%s: %s", dataset, self.ds, what)
         return not missing
@@ -122,7 +129,7 @@ class RawPartitionSensor(BaseSensorOperator):
         timeout_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=float(self.timeout))
         self.defer(
             trigger=RawPartitionTrigger(
-                root=config.storage_root(),
+                root=config.load().storage_root,
                 datasets=self.datasets,
                 ds=self.ds,
                 poke_interval=float(self.poke_interval),
@@ -140,7 +147,7 @@ class RawPartitionSensor(BaseSensorOperator):
             return
         missing = event.get("missing") or {}
         lines = "\n".join(f"  - {dataset}: {what}" for dataset, what in sorted(missing.items()))
-        raise DataFailure(
+        raise DataError(
             f"raw partitions of ds={self.ds} did not land within {self.timeout:.0f} s "
             f"(validation.sensor_timeout_seconds):\n{lines}\n"
             "Fix: land each partition (data files, then its _SUCCESS marker) and clear this task."

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context, ResumableJobMixin
 
-from operators import config
-from operators.errors import DataFailure, InfraFailure, PinflowTaskError, UserFailure
+from core import config
+from core.failures import DataError, InfraError, PinflowError, UserError, as_typed
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
@@ -27,17 +25,19 @@ def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
     The evaluation day is ``end_ds`` (default: the newest complete day); training uses up to
     ``train_days`` days before it.
     """
-    from training.storage_io import complete_days  # a local root or s3://...
+    from core.contracts import EXAMPLES
+    from core.storage import complete_days  # a local root or s3://...
 
-    days = complete_days(config.storage_root(), "examples")
+    root = config.load().storage_root
+    days = complete_days(root, EXAMPLES)
     if not days:
-        raise DataFailure("no complete examples partition under the storage root: run pin_daily_features first")
+        raise DataError(f"no complete {EXAMPLES} partition under {root}: run pin_daily_features first")
     eval_ds = end_ds or days[-1]
     if eval_ds not in days:
-        raise DataFailure(f"examples partition ds={eval_ds} is missing or incomplete: run pin_daily_features for it")
+        raise DataError(f"examples partition ds={eval_ds} is missing or incomplete: run pin_daily_features for it")
     train = [d for d in days if d < eval_ds][-train_days:]
     if not train:
-        raise DataFailure(f"no examples partition before the evaluation day {eval_ds}: build earlier days first")
+        raise DataError(f"no examples partition before the evaluation day {eval_ds}: build earlier days first")
     return {"train_days": train, "eval_ds": eval_ds}
 
 
@@ -80,7 +80,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     :param overrides: RunConfig fields from the trigger form, e.g. epochs, lr (templated).
     :param nodes: nodes of the job (templated; default: ``training.nodes``).
     :param procs_per_node: processes per node (templated; default: ``training.procs_per_node``).
-    :param team: a team under ``teams:`` in the platform config: its queue, fair share and priority.
+    :param team: a team under ``teams:`` in the platform config: its queue, fair share and priority
+        (default: ``training.team``).
     :param deferrable: wait in the triggerer instead of on a worker slot.
     :param poll_seconds: seconds between status checks (default: ``training.poll_seconds``).
     """
@@ -98,7 +99,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         overrides: dict[str, Any] | None = None,
         nodes: int | str | None = None,
         procs_per_node: int | str | None = None,
-        team: str = "ranking",
+        team: str | None = None,
         deferrable: bool = True,
         poll_seconds: float | None = None,
         **kwargs: Any,
@@ -118,11 +119,11 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     # -- the job ---------------------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
         cfg = config.load()
-        training = cfg["training"]
+        training = cfg.training
         return {
             "cfg": cfg,
-            "poll": float(self.poll_seconds or training.get("poll_seconds", 10)),
-            "stall": float(training["heartbeat_timeout_seconds"]),
+            "poll": float(self.poll_seconds or training.poll_seconds),
+            "stall": float(training.heartbeat_timeout_seconds),
         }
 
     def _job_name(self, context: Context, try_number: int) -> str:
@@ -133,52 +134,57 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
         """The backend, the validated job spec, the run's RUN.json content and where it goes."""
+        from core import storage
+        from core.contracts import MODELS, RUNS
         from operators.backends import JobSpec, get_backend, validate_for
         from operators.jobs import job_name
+        from training.config import RunConfig
 
         cfg = config.load()
-        training = cfg["training"]
+        training = cfg.training
         backend_name = str(self.backend)
         ti = context["ti"]
         name = self._job_name(context, ti.try_number)
         run_key = job_name("run", ti.dag_id, ti.run_id)
         # The local backend's job writes under PINFLOW_HOME; remote jobs write to the shared storage root.
-        runs = str(Path(cfg["home"]) / "runs") if backend_name == "local" else f"{str(cfg['storage_root']).rstrip('/')}/runs"
-        output_dir = f"{runs}/{name}"
+        output_dir = storage.join(cfg.home if backend_name == "local" else cfg.storage_root, RUNS, name)
         run_config = {
-            "root": cfg["storage_root"],
+            "root": cfg.storage_root,
             "train_days": list(self.plan["train_days"]),
             "eval_ds": self.plan["eval_ds"],
             "output_dir": output_dir,
             # Shared by every try of this DAG run: a retry resumes from the last checkpoint.
-            "checkpoint_dir": f"{str(cfg['storage_root']).rstrip('/')}/models/{cfg['mlflow']['model_name']}/{run_key}/checkpoints",
-            "mlflow_tracking_uri": cfg["mlflow"]["tracking_uri"],
-            "mlflow_artifact_location": cfg["mlflow"]["artifact_root"],
-            "experiment": cfg["mlflow"]["experiment"],
-            "model_name": cfg["mlflow"]["model_name"],
+            "checkpoint_dir": storage.join(cfg.storage_root, MODELS, cfg.mlflow.model_name, run_key, "checkpoints"),
+            "mlflow_tracking_uri": cfg.mlflow.tracking_uri,
+            "mlflow_artifact_location": cfg.mlflow.artifact_root,
+            "experiment": cfg.mlflow.experiment,
+            "model_name": cfg.mlflow.model_name,
             "register": True,
             "run_name": f"{ti.run_id}-try{ti.try_number}",
-            "sequence_length": int(cfg["features"]["sequence_length"]),
-            "epochs": int(training["epochs"]),
-            "batch_size": int(training["batch_size"]),
-            "lr": float(training["lr"]),
+            "sequence_length": cfg.features.sequence_length,
+            "epochs": training.epochs,
+            "batch_size": training.batch_size,
+            "lr": training.lr,
+            "strategy": training.strategy,
         }
         run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
-        backend = get_backend(backend_name, cfg["home"], cfg)
+        # The job's own model checks RUN.json here, before anything is submitted (a bad value: USER, now).
+        RunConfig.from_dict(run_config, source=f"RUN.json of {name} (platform config and the run's params)")
+        backend = get_backend(backend_name, cfg)
         spec = JobSpec(
             name=name,
-            command=["-m", "training.train", "--config", f"{output_dir}/RUN.json"],
-            team=self.team,
-            image=str(training["image"]),
+            command=["-m", "training.train", "--config", storage.join(output_dir, "RUN.json")],
+            team=self.team or training.team,
+            image=training.image,
             distributed=True,
-            nodes=int(self.nodes or training["nodes"]),
-            procs_per_node=int(self.procs_per_node or training["procs_per_node"]),
-            gpus_per_node=int(training.get("gpus_per_node", 0)),
+            nodes=training.nodes if self.nodes in (None, "") else int(self.nodes),
+            procs_per_node=training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node),
+            gpus_per_node=training.gpus_per_node,
             checkpoint_dir=run_config["checkpoint_dir"],
             # The nodes' health check (devices, all-reduce, disk, inputs, MLflow) as the job's first step.
-            preflight=bool(training.get("preflight", True)),
+            preflight=training.preflight,
         )
-        validate_for(spec, dict(cfg.get("teams") or {}), backend=backend_name)
+        validate_for(spec, cfg.teams, backend=backend_name)
         backend.dry_run(spec)  # the backend's own checks (schema, resources) before anything is submitted
         return backend, spec, run_config, output_dir
 
@@ -209,16 +215,16 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             if found and not backend.status(found).state.terminal:
                 self.log.info("reattaching to job %s that try %d submitted and did not record", found, earlier)
                 job = {"backend": backend.name, "job_id": found, "name": name,
-                       "output_dir": output_dir.replace(spec.name, name)}
+                       "output_dir": output_dir.removesuffix(spec.name) + name}
                 self._remember(context, job)
                 return job
         job_id = backend.find(spec.name)
         if job_id:
             self.log.info("reattaching to job %s submitted earlier for this task try", job_id)
         else:
-            from training import storage_io  # a local folder or s3://... (the job reads it the same way)
+            from core import storage  # a local folder or s3://... (the job reads it the same way)
 
-            storage_io.write_json(storage_io.join(output_dir, "RUN.json"), run_config)
+            storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
             job_id = backend.submit(spec)
             self.log.info(
                 "submitted %s job %s: %d node(s) × %d process(es), team %s, train %s, evaluate %s; output in %s",
@@ -258,7 +264,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
                 get_backend(job["backend"]), job["job_id"], output_dir=job["output_dir"], what="training job",
                 poll_seconds=settings["poll"], stall_seconds=settings["stall"],
             )
-        except PinflowTaskError:
+        except PinflowError:
             self._forget(context)
             raise
         finally:
@@ -267,18 +273,18 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         return self.get_job_result(job, context)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
-        from training import storage_io
+        from core import storage
 
         job = dict(external_id)  # type: ignore[arg-type]
         try:
-            result: dict[str, Any] = json.loads(storage_io.read_text(storage_io.join(job["output_dir"], "result.json")))
+            result: dict[str, Any] = storage.read_json(storage.join(job["output_dir"], "result.json"))
         except FileNotFoundError as err:
-            raise UserFailure(
+            raise UserError(
                 f"training job {job['job_id']} succeeded but wrote no result.json in {job['output_dir']}: "
                 "the entry point must write it (training.train)"
             ) from err
         if result.get("mlflow_run_id"):
-            base = str(config.load()["mlflow"]["ui_url"]).rstrip("/")
+            base = config.load().mlflow.ui_url.rstrip("/")
             self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
@@ -333,9 +339,9 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         self._remember(context, job)
         try:
             if event.get("state") == "STALLED":
-                raise InfraFailure(str(event.get("reason")))
+                raise InfraError(str(event.get("reason")))
             raise_for_status(backend, backend.status(job["job_id"]), what="training job")
-        except PinflowTaskError:
+        except PinflowError:
             self._forget(context)
             raise
         finally:
@@ -350,16 +356,18 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     def _preflight(self, backend: Any) -> None:
         """Cheap checks before anything is submitted: the inputs exist, the backend answers."""
-        from training.storage_io import is_complete
+        from core.contracts import EXAMPLES
+        from core.storage import is_complete
 
         missing = [d for d in [*self.plan["train_days"], self.plan["eval_ds"]]
-                   if not is_complete(config.storage_root(), "examples", d)]
+                   if not is_complete(config.load().storage_root, EXAMPLES, d)]
         if missing:
-            raise DataFailure(f"examples partitions missing or incomplete: {missing}; run pin_daily_features for them")
+            raise DataError(f"examples partitions missing or incomplete: {missing}; run pin_daily_features for them")
         try:
             backend.ping()
         except Exception as err:
-            raise InfraFailure(f"preflight: the {backend.name} backend does not answer: {err}") from err
+            # Missing credentials are a setting to fix (USER); a service that does not answer is INFRA.
+            raise as_typed(err, f"preflight: the {backend.name} backend") from err
 
     def on_kill(self) -> None:
         if self._job is not None:
@@ -371,33 +379,39 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
 def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any]:
     """Give the new version the ``champion`` alias if its mean AUC is at least the champion's (within tolerance)
-    on the same evaluation day; record the decision on the version either way."""
-    from mlflow import MlflowClient
+    on the same evaluation day; record the decision on the version either way.
+
+    Only a registry that answers "no champion" promotes unconditionally; a registry that does not answer
+    raises INFRA (the task retries), so an MLflow outage never promotes a model.
+    """
+    from operators import registry
 
     cfg = config.load()
-    client = MlflowClient(tracking_uri=cfg["mlflow"]["tracking_uri"], registry_uri=cfg["mlflow"]["tracking_uri"])
+    client = registry.client(cfg.mlflow)
     name, version = result["model_name"], str(result["model_version"])
     new_auc = float(result["metrics"]["mean_auc"])
     decision: dict[str, Any] = {"model_name": name, "model_version": version, "auc": new_auc}
     try:
-        champion = client.get_model_version_by_alias(name, "champion")
-    except Exception:  # noqa: BLE001 - MLflow raises a generic MlflowException when the alias is unset
-        champion = None
-    if champion is None:
-        promote, why = True, "no champion yet"
-    else:
-        champ_run = client.get_run(str(champion.run_id))
-        champ_auc = float(champ_run.data.metrics.get("eval_mean_auc", float("nan")))
-        same_day = champ_run.data.params.get("eval_ds") == result.get("eval_ds")
-        decision.update(champion_version=champion.version, champion_auc=champ_auc)
-        if not same_day:
-            promote, why = True, "champion was evaluated on another day; the newer model wins"
-        elif new_auc + tolerance >= champ_auc:
-            promote, why = True, f"mean AUC {new_auc:.4f} >= champion {champ_auc:.4f} - {tolerance}"
+        champion = registry.champion(client, name)
+        if champion is None:
+            promote, why = True, "no champion yet"
         else:
-            promote, why = False, f"mean AUC {new_auc:.4f} < champion {champ_auc:.4f} - {tolerance}"
-    client.set_model_version_tag(name, version, "promotion", ("promoted: " if promote else "rejected: ") + why)
-    if promote:
-        client.set_registered_model_alias(name, "champion", version)
+            champ_run = client.get_run(str(champion.run_id))
+            champ_auc = float(champ_run.data.metrics.get("eval_mean_auc", float("nan")))
+            same_day = champ_run.data.params.get("eval_ds") == result.get("eval_ds")
+            decision.update(champion_version=champion.version, champion_auc=champ_auc)
+            if not same_day:
+                promote, why = True, "champion was evaluated on another day; the newer model wins"
+            elif new_auc + tolerance >= champ_auc:
+                promote, why = True, f"mean AUC {new_auc:.4f} >= champion {champ_auc:.4f} - {tolerance}"
+            else:
+                promote, why = False, f"mean AUC {new_auc:.4f} < champion {champ_auc:.4f} - {tolerance}"
+        client.set_model_version_tag(name, version, "promotion", ("promoted: " if promote else "rejected: ") + why)
+        if promote:
+            client.set_registered_model_alias(name, registry.CHAMPION, version)
+    except PinflowError:
+        raise
+    except Exception as err:
+        raise as_typed(err, f"promotion of {name} version {version}") from err
     decision.update(promoted=promote, reason=why)
     return decision

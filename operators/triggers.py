@@ -57,7 +57,7 @@ class ComputeJobTrigger(BaseTrigger):
     def _backend(self) -> Any:
         from operators.backends import get_backend
 
-        return get_backend(self.backend, self.home)
+        return get_backend(self.backend, home=self.home)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from operators.jobs import HeartbeatWatch, describe_beats, read_heartbeats

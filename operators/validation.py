@@ -1,21 +1,22 @@
 """Operators of the daily feature DAG that guard its inputs: validate raw partitions and the feature window.
 
 The validation runs in the task's process on the embedded default; ``python -m features.validate`` is
-the same check as a container job. The thresholds, quarantine and the window gap policy come from
-``config/platform.yaml`` ``validation:``.
+the same check as a container job, with the same thresholds. The thresholds, quarantine and the window gap
+policy come from the ``validation:`` section of the platform configuration (``core.config``), read once and
+passed down. A partition that fails raises ``core.failures.DataError`` (no retry, nothing downstream runs);
+an invalid ``validation:`` setting is the platform configuration's ``ConfigError``, a ``UserError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.types import TaskInstanceKey
 
-from operators import config
-from operators.errors import DataFailure
+from core import config, storage
+from core.failures import DataError
 from operators.sensors import RawPartitionSensor, RawPartitionTrigger
 
 __all__ = [
@@ -26,16 +27,14 @@ __all__ = [
     "WindowGapCheckOperator",
 ]
 
-GAP_POLICIES = ("fail", "proceed")
-
 
 def data_docs_url(root: str, dataset: str, ds: str) -> str:
     """The URL of a partition's validation page: its GX Data Docs when rendered, else the report's HTML."""
-    from features.storage import local_root
+    from features.validation.report import DATA_DOCS_DIR, HTML_FILE, report_dir
 
-    out = local_root(root) / "reports" / "validation" / dataset.removeprefix("raw/") / f"ds={ds}"
-    docs = out / "data_docs" / "index.html"
-    return (docs if docs.exists() else out / "index.html").resolve().as_uri()
+    out = report_dir(root, dataset, ds)
+    docs = storage.join(out, DATA_DOCS_DIR, HTML_FILE)
+    return storage.as_uri(docs if storage.exists(docs) else storage.join(out, HTML_FILE))
 
 
 class DataDocsLink(BaseOperatorLink):
@@ -53,7 +52,7 @@ class DataDocsLink(BaseOperatorLink):
         dataset, ds = getattr(operator, "dataset", None), getattr(operator, "ds", None)
         if not dataset or not ds:
             return ""
-        return data_docs_url(config.storage_root(), str(dataset), str(ds))
+        return data_docs_url(config.load().storage_root, str(dataset), str(ds))
 
 
 class ValidatePartitionOperator(BaseOperator):
@@ -62,7 +61,7 @@ class ValidatePartitionOperator(BaseOperator):
     The report (every check, observed value, threshold, pass/fail) and the partition's profile are written
     under ``reports/validation/``, and a short summary is pushed to XCom (key ``validation``) before a
     failure is raised, so the UI shows why. A failed partition is moved to ``quarantine/`` with its report
-    (``validation.quarantine``) and the task fails as ``DATA``: no retry, nothing downstream runs.
+    (``validation.quarantine``) and the task fails with a ``DataError``: no retry, nothing downstream runs.
 
     :param dataset: ``events``, ``pins`` or ``users``.
     :param ds: the partition day (templated).
@@ -79,31 +78,26 @@ class ValidatePartitionOperator(BaseOperator):
         self.data_docs_url: str | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from features.history import ValidationSettings
         from features.validate import validate_partition
 
-        section = config.section("validation")
-        try:
-            settings = ValidationSettings.from_mapping(section)
-        except (TypeError, ValueError) as err:
-            raise DataFailure(f"config/platform.yaml validation: is invalid: {err}") from err
-        root = config.storage_root()
+        cfg = config.load()
+        section = cfg.validation
         report = validate_partition(
-            root,
+            cfg.storage_root,
             self.dataset,
             self.ds,
-            data_docs=bool(section.get("data_docs", True)),
-            settings=settings,
-            quarantine=bool(section.get("quarantine", True)),
+            config=section,
+            data_docs=section.data_docs,
+            quarantine=section.quarantine,
         )
-        self.data_docs_url = Path(report.data_docs_path).resolve().as_uri()
+        self.data_docs_url = storage.as_uri(report.data_docs_path)
         summary = report.summary()
         context["ti"].xcom_push(key="validation", value=summary)
         for warning in report.warnings:
             self.log.warning("%s", warning)
         self.log.info("validation report: %s; Data Docs: %s", report.report_path, self.data_docs_url)
         if not report.success:
-            raise DataFailure(report.failure_message())
+            raise DataError(report.failure_message())
         return summary
 
 
@@ -113,7 +107,7 @@ DataDocsLink.operators = [ValidatePartitionOperator]
 class WindowGapCheckOperator(BaseOperator):
     """Check the feature window of ``ds`` for gaps: days whose raw events are missing or quarantined.
 
-    ``validation.on_window_gap``: ``fail`` fails the day as ``DATA`` (nothing downstream runs);
+    ``validation.on_window_gap``: ``fail`` fails the day with a ``DataError`` (nothing downstream runs);
     ``proceed`` logs a warning, pushes the gap to XCom (key ``window_gaps``) and lets the build run: the
     window features record the same days in ``missing_days`` of their ``_metadata.json``.
 
@@ -128,16 +122,12 @@ class WindowGapCheckOperator(BaseOperator):
         self.ds = ds
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from features.history import window_gaps
+        from features.validation.window import window_gaps
 
-        policy = str(config.section("validation").get("on_window_gap", "proceed"))
-        if policy not in GAP_POLICIES:
-            raise DataFailure(
-                f"validation.on_window_gap={policy!r} in config/platform.yaml: choose one of {GAP_POLICIES} "
-                "(or set PINFLOW_VALIDATION__ON_WINDOW_GAP)"
-            )
-        window_days = int(config.section("features")["window_days"])
-        gaps = window_gaps(config.storage_root(), self.ds, window_days)
+        cfg = config.load()
+        policy = cfg.validation.on_window_gap
+        window_days = cfg.features.window_days
+        gaps = window_gaps(cfg.storage_root, self.ds, window_days)
         gaps["policy"] = policy
         context["ti"].xcom_push(key="window_gaps", value=gaps)
         if not gaps["gaps"]:
@@ -149,7 +139,7 @@ class WindowGapCheckOperator(BaseOperator):
             + (f" (quarantined: {', '.join(gaps['quarantined'])})" if gaps["quarantined"] else "")
         )
         if policy == "fail":
-            raise DataFailure(
+            raise DataError(
                 f"{message}.\nFix: land those days again and clear their pin_daily_features runs, or set "
                 "validation.on_window_gap=proceed (PINFLOW_VALIDATION__ON_WINDOW_GAP=proceed) to build with the "
                 "gap recorded in the window features' missing_days."

@@ -20,7 +20,7 @@ PINFLOW_DAGS = ("pin_daily_features", "pin_ranker_training", "pin_corpus_inferen
 def _record(task_instance: Any, state: str, error: BaseException | str | None = None) -> None:
     if getattr(task_instance, "dag_id", None) not in PINFLOW_DAGS:
         return
-    from operators.config import pinflow_home
+    from core.config import pinflow_home
 
     start = getattr(task_instance, "start_date", None)
     now = dt.datetime.now(dt.UTC)

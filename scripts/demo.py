@@ -22,7 +22,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from operators import config  # noqa: E402
+from core import config  # noqa: E402
 
 # The terminal: Airflow's own output goes to the demo log instead (see send_output_to).
 CONSOLE = sys.stdout
@@ -69,43 +69,50 @@ def run_dag(dag: Any, log_file: Path, **kwargs: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    demo = config.section("demo")
+    from core.failures import ConfigError
+
+    try:
+        cfg = config.load()
+    except ConfigError as err:
+        say(f"FAILED: {err}")
+        return 1
+    demo = cfg.demo
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--days", type=int, default=int(demo["days"]), help="days of synthetic logs")
-    parser.add_argument("--users", type=int, default=int(demo["users"]))
-    parser.add_argument("--pins", type=int, default=int(demo["pins"]))
-    parser.add_argument("--impressions-per-user", type=int, default=int(demo["impressions_per_user"]),
+    parser.add_argument("--days", type=int, default=demo.days, help="days of synthetic logs")
+    parser.add_argument("--users", type=int, default=demo.users)
+    parser.add_argument("--pins", type=int, default=demo.pins)
+    parser.add_argument("--impressions-per-user", type=int, default=demo.impressions_per_user,
                         help="mean impressions of an active user per day")
-    parser.add_argument("--train-days", type=int, default=int(demo["train_days"]),
+    parser.add_argument("--train-days", type=int, default=demo.train_days,
                         help="days trained on, the ones before the last (evaluation) day; at most days - 1")
-    parser.add_argument("--seed", type=int, default=int(demo["seed"]))
-    parser.add_argument("--start", default=str(demo["start"]), help="first day, YYYY-MM-DD")
+    parser.add_argument("--seed", type=int, default=demo.seed)
+    parser.add_argument("--start", default=demo.start, help="first day, YYYY-MM-DD")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: config)")
     parser.add_argument("--no-quality-check", action="store_true",
                         help="exit 0 even if the model does not beat the baseline (tiny worlds in tests)")
     args = parser.parse_args(argv)
 
-    from features.storage import write_json_atomic
+    from core import storage
     from features.synthetic import WorldConfig, generate_world
 
     started = time.monotonic()
-    cfg = config.load()
-    root = Path(cfg["storage_root"])
-    home = Path(cfg["home"])
+    root = cfg.storage_root
+    home = Path(cfg.home)
     log_file = home / "demo.log"
     home.mkdir(parents=True, exist_ok=True)
 
     world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
                         impressions_per_user=args.impressions_per_user)
-    world_file = root / "synthetic-world.json"
-    if world_file.exists() and json.loads(world_file.read_text()).get("config") == world.__dict__:
-        world_summary = json.loads(world_file.read_text())["summary"]
+    world_file = storage.join(root, "synthetic-world.json")
+    recorded = storage.read_json(world_file) if storage.exists(world_file) else {}
+    if recorded.get("config") == world.__dict__:
+        world_summary = recorded["summary"]
         say(f"synthetic world already under {root}: {world_summary['events']} events")
     else:
         say(f"generating the synthetic world ({args.days} days, {args.users} users with "
             f"{args.impressions_per_user} impressions a day, {args.pins} pins) under {root}")
         world_summary = generate_world(root, world)
-        write_json_atomic(world_file, {"config": world.__dict__, "summary": world_summary})
+        storage.write_json(world_file, {"config": world.__dict__, "summary": world_summary})
     days: list[str] = list(world_summary["days"])
 
     say(f"Airflow task logs: {log_file}")
@@ -132,17 +139,18 @@ def quality_bar_met(metrics: dict[str, Any]) -> bool | None:
 
 
 def run_chain(
-    args: argparse.Namespace, root: Path, log_file: Path, days: list[str], world_summary: dict[str, Any], started: float
+    args: argparse.Namespace, root: str, log_file: Path, days: list[str], world_summary: dict[str, Any], started: float
 ) -> int:
     import pendulum
 
-    from features.storage import complete_days, read_metadata, read_table, write_json_atomic
+    from core import storage
+    from core.contracts import EXAMPLES, RAW_PINS, VALIDATION_REPORTS
 
     dags = load_dags()
     for ds in days:
         t0 = time.monotonic()
         run_dag(dags["pin_daily_features"], log_file, logical_date=pendulum.parse(ds, tz="UTC"))
-        rows = read_metadata(root, "examples", ds).get("rows")
+        rows = storage.read_metadata(root, EXAMPLES, ds).get("rows")
         say(f"pin_daily_features ds={ds}: validated, features built, {rows} examples ({time.monotonic() - t0:.0f}s)")
 
     t0 = time.monotonic()
@@ -166,8 +174,10 @@ def run_chain(
     manifest = infer_run.get_task_instance("publish").xcom_pull(task_ids="publish")
     say(f"pin_corpus_inference: {manifest['rows']} pins scored ({time.monotonic() - t0:.0f}s)")
 
-    examples = {ds: int(read_metadata(root, "examples", ds).get("rows", 0)) for ds in complete_days(root, "examples")}
-    validated = [ds for ds in days if (root / "reports" / "validation" / "events" / f"ds={ds}" / "result.json").exists()]
+    examples = {ds: int(storage.read_metadata(root, EXAMPLES, ds).get("rows", 0))
+                for ds in storage.complete_days(root, EXAMPLES)}
+    validated = [ds for ds in days
+                 if storage.exists(storage.join(storage.partition(root, f"{VALIDATION_REPORTS}/events", ds), "result.json"))]
     metrics = result["metrics"]
     summary = {
         "days": len(days),
@@ -186,12 +196,12 @@ def run_chain(
         "model_name": result["model_name"],
         "model_version": result["model_version"],
         "promoted": bool(promotion),
-        "corpus_pins": read_table(root, "raw/pins", days[-1], columns=["pin_id"]).num_rows,
+        "corpus_pins": storage.read_table(root, RAW_PINS, days[-1], columns=["pin_id"]).num_rows,
         "pins_scored": int(manifest["rows"]),
         "inference_manifest": manifest["manifest"],
         "seconds": round(time.monotonic() - started, 1),
     }
-    write_json_atomic(root / "demo-summary.json", summary)
+    storage.write_json(storage.join(root, "demo-summary.json"), summary)
     ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["oracle_ratio"].items()))
     say(f"share of the oracle's lift per head: {ratios} (bar {ORACLE_RATIO_BAR}); "
         f"quality bar met: {summary['quality_bar_met']}")

@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from training import storage_io
-from training.failures import ExitCode, InfraError
-from training.runtime import exit_code_for, now_iso
+from core import storage
+from core.failures import ExitCode, InfraError, exit_code_for
+from training.runtime import now_iso
 
 log = logging.getLogger("training.checkpoint")
 
@@ -43,13 +43,13 @@ PREFIX = "step-"
 
 
 def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
-    return storage_io.join(checkpoint_dir, f"{PREFIX}{step:08d}")
+    return storage.join(checkpoint_dir, f"{PREFIX}{step:08d}")
 
 
 def complete_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """(step, folder path or URL) of every complete checkpoint, oldest first."""
     found = []
-    for marker in storage_io.glob(checkpoint_dir, f"{PREFIX}*/{MARKER}"):
+    for marker in storage.glob(checkpoint_dir, f"{PREFIX}*/{MARKER}"):
         path = os.path.dirname(marker)  # a local path or a URL: both are /-separated here
         suffix = os.path.basename(path)[len(PREFIX) :]
         if suffix.isdigit():
@@ -61,7 +61,7 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any] 
     """The marker of the newest complete checkpoint (step, epoch, examples_seen, path, ...), or None."""
     for _, path in reversed(complete_checkpoints(checkpoint_dir)):
         try:
-            marker = json.loads(storage_io.read_text(storage_io.join(path, MARKER)))
+            marker = json.loads(storage.read_text(storage.join(path, MARKER)))
         except (OSError, ValueError) as e:
             log.warning("ignoring checkpoint %s with an unreadable marker: %s", path, e)
             continue
@@ -71,12 +71,12 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any] 
 
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint folder, its marker first: a deletion cut short never leaves a "complete" half."""
-    storage_io.remove(storage_io.join(path, MARKER))
-    storage_io.remove_tree(path)
+    storage.remove(storage.join(path, MARKER))
+    storage.remove_tree(path)
 
 
 def _writer(path: str) -> dcp.StorageWriter:
-    if storage_io.is_remote(path):
+    if storage.is_remote(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         # An object is durable once its upload completes: no fsync (which would os.sync() this node).
@@ -85,7 +85,7 @@ def _writer(path: str) -> dcp.StorageWriter:
 
 
 def _reader(path: str) -> dcp.StorageReader:
-    if storage_io.is_remote(path):
+    if storage.is_remote(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(path)
@@ -175,7 +175,7 @@ def save(
     path = step_dir(checkpoint_dir, step)
     if is_main:
         remove_checkpoint(path)  # a save at this step that died before its marker, or an older run's
-        storage_io.make_dirs(path)
+        storage.make_dirs(path)
     _barrier()
     state = _state(parts)
     state["train"] = {"step": step, "epoch": epoch, "examples_seen": examples_seen}
@@ -197,7 +197,7 @@ def save(
             "time": now_iso(),
             **(extra or {}),
         }
-        storage_io.write_json(storage_io.join(path, MARKER), marker)
+        storage.write_json(storage.join(path, MARKER), marker)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:
             remove_checkpoint(old)
         log.info("checkpoint step %d written to %s", step, path)

@@ -17,9 +17,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from features.contracts import LABELS
-from features.storage import parse_ds
-from training.failures import TrainingError
+from core.config import FeaturesConfig, MlflowConfig, TrainingConfig
+from core.contracts import LABELS
+from core.failures import ConfigError
+from core.storage import parse_ds
 
 if typing.TYPE_CHECKING:
     from training.model import ModelConfig
@@ -27,8 +28,9 @@ if typing.TYPE_CHECKING:
 _REQUIRED = object()
 
 
-class ConfigError(TrainingError):
-    """RUN.json is unreadable or invalid: fail now (USER), naming the field to change."""
+# Defaults shared with the platform configuration are taken from its typed models: defined once, in core.config.
+_TRAINING = TrainingConfig()
+_MLFLOW = MlflowConfig()
 
 
 def _f(help: str, default: Any = _REQUIRED, factory: Any = None) -> Any:
@@ -57,14 +59,14 @@ class RunConfig:
     mlflow_artifact_location: str | None = _f(
         "artifact location given to a newly created MLflow experiment (ignored if it exists)", None
     )
-    experiment: str = _f("MLflow experiment name", "pin_ranker")
-    model_name: str = _f("registered model name in the MLflow model registry", "pin_ranker")
+    experiment: str = _f("MLflow experiment name", _MLFLOW.experiment)
+    model_name: str = _f("registered model name in the MLflow model registry", _MLFLOW.model_name)
     register: bool = _f("register the logged model as a new version of model_name", True)
     run_name: str | None = _f("MLflow run name (default: MLflow's generated name)", None)
     # --- optimisation -----------------------------------------------------------------------------
-    epochs: int = _f("passes over the training days", 1)
-    batch_size: int = _f("examples per batch per rank (the global batch is batch_size x world size)", 256)
-    lr: float = _f("peak learning rate of AdamW (reached after warmup_steps)", 2e-3)
+    epochs: int = _f("passes over the training days", _TRAINING.epochs)
+    batch_size: int = _f("examples per batch per rank (the global batch is batch_size x world size)", _TRAINING.batch_size)
+    lr: float = _f("peak learning rate of AdamW (reached after warmup_steps)", _TRAINING.lr)
     weight_decay: float = _f("AdamW weight decay", 1e-5)
     warmup_steps: int = _f("linear warmup steps, then cosine decay to min_lr_ratio x lr", 20)
     min_lr_ratio: float = _f("final learning rate of the cosine schedule, as a fraction of lr", 0.1)
@@ -77,7 +79,9 @@ class RunConfig:
     seed: int = _f("seed of the model initialisation and of the data order (with the epoch)", 0)
     max_steps: int = _f("stop after this many optimizer steps in total (0 = no cap)", 0)
     # --- data -------------------------------------------------------------------------------------
-    sequence_length: int = _f("user sequence length N the model reads (most recent actions first)", 50)
+    sequence_length: int = _f(
+        "user sequence length N the model reads (most recent actions first)", FeaturesConfig().sequence_length
+    )
     num_workers: int = _f(
         "DataLoader worker processes per rank (0 = read in the training process; raise it on GPU nodes)", 0
     )
@@ -95,7 +99,7 @@ class RunConfig:
     strategy: Literal["ddp", "fsdp"] = _f(
         "ddp: DistributedDataParallel, every rank holds the whole model; fsdp: FSDP2 fully_shard, the "
         "embedding tables (and every other parameter and its optimizer state) are sharded across ranks",
-        "ddp",
+        _TRAINING.strategy,
     )
     deterministic: bool = _f(
         "torch.use_deterministic_algorithms: a resumed run is bitwise equal to an uninterrupted one (CPU)", False
@@ -131,7 +135,7 @@ class RunConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> RunConfig:
         """Read and validate RUN.json (a local path or a URL); raise ConfigError naming the offending key."""
-        from training.storage_io import read_text
+        from core.storage import read_text
 
         try:
             data = json.loads(read_text(path))

@@ -8,7 +8,7 @@ batches each rank will produce and all stop at the same step (:meth:`ExampleStre
 no rank waits in a collective for a rank that ran out of data.
 
 Pin content embeddings come from a :class:`PinEmbeddings` table built from one ``raw/pins`` snapshot.
-The storage root is a local path or a URL (``s3://bucket/prefix``, through ``training.storage_io``): on
+The storage root is a local path or a URL (``s3://bucket/prefix``, through ``core.storage``): on
 an object store a row group is read with ranged GETs of its column chunks, never the whole file.
 """
 
@@ -24,13 +24,9 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from features.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
-from features.storage import ds_str
-from training.failures import DataError
-from training.storage_io import complete_days, data_files, parquet_file
-
-EXAMPLES = "examples"
-PINS = "raw/pins"
+from core.contracts import DENSE_FEATURES, EMBEDDING_DIM, EXAMPLES, LABELS, RAW_PINS, SURFACES
+from core.failures import DataError
+from core.storage import complete_days, data_files, ds_str, parquet_file
 
 EXAMPLE_COLUMNS: tuple[str, ...] = (
     "impression_id",
@@ -72,18 +68,18 @@ class PinEmbeddings:
     @classmethod
     def from_snapshot(cls, root: str | os.PathLike[str], ds: str) -> PinEmbeddings:
         """The newest complete ``raw/pins`` snapshot on or before ``ds``; DataError if there is none."""
-        day = latest_complete_day(root, PINS, ds)
+        day = latest_complete_day(root, RAW_PINS, ds)
         if day is None:
-            raise DataError(f"no complete {PINS} snapshot on or before ds={ds} under {root}")
+            raise DataError(f"no complete {RAW_PINS} snapshot on or before ds={ds} under {root}")
         ids, vectors = [], []
-        for path in data_files(root, PINS, day):
+        for path in data_files(root, RAW_PINS, day):
             with parquet_file(path) as parquet:
                 table = parquet.read(columns=["pin_id", "embedding"])
             ids.append(table.column("pin_id").to_numpy())
             emb = table.column("embedding").combine_chunks()
             vectors.append(emb.flatten().to_numpy().reshape(-1, EMBEDDING_DIM))
         if not ids:
-            raise DataError(f"{PINS} snapshot ds={day} under {root} has no Parquet file")
+            raise DataError(f"{RAW_PINS} snapshot ds={day} under {root} has no Parquet file")
         return cls(np.concatenate(ids), np.concatenate(vectors), ds=day)
 
     def __len__(self) -> int:

@@ -15,15 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from features.contracts import DENSE_FEATURES, LABELS
+from core.contracts import DENSE_FEATURES, LABELS, TRUTH
+from core.storage import data_files, is_complete, read_parquet
 from training.data import ExampleStream, PinEmbeddings
-from training.storage_io import data_files, is_complete
 
-TRUTH = "truth"
 # The popularity baseline of each head: the candidate pin's own smoothed rate.
 BASELINE_FEATURE = {"click": "p_ctr", "repin": "p_repin_rate", "hide": "p_hide_rate"}
 
@@ -94,7 +92,7 @@ def load_truth(root: str | os.PathLike[str], ds: str) -> tuple[np.ndarray, np.nd
         return None
     ids, probs = [], []
     for path in data_files(root, TRUTH, ds):
-        table = pq.read_table(path, columns=["impression_id", *(f"p_{label}" for label in LABELS)])
+        table = read_parquet(path, columns=["impression_id", *(f"p_{label}" for label in LABELS)])
         ids.append(table.column("impression_id").to_numpy())
         probs.append(np.stack([table.column(f"p_{label}").to_numpy() for label in LABELS], axis=1))
     if not ids:

@@ -12,10 +12,11 @@ probabilities, comparable across pins:
   complete, else zero counts and the prior rates (a pin without history);
 - surface ``home_feed``.
 
-The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` (pin_id, p_click, p_repin, p_hide) through
-a temporary file and a rename; a shard whose part exists is skipped, so a rerun only scores what is
+The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` (pin_id, p_click, p_repin, p_hide) in one
+atomic write (``core.storage``: a local temporary file and a rename, or one PUT on S3); a shard whose part
+exists is skipped, so a rerun only scores what is
 missing. One JSON line on stdout reports the shard. :func:`publish_manifest` (``--publish``) writes
-``_MANIFEST.json`` last, once every part is there. Exit codes as ``training.failures.ExitCode``.
+``_MANIFEST.json`` last, once every part is there. Exit codes as ``core.failures.ExitCode``.
 """
 
 from __future__ import annotations
@@ -27,24 +28,20 @@ import logging
 import os
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.contracts import COUNT_COLUMNS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
-from features.storage import data_files, is_complete, write_json_atomic
-from training.failures import DataError, ExitCode
-from training.runtime import exit_code_for, setup_logging
+from core import storage
+from core.contracts import COUNT_COLUMNS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, PIN_WINDOW, RAW_PINS, SURFACES
+from core.failures import DataError, ExitCode, exit_code_for
+from training.runtime import setup_logging
 
 log = logging.getLogger("training.inference")
 
-PINS = "raw/pins"
-PIN_WINDOW = "features/pin_window"
 MANIFEST = "_MANIFEST.json"
 CONTEXT_SURFACE = "home_feed"
 OUTPUT_SCHEMA = pa.schema(
@@ -72,11 +69,11 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
 
 
 def _pin_window(root: str, ds: str) -> pa.Table | None:
-    if not is_complete(root, PIN_WINDOW, ds):
+    if not storage.is_complete(root, PIN_WINDOW, ds):
         log.info("no complete %s partition for ds=%s: every pin scored as a pin without history", PIN_WINDOW, ds)
         return None
     columns = ["pin_id", *COUNT_COLUMNS, "ctr", "repin_rate", "hide_rate"]
-    return pa.concat_tables([pq.read_table(p, columns=columns) for p in data_files(root, PIN_WINDOW, ds)])
+    return storage.read_table(root, PIN_WINDOW, ds, columns=columns)
 
 
 def context_dense(pin_ids: np.ndarray, window: pa.Table | None, priors: dict[str, float]) -> np.ndarray:
@@ -123,17 +120,17 @@ def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> d
 def shard_pins(root: str, ds: str, shard: int, num_shards: int) -> Iterator[pa.Table]:
     """The pins of the shard, one row group of the snapshot at a time."""
     try:
-        files = data_files(root, PINS, ds)
+        files = storage.data_files(root, RAW_PINS, ds)
     except FileNotFoundError as e:
         raise DataError(str(e)) from None
     columns = ["pin_id", "embedding", "category", "creator_id"]
     for path in files:
-        parquet = pq.ParquetFile(path)
-        for rg in range(parquet.num_row_groups):
-            table = parquet.read_row_group(rg, columns=columns)
-            keep = np.mod(table.column("pin_id").to_numpy(), num_shards) == shard
-            if keep.any():
-                yield table.filter(pa.array(keep))
+        with storage.parquet_file(path) as parquet:
+            for rg in range(parquet.num_row_groups):
+                table = parquet.read_row_group(rg, columns=columns)
+                keep = np.mod(table.column("pin_id").to_numpy(), num_shards) == shard
+                if keep.any():
+                    yield table.filter(pa.array(keep))
 
 
 def score_shard(
@@ -151,11 +148,11 @@ def score_shard(
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
     started = time.monotonic()
-    out = Path(out_dir)
-    final = out / part_name(shard)
-    summary: dict[str, Any] = {"shard": shard, "num_shards": num_shards, "ds": ds, "path": str(final)}
-    if final.exists():
-        return {**summary, "rows": pq.ParquetFile(final).metadata.num_rows, "skipped": True, "seconds": 0.0}
+    final = storage.join(out_dir, part_name(shard))
+    summary: dict[str, Any] = {"shard": shard, "num_shards": num_shards, "ds": ds, "path": final}
+    if storage.exists(final):
+        with storage.parquet_file(final) as done:
+            return {**summary, "rows": done.metadata.num_rows, "skipped": True, "seconds": 0.0}
 
     import torch
 
@@ -180,13 +177,9 @@ def score_shard(
         {"pin_id": all_ids, **{f"p_{label}": all_scores[:, i].astype(np.float32) for i, label in enumerate(LABELS)}},
         schema=OUTPUT_SCHEMA,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        pq.write_table(result, tmp)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    buffer = pa.BufferOutputStream()
+    pq.write_table(result, buffer)
+    storage.write_bytes(final, buffer.getvalue().to_pybytes())
     return {**summary, "rows": result.num_rows, "skipped": False, "seconds": round(time.monotonic() - started, 3)}
 
 
@@ -196,16 +189,16 @@ def publish_manifest(out_dir: str | os.PathLike[str], num_shards: int, model_uri
     Readers treat the output as present only once the manifest is there. Raises FileNotFoundError
     naming the missing parts.
     """
-    out = Path(out_dir)
-    missing = [part_name(i) for i in range(num_shards) if not (out / part_name(i)).exists()]
+    missing = [part_name(i) for i in range(num_shards) if not storage.exists(storage.join(out_dir, part_name(i)))]
     if missing:
         raise FileNotFoundError(
-            f"cannot publish {out}: {len(missing)} of {num_shards} part(s) missing ({', '.join(missing[:10])}); "
+            f"cannot publish {out_dir}: {len(missing)} of {num_shards} part(s) missing ({', '.join(missing[:10])}); "
             "score those shards first"
         )
-    parts = [
-        {"file": part_name(i), "rows": pq.ParquetFile(out / part_name(i)).metadata.num_rows} for i in range(num_shards)
-    ]
+    parts = []
+    for i in range(num_shards):
+        with storage.parquet_file(storage.join(out_dir, part_name(i))) as part:
+            parts.append({"file": part_name(i), "rows": part.metadata.num_rows})
     manifest = {
         "ds": ds,
         "model_uri": model_uri,
@@ -215,7 +208,7 @@ def publish_manifest(out_dir: str | os.PathLike[str], num_shards: int, model_uri
         "columns": OUTPUT_SCHEMA.names,
         "created": dt.datetime.now(dt.UTC).isoformat(),
     }
-    write_json_atomic(out / MANIFEST, manifest)
+    storage.write_json(storage.join(out_dir, MANIFEST), manifest)
     return manifest
 
 

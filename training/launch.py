@@ -2,7 +2,7 @@
 
 This is the container entry point on every backend. It derives torchrun's rendezvous from what the
 platform sets, runs ``torchrun`` for this node, and exits with the code of the first worker that failed
-(``training.failures.ExitCode``) instead of torchrun's bare 1, so every backend classifies the same way:
+(``core.failures.ExitCode``) instead of torchrun's bare 1, so every backend classifies the same way:
 
 - local: ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint`` given by the local backend;
 - AWS Batch multi-node: ``AWS_BATCH_JOB_NUM_NODES``, ``AWS_BATCH_JOB_NODE_INDEX`` and
@@ -19,7 +19,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from training.failures import ExitCode
+from core.failures import ExitCode
 
 DEFAULT_PORT = 29400
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from features.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
+from core.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
 
 # The inputs of the exported serving model, in this order (also the names of the MLflow signature).
 SERVING_INPUTS: tuple[str, ...] = (

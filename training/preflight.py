@@ -17,7 +17,7 @@ with the same world as the training job. Every rank checks:
 
 Rank 0 gathers every rank's checks and writes ``<output_dir>/preflight.json`` (``ok``, ``exit_code``,
 ``failure_class``, the checks per rank, their timings) and prints it as one JSON line. Exit codes
-(``training.failures.ExitCode``): 0 all checks pass; 65 DATA (an input is missing or unreadable: fail
+(``core.failures.ExitCode``): 0 all checks pass; 65 DATA (an input is missing or unreadable: fail
 now, a retry cannot help); 75 INFRA (a device, the network, the disk or MLflow: retry, maybe elsewhere);
 1 USER (RUN.json is invalid). DATA wins over INFRA when both fail.
 """
@@ -32,13 +32,12 @@ import os
 import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from training import storage_io
-from training.config import ConfigError, RunConfig
-from training.failures import ExitCode, FailureClass
-from training.runtime import DistEnv, exit_code_for, now_iso, setup_logging
+from core import storage
+from core.failures import ConfigError, ExitCode, FailureClass, exit_code_for
+from training.config import RunConfig
+from training.runtime import DistEnv, now_iso, setup_logging
 
 log = logging.getLogger("training.preflight")
 
@@ -130,9 +129,9 @@ def checkpoint_bytes(config: RunConfig) -> int:
 
 
 def check_disk(config: RunConfig, min_free_gb: float, env: DistEnv) -> dict[str, Any]:
-    if storage_io.is_remote(config.checkpoint_dir):
+    if storage.is_remote(config.checkpoint_dir):
         return check_object_store(config.checkpoint_dir, env)
-    target = Path(config.checkpoint_dir)
+    target = storage.local_path(config.checkpoint_dir)
     existing = target
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -154,12 +153,12 @@ def check_disk(config: RunConfig, min_free_gb: float, env: DistEnv) -> dict[str,
 
 def check_object_store(url: str, env: DistEnv) -> dict[str, Any]:
     """Write, read back and delete a probe object under ``url`` (credentials, bucket, permissions)."""
-    probe = storage_io.join(url, f".preflight-{env.rank}-{os.getpid()}.json")
-    storage_io.write_json(probe, {"rank": env.rank, "time": now_iso()})
+    probe = storage.join(url, f".preflight-{env.rank}-{os.getpid()}.json")
+    storage.write_json(probe, {"rank": env.rank, "time": now_iso()})
     try:
-        storage_io.read_text(probe)
+        storage.read_text(probe)
     finally:
-        storage_io.remove(probe)
+        storage.remove(probe)
     return {"path": url, "writable": True, "free_gb": None, "note": "object store: no free-space limit to check"}
 
 
@@ -170,11 +169,11 @@ def check_data(config: RunConfig) -> dict[str, Any]:
     units = example_units(config.root, config.train_days)
     eval_units = example_units(config.root, [config.eval_ds])
     if not units or not eval_units:
-        from training.failures import DataError
+        from core.failures import DataError
 
         raise DataError(f"no rows in the examples of {'train_days' if not units else 'eval_ds'} under {config.root}")
     first = units[0]
-    with storage_io.parquet_file(first.path) as parquet:
+    with storage.parquet_file(first.path) as parquet:
         table = parquet.read_row_group(first.row_group, columns=list(EXAMPLE_COLUMNS))
     return {
         "pins": len(pins),
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("preflight failed before its checks (exit %d): %s", int(code), exc)
         return int(code)
     if env.is_main:
-        storage_io.write_json(args.report or storage_io.join(config.output_dir, REPORT_FILE), report)
+        storage.write_json(args.report or storage.join(config.output_dir, REPORT_FILE), report)
         print(json.dumps(report), flush=True)
     return int(report["exit_code"])
 

@@ -3,10 +3,10 @@
 - :class:`DistEnv` reads the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``MASTER_ADDR``, ``MASTER_PORT``); without them the process is rank 0 of a world of one.
 - :class:`Heartbeat` writes ``heartbeat-rank{r}.json`` atomically every few seconds, for the operator's
-  progress log and stall detection (``output_dir`` is a local folder or a URL: ``training.storage_io``).
-- :func:`exit_code_for` maps an exception to the documented exit code of its failure class
-  (``training.failures``); :func:`write_failure` leaves ``failure-rank{r}.json`` with the reason, because
-  an exit code crossing ``torchrun`` or a container runtime says *what class*, not *why*.
+  progress log and stall detection (``output_dir`` is a local folder or a URL: ``core.storage``).
+- :func:`write_failure` leaves ``failure-rank{r}.json`` with the class and the reason, because an exit code
+  crossing ``torchrun`` or a container runtime says *what class*, not *why* (the class of an exception and
+  its exit code are decided by ``core.failures``).
 """
 
 from __future__ import annotations
@@ -21,28 +21,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from training import storage_io
-from training.failures import ExitCode, FailureClass, TrainingError, classify_exit_code
+from core import storage
+from core.failures import ExitCode, FailureClass, PinflowError, classify_exit_code
 
 log = logging.getLogger("training")
-
-# Messages of RuntimeErrors raised by a collective or the rendezvous store when a peer is gone or slow.
-_INFRA_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "timed out",
-    "rendezvous",
-    "process group",
-    "processgroup",
-)
-# An MLflow tracking server that does not answer is infrastructure, not a bug.
-_MLFLOW_INFRA_MARKERS = ("max retries exceeded", "api request to", "connection refused")
-# S3 error codes that a later try can get past (besides any 5xx reply).
-_S3_RETRY_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed")
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -64,7 +46,7 @@ class DistEnv:
                 launched=True,
             )
         except ValueError as e:
-            raise TrainingError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {e}") from None
+            raise PinflowError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {e}") from None
 
     @property
     def is_main(self) -> bool:
@@ -94,7 +76,7 @@ class Heartbeat:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], env: DistEnv, every_s: float = 10.0) -> None:
-        self.path = storage_io.join(output_dir, f"heartbeat-rank{env.rank}.json")
+        self.path = storage.join(output_dir, f"heartbeat-rank{env.rank}.json")
         self.env = env
         self.every_s = every_s
         self.fields: dict[str, Any] = {"phase": "starting", "step": 0, "epoch": 0, "examples_per_s": 0.0}
@@ -128,7 +110,7 @@ class Heartbeat:
             "pid": os.getpid(),
         }
         try:
-            storage_io.write_json(self.path, payload)
+            storage.write_json(self.path, payload)
         # A full or flaky disk, or an object store not answering (its client's own errors are not all
         # OSErrors), must not kill training: the stall detector will notice.
         except Exception as e:  # noqa: BLE001
@@ -136,58 +118,8 @@ class Heartbeat:
         self._last, self._since, self._examples = now, now, 0
 
 
-def exit_code_for(exc: BaseException) -> ExitCode:
-    """The documented exit code of an exception (training.failures):
-
-    TrainingError subclasses → their own code; torch.OutOfMemoryError / MemoryError → OOM; errors of the
-    process group or rendezvous (gloo/NCCL timeouts, a lost peer), connection errors, an unreachable
-    MLflow server and an object store that does not answer or replies 5xx / throttling → INFRA; anything
-    else → USER.
-    """
-    import torch
-
-    if isinstance(exc, TrainingError):
-        return exc.exit_code
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return ExitCode.OOM
-    if isinstance(exc, torch.distributed.DistError):  # DistBackendError, DistNetworkError, DistStoreError
-        return ExitCode.INFRA
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return ExitCode.INFRA
-    message = str(exc).lower()
-    if isinstance(exc, RuntimeError) and "out of memory" in message:
-        return ExitCode.OOM
-    if isinstance(exc, RuntimeError) and any(marker in message for marker in _INFRA_MARKERS):
-        return ExitCode.INFRA
-    if type(exc).__name__ == "MlflowException" and any(m in message for m in _MLFLOW_INFRA_MARKERS):
-        return ExitCode.INFRA
-    if object_store_unavailable(exc):
-        return ExitCode.INFRA
-    return ExitCode.USER
-
-
-def object_store_unavailable(exc: BaseException) -> bool:
-    """A botocore error (S3 through s3fs) that a retry can get past: no connection, a timeout, a 5xx or
-    throttling reply. s3fs re-raises a reply as an OSError whose cause is the botocore error."""
-    if "botocore" not in sys.modules:  # nothing spoke to S3 in this process
-        return False
-    from botocore.exceptions import ClientError, HTTPClientError
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        # EndpointConnectionError, ConnectTimeoutError; ReadTimeoutError, ConnectionClosedError
-        if isinstance(seen, BotoConnectionError | HTTPClientError):
-            return True
-        if isinstance(seen, ClientError):
-            status = int(seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            return status >= 500 or seen.response.get("Error", {}).get("Code") in _S3_RETRY_CODES
-        seen = seen.__cause__
-    return False
-
-
 def failure_path(output_dir: str | os.PathLike[str], rank: int) -> str:
-    return storage_io.join(output_dir, f"failure-rank{rank}.json")
+    return storage.join(output_dir, f"failure-rank{rank}.json")
 
 
 def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseException, code: ExitCode) -> None:
@@ -205,6 +137,6 @@ def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseExcept
         "host": socket.gethostname(),
     }
     try:
-        storage_io.write_json(failure_path(output_dir, rank), payload)
+        storage.write_json(failure_path(output_dir, rank), payload)
     except Exception as e:  # noqa: BLE001 - the exit code still says the class; this file only says why
         log.warning("could not write the failure file for rank %d: %s", rank, e)

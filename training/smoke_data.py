@@ -1,7 +1,7 @@
 """A tiny synthetic world in the storage layout, for tests and smoke runs of the training container.
 
 ``write_tiny_world`` writes complete ``examples``, ``raw/pins`` and ``truth`` partitions following
-``features.contracts``, with a learnable signal (user taste x pin content, pin popularity). It is not the
+``core.contracts``, with a learnable signal (user taste x pin content, pin popularity). It is not the
 platform's demo data generator (that lives in ``features/``); it exists so that ``training/`` can be
 exercised on its own, in milliseconds, without the feature build.
 """
@@ -15,8 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from features.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, EXAMPLES, PINS, SURFACES, TRUTH
-from features.storage import write_partition
+from core import contracts
+from core.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, SURFACES
+from core.storage import DATA_FILE, join, open_output, write_partition
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -55,10 +56,10 @@ def write_tiny_world(
                 "creator_id": creators,
                 "created_at": pa.array([created] * pins, type=pa.timestamp("us", tz="UTC")),
             },
-            schema=PINS,
+            schema=contracts.PINS_SCHEMA,
         )
-        with write_partition(root, "raw/pins", ds) as tmp:
-            pq.write_table(pins_table, tmp / "part-00000.parquet")
+        with write_partition(root, contracts.RAW_PINS, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(pins_table, f)
 
         n = rows_per_day
         u = rng.integers(0, users, size=n)
@@ -108,10 +109,10 @@ def write_tiny_world(
         )
         for label, values in labels.items():
             cols[label] = values
-        examples = pa.table(cols, schema=EXAMPLES)
-        with write_partition(root, "examples", ds) as tmp:
-            pq.write_table(examples, tmp / "part-00000.parquet", row_group_size=row_group_size)
-        truth_table = pa.table({"impression_id": ids, **truth}, schema=TRUTH)
-        with write_partition(root, "truth", ds) as tmp:
-            pq.write_table(truth_table, tmp / "part-00000.parquet")
+        examples = pa.table(cols, schema=contracts.EXAMPLES_SCHEMA)
+        with write_partition(root, contracts.EXAMPLES, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(examples, f, row_group_size=row_group_size)
+        truth_table = pa.table({"impression_id": ids, **truth}, schema=contracts.TRUTH_SCHEMA)
+        with write_partition(root, contracts.TRUTH, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(truth_table, f)
     return {"pin_ids": pin_ids}

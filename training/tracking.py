@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from features.contracts import LABELS
-from training import storage_io
+from core import storage
+from core.contracts import LABELS
 from training.config import RunConfig
 from training.model import SERVING_INPUTS, PinRanker, ServingModule
 
@@ -36,7 +36,7 @@ def torch_requirement() -> str:
 
 def example_inputs(sequence_length: int, rows: int = 2) -> dict[str, np.ndarray]:
     """A serving batch: row 0 has an empty sequence, the others a full one. Shapes match SERVING_INPUTS."""
-    from features.contracts import DENSE_FEATURES, EMBEDDING_DIM
+    from core.contracts import DENSE_FEATURES, EMBEDDING_DIM
 
     n = sequence_length
     mask = np.zeros((rows, n), dtype=bool)
@@ -84,9 +84,9 @@ class Tracker:
         mlflow.set_tracking_uri(config.mlflow_tracking_uri)
         mlflow.set_registry_uri(config.mlflow_tracking_uri)
         self.client = MlflowClient(tracking_uri=config.mlflow_tracking_uri, registry_uri=config.mlflow_tracking_uri)
-        self.state_path = storage_io.join(config.checkpoint_dir, STATE_FILE)
+        self.state_path = storage.join(config.checkpoint_dir, STATE_FILE)
         self.state: dict[str, Any] = (
-            json.loads(storage_io.read_text(self.state_path)) if storage_io.exists(self.state_path) else {}
+            json.loads(storage.read_text(self.state_path)) if storage.exists(self.state_path) else {}
         )
         self.experiment_id = self._experiment()
         self.run_id = self._run()
@@ -123,7 +123,7 @@ class Tracker:
             self.state = {}
         run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name)
         self.state = {"run_id": run.info.run_id, "experiment_id": self.experiment_id}
-        storage_io.write_json(self.state_path, self.state)
+        storage.write_json(self.state_path, self.state)
         log.info("MLflow run %s in experiment %s", run.info.run_id, self.config.experiment)
         return str(run.info.run_id)
 
@@ -183,7 +183,7 @@ class Tracker:
         version = str(version) if version is not None else None
         model_uri = f"models:/{self.config.model_name}/{version}" if version else info.model_uri
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
-        storage_io.write_json(self.state_path, self.state)
+        storage.write_json(self.state_path, self.state)
         return model_uri, version
 
     def end(self, status: str = "FINISHED") -> None:

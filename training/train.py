@@ -14,7 +14,7 @@ the input position (the data order is a function of seed and epoch; the batches 
 that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds``,
 logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
 writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
-``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``training.storage_io``).
+``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``core.storage``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,20 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from training import storage_io
-from training.config import ConfigError, RunConfig, fields_help
-from training.failures import ExitCode, NanLossError
-from training.runtime import DistEnv, Heartbeat, exit_code_for, failure_path, setup_logging, write_failure
+from core import storage
+from core.failures import ConfigError, ExitCode, NanLossError, exit_code_for
+from training.config import RunConfig, fields_help
+from training.faults import FaultInjector, LossHook
+from training.runtime import DistEnv, Heartbeat, failure_path, setup_logging, write_failure
+
+if TYPE_CHECKING:  # torch is imported only when training starts
+    from training.checkpoint import Part
+    from training.checkpoint_manager import CheckpointManager
+    from training.data import ExampleStream, PinEmbeddings
 
 log = logging.getLogger("training.train")
 
@@ -44,7 +52,7 @@ RESULT_FILE = "result.json"
 EPILOG = f"""\
 {fields_help()}
 
-Exit codes (training.failures.ExitCode), one per failure class (DESIGN.md section 4):
+Exit codes (core.failures.ExitCode), one per failure class (DESIGN.md section 4):
   0    OK
   1    USER      a bug in the model code or an invalid RUN.json: fail now, fix the named field
   65   DATA      a missing, incomplete or malformed input partition: fail now, nothing downstream runs
@@ -134,16 +142,83 @@ def gather_full(module: Any, model_config: Any) -> Any:
     return plain
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """One step's numbers: each part's loss and the model's per-head losses (means over the ranks)."""
+
+    examples: int  # in this rank's batch
+    losses: dict[str, float]  # per part, the trained model ("model") first
+    heads: dict[str, float]  # the trained model's loss per head
+    grad_norm: float  # the trained model's, before clipping
+
+
 class Trainer:
+    """One rank's training job, in torchtitan's shape: set up, resume, a short :meth:`train` loop over
+    :meth:`train_step`, then :meth:`end` (rank 0 evaluates and registers in :meth:`finish`).
+
+    The loop's state lives here: ``step``, ``epoch``, ``batches_in_epoch``, the examples seen by this rank in
+    this try (``local_seen``) and by all ranks before it (``resumed_seen``); :attr:`checkpoints` saves and
+    restores it together with the trained parts and the input position.
+    """
+
     def __init__(self, config: RunConfig, env: DistEnv, heartbeat: Heartbeat) -> None:
         self.config = config
         self.env = env
         self.heartbeat = heartbeat
         self.tracker: Any = None
         self.started = time.monotonic()
+        self.faults = FaultInjector(config, env)
+        self.label_weights = config.label_weights()
+        # Set up by run():
+        self.device: Any = None
+        self.pins: PinEmbeddings | None = None
+        self.stream: ExampleStream | None = None
+        self.steps_per_epoch: list[int] = []
+        self.epoch_start: list[int] = []
+        self.total_steps = 0
+        self.model_configs: dict[str, Any] = {}
+        self.parts: dict[str, Part] = {}
+        self.checkpoints: CheckpointManager | None = None
+        # Advanced by train():
+        self.step = 0
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self.local_seen = 0
+        self.resumed_seen = 0
+        self.resume_skip = 0  # batches of the resumed epoch trained on before the restart
+        self.last_loss = math.nan
 
-    # ----------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any] | None:
+        """Train, resuming from the newest complete checkpoint; return the result on rank 0 (None elsewhere)."""
+        self.set_threads_and_seed()
+        self.setup_distributed()
+        log.info("rank %d/%d on %s, strategy %s", self.env.rank, self.env.world_size, self.device, self.config.strategy)
+        self.plan_data()
+        self.build_parts()
+        self.seed_rank_stream()
+        self.setup_tracking()
+        self.resume()
+        self.train()
+        return self.end()
+
+    # --- setup ------------------------------------------------------------------------------------
+    def set_threads_and_seed(self) -> None:
+        """torch's threads and determinism; Python's, NumPy's and torch's seeds (the same on every rank)."""
+        import numpy as np
+        import torch
+
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+
     def setup_distributed(self) -> Any:
+        """Pick the device, join the process group (gloo on CPU, nccl on CUDA); return the device."""
         import torch
         import torch.distributed as dist
 
@@ -162,36 +237,20 @@ class Trainer:
             dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
         else:  # a world of one: an in-process store, no port to pick
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        self.device = device
         return device
 
-    def run(self) -> dict[str, Any] | None:
-        import numpy as np
-        import torch
-        import torch.distributed as dist
-        from torch.utils.data import DataLoader
-
-        from training import checkpoint
+    def plan_data(self) -> None:
+        """This rank's example stream, the steps of each epoch (the same on every rank) and the total."""
+        from core.failures import DataError
         from training.data import ExampleStream, PinEmbeddings
-        from training.failures import DataError
-        from training.model import PinRanker, multitask_loss
 
-        cfg, env, hb = self.config, self.env, self.heartbeat
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        if cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        device = self.setup_distributed()
-        log.info("rank %d/%d on %s, strategy %s", env.rank, env.world_size, device, cfg.strategy)
-
-        pins = PinEmbeddings.from_snapshot(cfg.root, max(cfg.train_days))
-        stream = ExampleStream(
+        cfg, env = self.config, self.env
+        self.pins = PinEmbeddings.from_snapshot(cfg.root, max(cfg.train_days))
+        self.stream = stream = ExampleStream(
             cfg.root,
             cfg.train_days,
-            pins,
+            self.pins,
             batch_size=cfg.batch_size,
             sequence_length=cfg.sequence_length,
             rank=env.rank,
@@ -199,218 +258,265 @@ class Trainer:
             num_workers=cfg.num_workers,
             seed=cfg.seed,
         )
-        steps_per_epoch = [stream.steps_per_epoch(e) for e in range(cfg.epochs)]
-        if min(steps_per_epoch) == 0:
+        self.steps_per_epoch = [stream.steps_per_epoch(e) for e in range(cfg.epochs)]
+        if min(self.steps_per_epoch) == 0:
             raise DataError(
                 f"{stream.total_rows} training rows in {len(stream.units)} row groups over {env.world_size} "
                 f"ranks x {max(1, cfg.num_workers)} workers leave some rank without a batch: train on more "
                 "days or use fewer processes"
             )
-        epoch_start = [sum(steps_per_epoch[:e]) for e in range(cfg.epochs)]
-        total_steps = sum(steps_per_epoch)
+        self.epoch_start = [sum(self.steps_per_epoch[:e]) for e in range(cfg.epochs)]
+        self.total_steps = sum(self.steps_per_epoch)
         if cfg.max_steps:
-            total_steps = min(total_steps, cfg.max_steps)
+            self.total_steps = min(self.total_steps, cfg.max_steps)
 
-        # The trained model and, in lockstep on the same batches, the ablation without the sequence.
-        configs = {"model": cfg.model_config()}
+    def build_parts(self) -> None:
+        """The trained parts, each (module, optimizer, LR scheduler), into ``parts`` (and ``model_configs``).
+
+        ``model`` is the trained model; with ``ablation``, the model without the action sequence trains in
+        lockstep on the same batches. Every part starts from the same seed on every rank. The one place
+        that builds models.
+        """
+        import torch
+
+        from training.model import PinRanker
+
+        cfg, device = self.config, self.device
+        self.model_configs = {"model": cfg.model_config()}
         if cfg.ablation:
-            configs["ablation"] = dataclasses.replace(configs["model"], use_sequence=False)
-        modules: dict[str, Any] = {}
-        parts: dict[str, Any] = {}
-        for name, model_config in configs.items():
+            self.model_configs["ablation"] = dataclasses.replace(self.model_configs["model"], use_sequence=False)
+        for name, model_config in self.model_configs.items():
             torch.manual_seed(cfg.seed)  # the same initialisation on every rank
             module = wrap(PinRanker(model_config).to(device), cfg.strategy, device)
             optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lr_lambda(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+                optimizer, lr_lambda(self.total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
             )
-            modules[name] = module
-            parts[name] = (module, optimizer, scheduler)
-        torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank stream (dropout), saved in every checkpoint
+            self.parts[name] = (module, optimizer, scheduler)
 
-        if env.is_main:
-            from training.tracking import Tracker
+    def seed_rank_stream(self) -> None:
+        """From here each rank draws its own random numbers (dropout); every checkpoint saves them."""
+        import torch
 
-            self.tracker = Tracker(cfg)
-            self.tracker.log_params(
-                {
-                    **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri",)},
-                    "world_size": env.world_size,
-                    "device": str(device.type),
-                    "steps_per_epoch": steps_per_epoch,
-                    "total_steps": total_steps,
-                    "train_rows": stream.total_rows,
-                    "pins_snapshot_ds": pins.ds,
-                    "parameters": sum(p.numel() for p in modules["model"].parameters()),
-                }
+        torch.manual_seed(self.config.seed + 1 + self.env.rank)
+
+    def setup_tracking(self) -> None:
+        """Rank 0: start (or continue) the MLflow run and log the run's parameters."""
+        if not self.env.is_main:
+            return
+        from training.tracking import Tracker
+
+        cfg, stream, pins = self.config, self.stream, self.pins
+        assert stream is not None and pins is not None
+        self.tracker = Tracker(cfg)
+        self.tracker.log_params(
+            {
+                **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri",)},
+                "world_size": self.env.world_size,
+                "device": str(self.device.type),
+                "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps,
+                "train_rows": stream.total_rows,
+                "pins_snapshot_ds": pins.ds,
+                "parameters": sum(p.numel() for p in self.parts["model"][0].parameters()),
+            }
+        )
+
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint, if any: parts, RNG states, input and loop position."""
+        from training.checkpoint_manager import CheckpointManager
+
+        assert self.stream is not None
+        self.checkpoints = CheckpointManager(
+            self.config,
+            self.env,
+            self.heartbeat,
+            parts=self.parts,
+            stream=self.stream,
+            examples_seen=self.examples_seen,
+            extra={"total_steps": self.total_steps, "strategy": self.config.strategy},
+        )
+        resumed = self.checkpoints.resume()
+        if resumed is None:
+            return
+        self.step, self.resumed_seen = resumed.step, resumed.examples_seen
+        if resumed.exact:
+            self.resume_skip = self.stream.skip
+        else:  # another world size: the model and optimizer are resharded, the data order is not exact
+            log.warning(
+                "resuming %s with world size %d (saved with %s): not an exact resume",
+                resumed.path,
+                self.env.world_size,
+                resumed.saved_world_size,
             )
+        self.heartbeat.update(progress=0, epoch=resumed.epoch)
+        log.info("resumed from %s at step %d", resumed.path, self.step)
 
-        # Resume: rank 0 picks the checkpoint, everyone loads the same one.
-        found = [checkpoint.latest_checkpoint(cfg.checkpoint_dir) if env.is_main else None]
-        dist.broadcast_object_list(found, src=0)
-        step, resumed_seen, local_seen = 0, 0, 0
-        skip_first = 0
-        if found[0] is not None:
-            marker = found[0]
-            same_layout = marker.get("world_size") == env.world_size and sorted(parts) == marker.get("parts")
-            if sorted(parts) != marker.get("parts", ["model"]):
-                raise ConfigError(
-                    f"checkpoint {marker['path']} holds {marker.get('parts')} but this run trains {sorted(parts)}: "
-                    "keep `ablation` as it was, or use a new checkpoint_dir"
-                )
-            position = checkpoint.load(marker["path"], parts=parts, restore_rng=same_layout)
-            step, resumed_seen = position["step"], position["examples_seen"]
-            if same_layout and position["data"]:
-                stream.load_position(position["data"])
-                skip_first = stream.skip
-            else:  # another world size: the model and optimizer are resharded, the data order is not exact
-                log.warning(
-                    "resuming %s with world size %d (saved with %s): not an exact resume",
-                    marker["path"],
-                    env.world_size,
-                    marker.get("world_size"),
-                )
-            hb.update(progress=0, epoch=position["epoch"])
-            log.info("resumed from %s at step %d", marker["path"], step)
-        last_saved = step if found[0] is not None else -1
-
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-        weights = cfg.label_weights()
-        last_loss = math.nan
-        hb.update(progress=0, force=True, phase="training", step=step, total_steps=total_steps)
-
-        def examples_seen() -> int:
-            """Examples trained on by all ranks, over every try (a collective)."""
-            seen = torch.tensor([local_seen], dtype=torch.int64, device=device)
-            dist.all_reduce(seen)
-            return resumed_seen + int(seen.item())
-
-        def save(batches_in_epoch: int) -> None:
-            nonlocal last_saved
-            hb.update(progress=0, force=True, phase="checkpointing")
-            checkpoint.save(
-                cfg.checkpoint_dir,
-                step=step,
-                epoch=epoch,
-                examples_seen=examples_seen(),
-                parts=parts,
-                data=stream.position(epoch, batches_in_epoch),
-                is_main=env.is_main,
-                keep=cfg.keep_checkpoints,
-                extra={"total_steps": total_steps, "strategy": cfg.strategy},
-            )
-            last_saved = step
-            hb.update(progress=0, force=True, phase="training")
-
-        epoch = 0
-        batches_in_epoch = 0
-        for module in modules.values():
+    # --- training ---------------------------------------------------------------------------------
+    def train(self) -> None:
+        """The epochs from the resumed position: a step per batch, heartbeats, metrics, checkpoints."""
+        assert self.checkpoints is not None
+        self.heartbeat.update(progress=0, force=True, phase="training", step=self.step, total_steps=self.total_steps)
+        for module, _, _ in self.parts.values():
             module.train()
-        for epoch in range(cfg.epochs):
-            if step >= total_steps:
+        for epoch in range(self.config.epochs):
+            self.epoch = epoch
+            if self.step >= self.total_steps:
                 break
-            if step >= epoch_start[epoch] + steps_per_epoch[epoch]:
+            if self.step >= self.epoch_start[epoch] + self.steps_per_epoch[epoch]:
                 continue  # finished before the restart
-            skip = step - epoch_start[epoch]
-            if skip_first and stream.epoch == epoch and stream.skip != skip:
-                raise ConfigError(  # a checkpoint whose data position disagrees with its step: a bug
-                    f"checkpoint data position {stream.skip} disagrees with step {step} of epoch {epoch}"
-                )
-            stream.set_epoch(epoch, skip)  # the skipped batches are not read at all
-            loader = DataLoader(
-                stream,
-                batch_size=None,
-                num_workers=cfg.num_workers,
-                pin_memory=device.type == "cuda",
-                persistent_workers=False,
-                # Its own generator: starting a loader draws a seed, which must not move the global RNG
-                # (a resumed run starts one more loader than the uninterrupted run did).
-                generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
-            )
-            batches_in_epoch = skip
-            for batch in loader:
-                if batches_in_epoch >= steps_per_epoch[epoch] or step >= total_steps:
-                    break
-                labels = batch.pop("labels").to(device, non_blocking=True)
-                batch.pop("impression_id")
-                inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                losses = []
-                heads: dict[str, Any] = {}
-                for name, module in modules.items():
-                    with autocast:
-                        logits = module(inputs)
-                    loss, per_head = multitask_loss(logits, labels, weights)
-                    if name == "model":
-                        heads = per_head
-                    losses.append(loss)
-                if cfg.fail_nan_at_step is not None and step == cfg.fail_nan_at_step and env.rank == env.world_size - 1:
-                    losses[0] = losses[0] * math.nan
-                # The mean losses over ranks, for logging and for a NaN check every rank agrees on.
-                reduced = torch.stack([*(v.detach() for v in losses), *(v.detach() for v in heads.values())]).float()
-                dist.all_reduce(reduced)
-                stats: list[float] = (reduced / env.world_size).cpu().tolist()
-                if not all(math.isfinite(v) for v in stats):
-                    raise NanLossError(
-                        f"loss is {stats[0]} at step {step} (epoch {epoch}); per head "
-                        f"{dict(zip(heads, stats[len(losses) :], strict=True))}: lower lr (now {cfg.lr}) or grad_clip"
-                    )
-                norms = []
-                for (name, (module, optimizer, scheduler)), loss in zip(parts.items(), losses, strict=True):
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip or math.inf)
-                    norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-                    if not math.isfinite(norms[-1]):
-                        raise NanLossError(f"the gradient norm of {name} is {norms[-1]} at step {step}: lower lr")
-                    optimizer.step()
-                    scheduler.step()
-                step += 1
-                batches_in_epoch += 1
-                local_seen += labels.shape[0]
-                last_loss = stats[0]
-                hb.update(examples=labels.shape[0], step=step, epoch=epoch, loss=last_loss)
-                if self.tracker is not None and (step % cfg.log_every == 0 or step == total_steps):
-                    lr = parts["model"][2].get_last_lr()[0]
-                    metrics = {"train_loss": stats[0], "lr": lr, "grad_norm": norms[0]}
-                    metrics.update({f"train_loss_{k}": v for k, v in zip(heads, stats[len(losses) :], strict=True)})
-                    if cfg.ablation:
-                        metrics["train_loss_ablation"] = stats[1]
-                    self.tracker.log_metrics(metrics, step=step, flush=True)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save(batches_in_epoch)
-                if cfg.debug_step_sleep_s:
-                    time.sleep(cfg.debug_step_sleep_s)
-        if last_saved != step:
-            save(batches_in_epoch)
-        total_seen = examples_seen()
-        # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here.
-        full = {name: gather_full(module, configs[name]) for name, module in modules.items()}
-        hb.update(progress=0, force=True, phase="trained", step=step)
-        dist.destroy_process_group()  # no collective may wait on rank 0 from here on
-        if not env.is_main:
-            return None
-        return self.finish(full["model"], pins, step, total_seen, last_loss, device, ablation=full.get("ablation"))
+            for batch in self.batches():
+                stats = self.train_step(batch, loss_hook=self.faults.loss_hook(self.step))
+                self.heartbeat.update(examples=stats.examples, step=self.step, epoch=epoch, loss=self.last_loss)
+                self.log_step(stats)
+                if self.checkpoints.due(self.step):
+                    self.save()
+                self.faults.after_step()
+        if self.checkpoints.last_saved != self.step:
+            self.save()
 
-    # ----------------------------------------------------------------------------------------------
-    def finish(
-        self,
-        model: Any,
-        pins: Any,
-        step: int,
-        examples_seen: int,
-        last_loss: float,
-        device: Any,
-        ablation: Any = None,
-    ) -> dict[str, Any]:
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """This rank's batches of ``epoch`` after those already trained on, up to its steps (or the total)."""
+        import torch
+        from torch.utils.data import DataLoader
+
+        cfg, stream, epoch = self.config, self.stream, self.epoch
+        assert stream is not None
+        skip = self.step - self.epoch_start[epoch]
+        if self.resume_skip and stream.epoch == epoch and stream.skip != skip:
+            raise ConfigError(  # a checkpoint whose data position disagrees with its step: a bug
+                f"checkpoint data position {stream.skip} disagrees with step {self.step} of epoch {epoch}"
+            )
+        stream.set_epoch(epoch, skip)  # the skipped batches are not read at all
+        loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=False,
+            # Its own generator: starting a loader draws a seed, which must not move the global RNG
+            # (a resumed run starts one more loader than the uninterrupted run did).
+            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
+        )
+        self.batches_in_epoch = skip
+        for batch in loader:
+            if self.batches_in_epoch >= self.steps_per_epoch[epoch] or self.step >= self.total_steps:
+                break
+            yield batch
+
+    def train_step(self, batch: dict[str, Any], loss_hook: LossHook | None = None) -> StepStats:
+        """Forward, backward, clip and step every part on ``batch``; then advance the loop position.
+
+        A loss or gradient norm that is NaN/Inf raises NanLossError on every rank: the losses are checked
+        after an all-reduce, so all ranks agree. ``loss_hook`` sees the losses before that (fault injection).
+        """
+        import torch
+        import torch.distributed as dist
+
+        from training.model import multitask_loss
+
+        cfg, device = self.config, self.device
+        labels = batch.pop("labels").to(device, non_blocking=True)
+        batch.pop("impression_id")
+        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        losses = []
+        heads: dict[str, Any] = {}
+        for name, (module, _, _) in self.parts.items():
+            with self.autocast():
+                logits = module(inputs)
+            loss, per_head = multitask_loss(logits, labels, self.label_weights)
+            if name == "model":
+                heads = per_head
+            losses.append(loss)
+        if loss_hook is not None:
+            loss_hook(losses)
+        # The mean losses over ranks, for logging and for a NaN check every rank agrees on.
+        reduced = torch.stack([*(v.detach() for v in losses), *(v.detach() for v in heads.values())]).float()
+        dist.all_reduce(reduced)
+        stats: list[float] = (reduced / self.env.world_size).cpu().tolist()
+        if not all(math.isfinite(v) for v in stats):
+            raise NanLossError(
+                f"loss is {stats[0]} at step {self.step} (epoch {self.epoch}); per head "
+                f"{dict(zip(heads, stats[len(losses) :], strict=True))}: lower lr (now {cfg.lr}) or grad_clip"
+            )
+        norms = []
+        for (name, (module, optimizer, scheduler)), loss in zip(self.parts.items(), losses, strict=True):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip or math.inf)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            if not math.isfinite(norms[-1]):
+                raise NanLossError(f"the gradient norm of {name} is {norms[-1]} at step {self.step}: lower lr")
+            optimizer.step()
+            scheduler.step()
+        self.step += 1
+        self.batches_in_epoch += 1
+        self.local_seen += labels.shape[0]
+        self.last_loss = stats[0]
+        return StepStats(
+            examples=labels.shape[0],
+            losses=dict(zip(self.parts, stats[: len(losses)], strict=True)),
+            heads=dict(zip(heads, stats[len(losses) :], strict=True)),
+            grad_norm=norms[0],
+        )
+
+    def autocast(self) -> Any:
+        """bf16 autocast on CUDA; nothing on CPU."""
+        import torch
+
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def log_step(self, stats: StepStats) -> None:
+        """Rank 0: the train losses, LR and gradient norm to MLflow every ``log_every`` steps and at the last."""
+        if self.tracker is None or not (self.step % self.config.log_every == 0 or self.step == self.total_steps):
+            return
+        lr = self.parts["model"][2].get_last_lr()[0]
+        metrics = {"train_loss": stats.losses["model"], "lr": lr, "grad_norm": stats.grad_norm}
+        metrics.update({f"train_loss_{k}": v for k, v in stats.heads.items()})
+        if "ablation" in stats.losses:
+            metrics["train_loss_ablation"] = stats.losses["ablation"]
+        self.tracker.log_metrics(metrics, step=self.step, flush=True)
+
+    def save(self) -> None:
+        assert self.checkpoints is not None
+        self.checkpoints.save(self.step, self.epoch, self.batches_in_epoch)
+
+    def examples_seen(self) -> int:
+        """Examples trained on by all ranks, over every try (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        seen = torch.tensor([self.local_seen], dtype=torch.int64, device=self.device)
+        dist.all_reduce(seen)
+        return self.resumed_seen + int(seen.item())
+
+    # --- the end ----------------------------------------------------------------------------------
+    def end(self) -> dict[str, Any] | None:
+        """Every rank: the last collectives (count, gather the full weights), then leave; rank 0 finishes."""
+        import torch.distributed as dist
+
+        total_seen = self.examples_seen()
+        # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here.
+        full = {name: gather_full(module, self.model_configs[name]) for name, (module, _, _) in self.parts.items()}
+        self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
+        dist.destroy_process_group()  # no collective may wait on rank 0 from here on
+        if not self.env.is_main:
+            return None
+        return self.finish(full["model"], total_seen, ablation=full.get("ablation"))
+
+    def finish(self, model: Any, examples_seen: int, ablation: Any = None) -> dict[str, Any]:
         """Rank 0: evaluate (and the ablation without the sequence), log to MLflow, register, write result.json."""
-        from features.contracts import DENSE_FEATURES, LABELS
-        from training.data import PINS, PinEmbeddings, history_priors, latest_complete_day
+        from core.contracts import DENSE_FEATURES, LABELS, RAW_PINS
+        from training.data import PinEmbeddings, history_priors, latest_complete_day
         from training.evaluate import evaluate, flat_metrics
         from training.model import COUNT_FEATURES, SERVING_INPUTS
 
-        cfg, hb = self.config, self.heartbeat
+        cfg, hb, pins, device, step = self.config, self.heartbeat, self.pins, self.device, self.step
+        assert pins is not None
         hb.update(progress=0, force=True, phase="evaluating")
-        same_snapshot = latest_complete_day(cfg.root, PINS, cfg.eval_ds) == pins.ds
+        same_snapshot = latest_complete_day(cfg.root, RAW_PINS, cfg.eval_ds) == pins.ds
         eval_pins = pins if same_snapshot else PinEmbeddings.from_snapshot(cfg.root, cfg.eval_ds)
         model = model.to(device)
         metrics = evaluate(
@@ -426,7 +532,7 @@ class Trainer:
         )
         aucs = [v for v in metrics["auc"].values() if v is not None]
         metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
-        metrics["train_loss"] = last_loss if math.isfinite(last_loss) else None
+        metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
 
         hb.update(progress=0, force=True, phase="logging")
@@ -468,7 +574,7 @@ class Trainer:
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
         }
-        storage_io.write_json(storage_io.join(cfg.output_dir, RESULT_FILE), result)
+        storage.write_json(storage.join(cfg.output_dir, RESULT_FILE), result)
         log.info("result: %s", json.dumps(result))
         return result
 
@@ -482,8 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
-    storage_io.make_dirs(config.output_dir)
-    storage_io.remove(failure_path(config.output_dir, env.rank))
+    storage.make_dirs(config.output_dir)
+    storage.remove(failure_path(config.output_dir, env.rank))
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer = Trainer(config, env, heartbeat)
     try:

@@ -7,36 +7,39 @@ file that names ``BACKENDS`` stays cheap to parse.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from operators.backends.base import Backend, JobSpec, JobState, JobStatus, validate_for
+from core.failures import ConfigError
+from operators.backends.base import Backend, JobSpec, JobState, JobStatus, launch_command, validate_for
+
+if TYPE_CHECKING:
+    from core.config import PlatformConfig
 
 BACKENDS = ("local", "batch", "kubernetes")
 
 
-def get_backend(name: str, home: str | None = None, cfg: dict[str, Any] | None = None) -> Backend:
-    """The backend called ``name``, set up from the platform config (``cfg``, default: config/platform.yaml).
+def get_backend(name: str, cfg: PlatformConfig | None = None, home: str | None = None) -> Backend:
+    """The backend called ``name``, set up from the platform configuration (default: this process's).
 
-    ``home`` is where the local backend keeps its job folders (default: the config's home).
+    ``home`` is where the local backend keeps its job folders (default: the configuration's home).
     """
     if name not in BACKENDS:
-        raise ValueError(f"unknown compute backend {name!r}: choose one of {', '.join(BACKENDS)} (param backend)")
+        raise ConfigError(f"unknown compute backend {name!r}: choose one of {', '.join(BACKENDS)} (param backend)")
     if cfg is None:
-        from operators import config
+        from core import config
 
         cfg = config.load()
-    teams = dict(cfg.get("teams") or {})
     if name == "local":
         from operators.backends.local import LocalBackend
 
-        return LocalBackend(home or cfg["home"])
+        return LocalBackend(home or cfg.home)
     if name == "batch":
         from operators.backends.batch import BatchBackend
 
-        return BatchBackend(cfg.get("batch") or {}, teams)  # type: ignore[arg-type]
+        return BatchBackend(cfg.batch, cfg.teams)
     from operators.backends.kubernetes import KubernetesBackend
 
-    return KubernetesBackend(cfg.get("kubernetes") or {}, teams)  # type: ignore[arg-type]
+    return KubernetesBackend(cfg.kubernetes, cfg.teams)
 
 
-__all__ = ["BACKENDS", "Backend", "JobSpec", "JobState", "JobStatus", "get_backend", "validate_for"]
+__all__ = ["BACKENDS", "Backend", "JobSpec", "JobState", "JobStatus", "get_backend", "launch_command", "validate_for"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from training.failures import FailureClass
+from core.config import TeamConfig
+from core.failures import ConfigError, FailureClass
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # A container image reference: [registry[:port]/]path[:tag][@sha256:digest].
@@ -67,11 +69,26 @@ class JobSpec:
         if self.timeout_s <= 0:
             problems.append(f"timeout_s={self.timeout_s} must be positive")
         if problems:
-            raise ValueError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
+            raise ConfigError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
+
+
+def launch_command(spec: JobSpec, *, python: str = "python", rendezvous: Sequence[str] = ()) -> list[str]:
+    """The command every node of a job runs, the same on every backend.
+
+    A distributed job runs ``python -m training.launch`` (torchrun with the job's rendezvous, optionally the
+    nodes' preflight in the same world, exit codes per failure class) around ``spec.command``; ``rendezvous``
+    adds what the backend sets by flag rather than by environment (the local backend's agents on localhost).
+    """
+    if not spec.distributed:
+        return [python, *spec.command]
+    return [
+        python, "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}", *rendezvous,
+        f"--rdzv-id={spec.name}", *(["--preflight"] if spec.preflight else []), "--", *spec.command,
+    ]
 
 
 def validate_for(
-    spec: JobSpec, teams: dict[str, Any], *, max_gpus_per_node: int | None = None, backend: str = ""
+    spec: JobSpec, teams: Mapping[str, TeamConfig], *, max_gpus_per_node: int | None = None, backend: str = ""
 ) -> None:
     """``spec.validate()`` plus the checks against platform config: the team exists, the GPUs fit a node."""
     spec.validate()
@@ -87,7 +104,7 @@ def validate_for(
             f"({backend}.max_gpus_per_node in config/platform.yaml)"
         )
     if problems:
-        raise ValueError(f"job spec {spec.name!r} cannot run on {backend or 'this backend'}: " + "; ".join(problems))
+        raise ConfigError(f"job spec {spec.name!r} cannot run on {backend or 'this backend'}: " + "; ".join(problems))
 
 
 class JobState(enum.StrEnum):

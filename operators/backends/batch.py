@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from typing import Any
 
-from operators.backends.base import JobSpec, JobState, JobStatus, validate_for
-from training.failures import FailureClass, classify_exit_code
+from core.config import BatchConfig, TeamConfig
+from core.failures import FailureClass, Finding, classify_exit_code, decide
+from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
 
 PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING")
 ACTIVE_STATES = (*PENDING_STATES, "RUNNING")
@@ -37,33 +39,6 @@ RETRY_ON_EXIT = [
 ]
 
 
-class BatchOptions(TypedDict, total=False):
-    """The ``batch:`` section of config/platform.yaml."""
-
-    aws_conn_id: str  # Airflow connection of the AWS account (default: aws_default)
-    region_name: str | None
-    job_role_arn: str | None  # IAM role of the containers (S3 access)
-    log_group: str  # CloudWatch log group of the awslogs driver
-    efa_devices: int  # EFA interfaces per node passed through as /dev/infiniband/uverbsN (0 = none)
-    shm_size_mb: int  # /dev/shm per node; NCCL and DataLoader workers need more than Docker's 64 MB
-    rdzv_port: int  # c10d rendezvous port on the main node
-    max_gpus_per_node: int  # the biggest instance in the compute environment
-    attempts: int  # Batch-level attempts (host and Spot loss only)
-
-
-DEFAULTS: BatchOptions = {
-    "aws_conn_id": "aws_default",
-    "region_name": None,
-    "job_role_arn": None,
-    "log_group": "/aws/batch/job",
-    "efa_devices": 0,
-    "shm_size_mb": 16384,
-    "rdzv_port": 29400,
-    "max_gpus_per_node": 8,
-    "attempts": 3,
-}
-
-
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -71,15 +46,15 @@ def _digest(obj: Any) -> str:
 class BatchBackend:
     name = "batch"
 
-    def __init__(self, options: BatchOptions | None = None, teams: dict[str, dict[str, Any]] | None = None) -> None:
-        self.options: BatchOptions = {**DEFAULTS, **(options or {})}  # type: ignore[typeddict-item]
-        self.teams = teams or {}
+    def __init__(self, options: BatchConfig | None = None, teams: Mapping[str, TeamConfig] | None = None) -> None:
+        self.options = options or BatchConfig()
+        self.teams = dict(teams or {})
         self._hook: Any = None
         self._logs_hook: Any = None
 
     # -- the request: pure ---------------------------------------------------------------------------------
     def job_queue(self, team: str) -> str:
-        return str(self.teams[team].get("queue", team))
+        return self.teams[team].queue if team in self.teams else team
 
     def _container(self, spec: JobSpec) -> dict[str, Any]:
         opts = self.options
@@ -89,12 +64,12 @@ class BatchBackend:
         ]
         if spec.gpus_per_node:
             resources.append({"type": "GPU", "value": str(spec.gpus_per_node)})
-        linux: dict[str, Any] = {"sharedMemorySize": int(opts["shm_size_mb"])}
-        if opts["efa_devices"]:
+        linux: dict[str, Any] = {"sharedMemorySize": int(opts.shm_size_mb)}
+        if opts.efa_devices:
             linux["devices"] = [
                 {"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",
                  "permissions": ["READ", "WRITE", "MKNOD"]}
-                for i in range(int(opts["efa_devices"]))
+                for i in range(int(opts.efa_devices))
             ]
         container: dict[str, Any] = {
             "image": spec.image,
@@ -107,10 +82,10 @@ class BatchBackend:
                 {"name": "nofile", "softLimit": 65536, "hardLimit": 65536},
                 {"name": "stack", "softLimit": 67108864, "hardLimit": 67108864},
             ],
-            "logConfiguration": {"logDriver": "awslogs", "options": {"awslogs-group": opts["log_group"]}},
+            "logConfiguration": {"logDriver": "awslogs", "options": {"awslogs-group": opts.log_group}},
         }
-        if opts.get("job_role_arn"):
-            container["jobRoleArn"] = opts["job_role_arn"]
+        if opts.job_role_arn:
+            container["jobRoleArn"] = opts.job_role_arn
         return container
 
     def job_definition(self, spec: JobSpec) -> dict[str, Any]:
@@ -118,7 +93,7 @@ class BatchBackend:
         container = self._container(spec)
         body: dict[str, Any] = {
             "platformCapabilities": ["EC2"],
-            "retryStrategy": {"attempts": int(self.options["attempts"]), "evaluateOnExit": RETRY_ON_EXIT},
+            "retryStrategy": {"attempts": int(self.options.attempts), "evaluateOnExit": RETRY_ON_EXIT},
             "propagateTags": True,
         }
         if spec.distributed:
@@ -133,15 +108,9 @@ class BatchBackend:
             body["containerProperties"] = container
         return {"jobDefinitionName": f"pinflow-{spec.team}-{_digest(body)}", **body}
 
-    def _command(self, spec: JobSpec) -> list[str]:
-        if not spec.distributed:
-            return ["python", *spec.command]
-        return ["python", "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}",
-                f"--rdzv-id={spec.name}", *(["--preflight"] if spec.preflight else []), "--", *spec.command]
-
     def _environment(self, spec: JobSpec) -> list[dict[str, str]]:
-        env = {"PYTHONUNBUFFERED": "1", "PINFLOW_RDZV_PORT": str(self.options["rdzv_port"]), **spec.env}
-        if self.options["efa_devices"]:
+        env = {"PYTHONUNBUFFERED": "1", "PINFLOW_RDZV_PORT": str(self.options.rdzv_port), **spec.env}
+        if self.options.efa_devices:
             env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", **env}
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
@@ -149,16 +118,16 @@ class BatchBackend:
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """``{"job_definition": register_job_definition kwargs, "submit": submit_job kwargs}``."""
-        validate_for(spec, self.teams, max_gpus_per_node=int(self.options["max_gpus_per_node"]), backend=self.name)
+        validate_for(spec, self.teams, max_gpus_per_node=int(self.options.max_gpus_per_node), backend=self.name)
         definition = self.job_definition(spec)
         team = self.teams[spec.team]
-        overrides = {"command": self._command(spec), "environment": self._environment(spec)}
+        overrides = {"command": launch_command(spec), "environment": self._environment(spec)}
         submit: dict[str, Any] = {
             "jobName": spec.name,
             "jobQueue": self.job_queue(spec.team),
             "jobDefinition": definition["jobDefinitionName"],
-            "shareIdentifier": str(team.get("share", spec.team)),
-            "schedulingPriorityOverride": int(team.get("priority", 0)),
+            "shareIdentifier": team.share,
+            "schedulingPriorityOverride": team.priority,
             "timeout": {"attemptDurationSeconds": max(60, spec.timeout_s)},
             "tags": {"pinflow:team": spec.team, "pinflow:job": spec.name},
             "propagateTags": True,
@@ -178,7 +147,7 @@ class BatchBackend:
         if self._hook is None:
             from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
 
-            self._hook = BatchClientHook(aws_conn_id=self.options["aws_conn_id"], region_name=self.options["region_name"])
+            self._hook = BatchClientHook(aws_conn_id=self.options.aws_conn_id, region_name=self.options.region_name)
         return self._hook
 
     @property
@@ -186,7 +155,7 @@ class BatchBackend:
         if self._logs_hook is None:
             from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
 
-            self._logs_hook = AwsLogsHook(aws_conn_id=self.options["aws_conn_id"], region_name=self.options["region_name"])
+            self._logs_hook = AwsLogsHook(aws_conn_id=self.options.aws_conn_id, region_name=self.options.region_name)
         return self._logs_hook
 
     def ping(self) -> None:
@@ -252,7 +221,7 @@ class BatchBackend:
         self.hook.terminate_job(job_id, CANCEL_REASON)
 
     def console_url(self, job_id: str) -> str:
-        region = self.options.get("region_name") or "us-east-1"
+        region = self.options.region_name or "us-east-1"
         return f"https://{region}.console.aws.amazon.com/batch/home?region={region}#jobs/detail/{job_id}"
 
 
@@ -279,7 +248,7 @@ def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None)
     if not entries:
         entries = [("job", job)]
     codes: dict[str, int | None] = {}
-    found: list[tuple[FailureClass, str]] = []
+    found: list[Finding] = []
     for label, entry in entries:
         container = entry.get("container") or {}
         attempts = entry.get("attempts") or []
@@ -288,20 +257,18 @@ def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None)
         codes[label] = code
         why = " ".join(str(x) for x in (entry.get("statusReason"), container.get("reason"), last.get("reason")) if x)
         if any(marker.lower() in why.lower() for marker in HOST_LOST):
-            found.append((FailureClass.INFRA, f"{label}: {why} (host lost)"))
+            found.append(Finding(FailureClass.INFRA, f"{label}: {why} (host lost)", node_lost=True))
         elif "OutOfMemory" in why:
-            found.append((FailureClass.OOM, f"{label}: {why}"))
+            found.append(Finding(FailureClass.OOM, f"{label}: {why}"))
         elif code not in (None, 0):
             klass = classify_exit_code(int(code)) or FailureClass.USER
-            found.append((klass, f"{label} exited with code {code}" + (f": {why}" if why else "")))
+            found.append(Finding(klass, f"{label} exited with code {code}" + (f": {why}" if why else "")))
         elif entry.get("status") == "FAILED" and why:
-            found.append((FailureClass.INFRA if CANCEL_REASON in why or "timeout" in why.lower() else FailureClass.USER,
-                          f"{label}: {why}"))
-    if any(k is FailureClass.INFRA and "host lost" in msg for k, msg in found):
-        klass, message = next((k, m) for k, m in found if "host lost" in m)
-    elif found:
-        # A class chosen by the code (USER, DATA, NaN, OOM) beats a peer's "lost my neighbour" INFRA.
-        klass, message = min(found, key=lambda km: km[0] is FailureClass.INFRA)
+            infra = CANCEL_REASON in why or "timeout" in why.lower()
+            found.append(Finding(FailureClass.INFRA if infra else FailureClass.USER, f"{label}: {why}"))
+    decided = decide(found)
+    if decided is not None:
+        klass, message = decided.failure_class, decided.message
     elif any(marker.lower() in reason.lower() for marker in HOST_LOST) or "timeout" in reason.lower():
         klass, message = FailureClass.INFRA, reason
     else:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
-from operators.backends.base import JobSpec, JobState, JobStatus, validate_for
-from training.failures import FailureClass, classify_exit_code
+from core.config import KubernetesConfig, TeamConfig
+from core.failures import FailureClass, Finding, classify_exit_code, decide
+from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
 
 GROUP, VERSION, PLURAL, KIND = "kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"
 CRD_FILE = Path(__file__).with_name("crds") / "pytorchjob.json"
@@ -30,31 +32,6 @@ LOST_REASONS = ("Evicted", "NodeLost", "Preempted", "Preempting", "DeadlineExcee
                 "DisruptionTarget", "UnexpectedAdmissionError")
 
 
-class KubernetesOptions(TypedDict, total=False):
-    """The ``kubernetes:`` section of config/platform.yaml."""
-
-    conn_id: str  # Airflow connection of the cluster (default: kubernetes_default)
-    namespace: str
-    service_account: str | None
-    shm_size: str  # size of the memory-backed /dev/shm
-    rdzv_port: int  # the master's pytorchjob-port, MASTER_PORT on every replica
-    efa_devices: int  # vpc.amazonaws.com/efa per node (0 = none)
-    max_gpus_per_node: int
-    ttl_seconds_after_finished: int
-    console_url: str  # a dashboard URL with {namespace} and {name}
-
-
-DEFAULTS: KubernetesOptions = {
-    "conn_id": "kubernetes_default",
-    "namespace": "pinflow",
-    "service_account": None,
-    "shm_size": "16Gi",
-    "rdzv_port": 29400,
-    "efa_devices": 0,
-    "max_gpus_per_node": 8,
-    "ttl_seconds_after_finished": 86400,
-    "console_url": "https://kubernetes-dashboard/#/customresourcedefinition/pytorchjobs.kubeflow.org/{namespace}/{name}",
-}
 
 
 @functools.cache
@@ -85,29 +62,25 @@ def check_manifest(manifest: dict[str, Any]) -> None:
 class KubernetesBackend:
     name = "kubernetes"
 
-    def __init__(self, options: KubernetesOptions | None = None, teams: dict[str, dict[str, Any]] | None = None) -> None:
-        self.options: KubernetesOptions = {**DEFAULTS, **(options or {})}  # type: ignore[typeddict-item]
-        self.teams = teams or {}
+    def __init__(self, options: KubernetesConfig | None = None, teams: Mapping[str, TeamConfig] | None = None) -> None:
+        self.options = options or KubernetesConfig()
+        self.teams = dict(teams or {})
         self._hook: Any = None
 
     @property
     def namespace(self) -> str:
-        return str(self.options["namespace"])
+        return str(self.options.namespace)
 
     # -- the request: pure ---------------------------------------------------------------------------------
-    def _pod_template(self, spec: JobSpec, team: dict[str, Any]) -> dict[str, Any]:
+    def _pod_template(self, spec: JobSpec, team: TeamConfig) -> dict[str, Any]:
         opts = self.options
         resources: dict[str, str] = {"cpu": str(spec.cpus_per_node), "memory": f"{spec.memory_gb_per_node}Gi"}
         limits = dict(resources)
         if spec.gpus_per_node:
             limits["nvidia.com/gpu"] = str(spec.gpus_per_node)
-        if opts["efa_devices"]:
-            limits["vpc.amazonaws.com/efa"] = str(opts["efa_devices"])
-        if spec.distributed:
-            command = ["python", "-m", "training.launch", f"--nproc-per-node={spec.procs_per_node}",
-                       f"--rdzv-id={spec.name}", *(["--preflight"] if spec.preflight else []), "--", *spec.command]
-        else:
-            command = ["python", *spec.command]
+        if opts.efa_devices:
+            limits["vpc.amazonaws.com/efa"] = str(opts.efa_devices)
+        command = launch_command(spec)
         env = {"PYTHONUNBUFFERED": "1", **spec.env}
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
@@ -116,27 +89,27 @@ class KubernetesBackend:
             "image": spec.image,
             "command": command,
             "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-            "ports": [{"containerPort": int(opts["rdzv_port"]), "name": "pytorchjob-port"}],
+            "ports": [{"containerPort": int(opts.rdzv_port), "name": "pytorchjob-port"}],
             "resources": {"requests": resources, "limits": limits},
             "volumeMounts": [{"mountPath": "/dev/shm", "name": "dshm"}],
         }
         pod: dict[str, Any] = {
             "containers": [container],
             # NCCL and DataLoader workers need far more than the container runtime's 64 MB /dev/shm.
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts["shm_size"]}}],
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}}],
             "restartPolicy": "Never",
         }
-        if team.get("priority_class"):
-            pod["priorityClassName"] = str(team["priority_class"])
-        if opts.get("service_account"):
-            pod["serviceAccountName"] = opts["service_account"]
+        if team.priority_class:
+            pod["priorityClassName"] = team.priority_class
+        if opts.service_account:
+            pod["serviceAccountName"] = opts.service_account
         if spec.gpus_per_node:
             pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         return {"metadata": {"labels": {"pinflow/team": spec.team, "pinflow/job": spec.name}}, "spec": pod}
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """The whole PyTorchJob manifest, checked against the CRD schema and the pod template model."""
-        validate_for(spec, self.teams, max_gpus_per_node=int(self.options["max_gpus_per_node"]), backend=self.name)
+        validate_for(spec, self.teams, max_gpus_per_node=int(self.options.max_gpus_per_node), backend=self.name)
         team = self.teams[spec.team]
         template = self._pod_template(spec, team)
         replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
@@ -148,7 +121,7 @@ class KubernetesBackend:
             "metadata": {
                 "name": spec.name,
                 "namespace": self.namespace,
-                "labels": {QUEUE_LABEL: str(team.get("queue", spec.team)), "pinflow/team": spec.team},
+                "labels": {QUEUE_LABEL: team.queue, "pinflow/team": spec.team},
             },
             "spec": {
                 "nprocPerNode": str(spec.procs_per_node),
@@ -158,7 +131,7 @@ class KubernetesBackend:
                     "backoffLimit": 0,
                     "activeDeadlineSeconds": spec.timeout_s,
                     "cleanPodPolicy": "None",  # keep finished pods for their logs and exit codes
-                    "ttlSecondsAfterFinished": int(self.options["ttl_seconds_after_finished"]),
+                    "ttlSecondsAfterFinished": int(self.options.ttl_seconds_after_finished),
                 },
             },
         }
@@ -171,7 +144,7 @@ class KubernetesBackend:
         if self._hook is None:
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
-            self._hook = KubernetesHook(conn_id=self.options["conn_id"])
+            self._hook = KubernetesHook(conn_id=self.options.conn_id)
         return self._hook
 
     def ping(self) -> None:
@@ -236,7 +209,7 @@ class KubernetesBackend:
                 raise
 
     def console_url(self, job_id: str) -> str:
-        return str(self.options["console_url"]).format(namespace=self.namespace, name=job_id)
+        return str(self.options.console_url).format(namespace=self.namespace, name=job_id)
 
 
 def job_state(job: dict[str, Any]) -> JobState:
@@ -265,7 +238,7 @@ def classify_pytorchjob(job: dict[str, Any], pods: list[dict[str, Any]] | None =
     failed = [c for c in job.get("status", {}).get("conditions", []) if c.get("type") == "Failed"]
     reason = f"{failed[-1].get('reason', '')}: {failed[-1].get('message', '')}" if failed else "Failed"
     codes: dict[str, int | None] = {}
-    found: list[tuple[FailureClass, str]] = []
+    found: list[Finding] = []
     for pod in pods or []:
         pod_name = pod.get("metadata", {}).get("name", "?")
         status = pod.get("status") or {}
@@ -280,16 +253,16 @@ def classify_pytorchjob(job: dict[str, Any], pods: list[dict[str, Any]] | None =
                      and c.get("status") == "True"]
         pod_reason = status.get("reason") or (disrupted[0].get("reason") if disrupted else "")
         if pod_reason and any(r in pod_reason for r in LOST_REASONS) or disrupted:
-            found.append((FailureClass.INFRA, f"pod {pod_name}: {pod_reason or 'disrupted'} (node or pod lost)"))
+            found.append(Finding(FailureClass.INFRA, f"pod {pod_name}: {pod_reason or 'disrupted'} (node or pod lost)",
+                                 node_lost=True))
         elif terminated.get("reason") == "OOMKilled":
-            found.append((FailureClass.OOM, f"pod {pod_name}: OOMKilled"))
+            found.append(Finding(FailureClass.OOM, f"pod {pod_name}: OOMKilled"))
         elif code not in (None, 0):
             klass = classify_exit_code(int(code)) or FailureClass.USER
-            found.append((klass, f"pod {pod_name} exited with code {code}"))
-    if any("(node or pod lost)" in m for _, m in found):
-        klass, message = next((k, m) for k, m in found if "(node or pod lost)" in m)
-    elif found:
-        klass, message = min(found, key=lambda km: km[0] is FailureClass.INFRA)
+            found.append(Finding(klass, f"pod {pod_name} exited with code {code}"))
+    decided = decide(found)
+    if decided is not None:
+        klass, message = decided.failure_class, decided.message
     elif "DeadlineExceeded" in reason:
         klass, message = FailureClass.INFRA, reason
     else:

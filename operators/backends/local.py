@@ -18,8 +18,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import JobSpec, JobState, JobStatus
-from training.failures import FailureClass, classify_exit_code
+from core import storage
+from core.failures import FailureClass, Finding, classify_exit_code, decide
+from operators.backends.base import JobSpec, JobState, JobStatus, launch_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The node wrapper: run the command, then record its exit code atomically, even if the worker that
@@ -43,16 +44,13 @@ class LocalBackend:
             # A fixed port per job name keeps the dry run pure; collisions across jobs are unlikely.
             port = 20000 + zlib.crc32(spec.name.encode()) % 20000
             nodes = [
-                [
-                    sys.executable, "-m", "training.launch",
-                    f"--nproc-per-node={spec.procs_per_node}", f"--nnodes={spec.nodes}",
-                    f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={spec.name}",
-                    *(["--preflight"] if spec.preflight else []), "--", *spec.command,
-                ]
+                launch_command(spec, python=sys.executable, rendezvous=(
+                    f"--nnodes={spec.nodes}", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
+                ))
                 for rank in range(spec.nodes)
             ]
         else:
-            nodes = [[sys.executable, *spec.command]]
+            nodes = [launch_command(spec, python=sys.executable)]
         return {
             "job_name": spec.name,
             "job_dir": str(job_dir),
@@ -87,9 +85,7 @@ class LocalBackend:
             pids.append(proc.pid)
         request["pids"] = pids
         # Written last: a job folder without request.json was never started.
-        tmp = job_dir / "request.json.tmp"
-        tmp.write_text(json.dumps(request, indent=2))
-        tmp.replace(job_dir / "request.json")
+        storage.write_json(str(job_dir / "request.json"), request)
         return spec.name
 
     def _request(self, job_id: str) -> dict[str, Any]:
@@ -111,12 +107,12 @@ class LocalBackend:
                 codes[f"node-{rank}"] = None
                 if not _alive(pid):
                     lost.append(rank)
-        failed = {k: c for k, c in codes.items() if c not in (None, 0)}
-        if failed:
-            # The node whose code names a class beats nodes that only saw their peer go away.
-            node, code = min(failed.items(), key=lambda kv: classify_exit_code(kv[1]) == FailureClass.INFRA)
-            klass = classify_exit_code(code)
-            return JobStatus(job_id, JobState.FAILED, klass, f"{node} exited with code {code}", codes)
+        decided = decide(
+            Finding(classify_exit_code(code) or FailureClass.USER, f"{node} exited with code {code}")
+            for node, code in codes.items() if code not in (None, 0)
+        )
+        if decided is not None:
+            return JobStatus(job_id, JobState.FAILED, decided.failure_class, decided.message, codes)
         if lost:
             reason = f"node(s) {lost} disappeared without an exit code (process killed or host lost)"
             return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA, reason, codes)

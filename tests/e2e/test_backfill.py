@@ -37,8 +37,9 @@ from pathlib import Path
 
 import pytest
 
+from core import contracts
+from core.storage import day_range, read_metadata, read_table, shift_ds
 from features import build
-from features.storage import day_range, read_metadata, read_table, shift_ds
 from features.synthetic import WorldConfig, generate_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ CLI_DAYS = DAYS[:2]
 DAG_ID = "pin_daily_features"
 # Short window and sequences, and downsampling, so that each of them shows in three days.
 FEATURES = {"window_days": 2, "sequence_length": 4, "negative_downsample": 0.5, "negative_downsample_seed": 3}
-OUTPUTS = build.OUTPUTS
+OUTPUTS = contracts.FEATURE_OUTPUTS
 RUNS_TIMEOUT_S = 1200
 
 
@@ -311,6 +312,6 @@ def test_backfill_equals_day_by_day_build(backfilled: Backfilled, tmp_path: Path
         for dataset in OUTPUTS:
             assert row_checksum(storage, dataset, day) == row_checksum(reference, dataset, day), (dataset, day)
         # Each day after the first extended the sequences of the day before (depends_on_past ordered them).
-        mode = read_metadata(storage, build.USER_SEQUENCE_DS, day)["mode"]
+        mode = read_metadata(storage, contracts.USER_SEQUENCE, day)["mode"]
         assert mode == ("full" if day == DAYS[0] else "incremental"), (day, mode)
-        assert read_metadata(storage, build.EXAMPLES_DS, day)["negative_downsample"] == 0.5
+        assert read_metadata(storage, contracts.EXAMPLES, day)["negative_downsample"] == 0.5

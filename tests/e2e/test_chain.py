@@ -49,9 +49,9 @@ def test_model_registered_and_evaluated(demo_run):
     summary, _ = demo_run
     from mlflow import MlflowClient
 
-    from operators import config
+    from core import config
 
-    uri = config.load()["mlflow"]["tracking_uri"]
+    uri = config.load().mlflow.tracking_uri
     version = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version("pin_ranker", str(summary["model_version"]))
     assert version.status == "READY"
     for head in ("click", "repin", "hide"):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,9 +17,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
-    """A moto server (every AWS API moto has: S3, Batch, CloudWatch Logs, IAM) on a free local port: its URL."""
+    """A moto server (every AWS API moto has: S3, Batch, CloudWatch Logs, IAM) on a free local port: its URL.
+
+    One per test session; each test uses its own bucket or queue names and removes what it created."""
     from moto.server import ThreadedMotoServer
 
     port = free_port()
@@ -26,3 +31,35 @@ def moto_server() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
+
+
+def aws_environment(endpoint: str, scratch: Path) -> dict[str, str]:
+    """The AWS variables that lead boto3, s3fs and the jobs (subprocesses inherit them) to a test server, with
+    no profile, config or credentials file of the machine in the way."""
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(scratch / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(scratch / "no-aws-credentials"),
+    }
+
+
+@contextmanager
+def s3_bucket(endpoint: str, scratch: Path, bucket: str) -> Iterator[Any]:
+    """This process's environment pointed at the moto server (restored afterwards) and a fresh bucket there,
+    removed with everything in it afterwards: the bucket's s3fs filesystem."""
+    import boto3
+    import fsspec
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in aws_environment(endpoint, scratch).items():
+            patch.setenv(name, value)
+        patch.delenv("AWS_PROFILE", raising=False)
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        try:
+            yield fs
+        finally:
+            fs.rm(bucket, recursive=True)

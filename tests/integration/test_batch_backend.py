@@ -10,9 +10,10 @@ import urllib.request
 
 import pytest
 
+from core.config import BatchConfig, PlatformConfig, TeamConfig
 from operators.backends import JobSpec, JobState, get_backend
 
-TEAMS = {"ranking": {"queue": "ranking", "share": "ranking", "priority": 50}}
+TEAMS = {"ranking": TeamConfig(queue="ranking", share="ranking", priority=50)}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def batch(moto_url):
                                             serviceRole=role)
     client.create_job_queue(jobQueueName="ranking", state="ENABLED", priority=1,
                             computeEnvironmentOrder=[{"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
-    backend = get_backend("batch", cfg={"home": "/tmp", "teams": TEAMS, "batch": {"region_name": "us-east-1"}})
+    backend = get_backend("batch", PlatformConfig(home="/tmp", teams=TEAMS, batch=BatchConfig(region_name="us-east-1")))
     return backend, client, boto3.client("logs", **kw)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from core.failures import ExitCode, FailureClass
 from operators.backends import JobSpec, JobState, get_backend
-from training.failures import ExitCode, FailureClass
 
 WORKER = str(Path(__file__).with_name("allreduce_worker.py"))
 
@@ -32,7 +32,7 @@ def make_spec(name, out, **env):
 
 @pytest.mark.integration
 def test_two_nodes_rendezvous_and_all_reduce(tmp_path):
-    backend = get_backend("local", str(tmp_path))
+    backend = get_backend("local", home=str(tmp_path))
     job = backend.submit(make_spec("allreduce-ok", tmp_path))
     status = wait(backend, job)
     assert status.state is JobState.SUCCEEDED, backend.logs(job)
@@ -44,7 +44,7 @@ def test_two_nodes_rendezvous_and_all_reduce(tmp_path):
 
 @pytest.mark.integration
 def test_worker_exit_code_classifies_the_job(tmp_path):
-    backend = get_backend("local", str(tmp_path))
+    backend = get_backend("local", home=str(tmp_path))
     job = backend.submit(make_spec("allreduce-nan", tmp_path, WORKER_FAIL_RANK="1", WORKER_EXIT=str(int(ExitCode.NAN_LOSS))))
     status = wait(backend, job)
     assert status.state is JobState.FAILED
@@ -54,7 +54,7 @@ def test_worker_exit_code_classifies_the_job(tmp_path):
 
 @pytest.mark.integration
 def test_killed_node_is_infra_and_cancel_stops_everything(tmp_path):
-    backend = get_backend("local", str(tmp_path))
+    backend = get_backend("local", home=str(tmp_path))
     job = backend.submit(make_spec("allreduce-kill", tmp_path, WORKER_SLEEP="60"))
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("rank*.txt"))) < 2:

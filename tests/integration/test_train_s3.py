@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import s3_bucket
 from test_train_torchrun import (  # the local kill-and-resume test's run helpers and tiny world
     assert_bitwise_equal,
     final_state,
@@ -20,7 +21,7 @@ from test_train_torchrun import (  # the local kill-and-resume test's run helper
     world,  # noqa: F401 - a fixture
 )
 
-from training.failures import ExitCode
+from core.failures import ExitCode
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("world")]
 
@@ -44,25 +45,10 @@ COMMON = {
 
 
 @pytest.fixture
-def s3(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def s3(moto_server: str, tmp_path: Path):
     """A bucket on the moto server, and the AWS variables (inherited by the job) that lead there."""
-    import boto3
-    import fsspec
-
-    for name, value in {
-        "AWS_ENDPOINT_URL_S3": moto_server,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    yield fs
-    fs.rm(BUCKET, recursive=True)
+    with s3_bucket(moto_server, tmp_path, BUCKET) as fs:
+        yield fs
 
 
 def test_training_on_s3_checkpoints_resumes_and_equals_a_local_run(tmp_path: Path, s3):

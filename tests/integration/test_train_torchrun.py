@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from features.storage import read_table
-from training.failures import ExitCode
+from core.failures import ExitCode
+from core.storage import read_table
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.integration

@@ -202,7 +202,7 @@ def test_killed_worker_is_retried_and_resumes_from_its_checkpoint(world, tmp_pat
     assert (jobs[0] / "node-0.exit").read_text().strip() == "75", first[-3000:]
     assert "resumed from" in second, second[-3000:]
     text = log.read_text()
-    assert "InfraFailure" in text and "UserFailure" not in text
+    assert "InfraError" in text and "UserError" not in text
 
 
 @pytest.mark.integration
@@ -214,7 +214,7 @@ def test_nan_loss_fails_at_once_without_retry(world, tmp_path):
     assert summary["train_state"] == "failed" and summary["train_try"] == 1, summary
     assert len(new_jobs(home, before)) == 1
     text = log.read_text()
-    assert "UserFailure" in text and "exited with code 76" in text
+    assert "UserError" in text and "exited with code 76" in text
 
 
 @pytest.mark.integration

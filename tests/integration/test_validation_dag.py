@@ -1,5 +1,6 @@
 """The validation gate through Airflow: a corrupted day fails its validation task, is quarantined, and
-nothing downstream runs; a day that never lands fails the deferrable sensor at its timeout.
+nothing downstream runs; a day that never lands fails the deferrable sensor at its timeout. And the gate as a
+container job on an ``s3://`` root (a moto S3 server over HTTP): ``python -m features.validate``.
 
 ``pin_daily_features`` runs with ``dag.test()`` in a subprocess (this file is also its driver:
 ``python test_validation_dag.py STORAGE_ROOT DS``) against the session's Airflow metadata database and a
@@ -74,7 +75,7 @@ def _value(raw: object) -> object:
 def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from features import storage
+    from core import storage
     from features.synthetic import WorldConfig, generate_world
 
     root = tmp_path / "storage"
@@ -101,15 +102,15 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert validation["failed_checks"] == ["action.in_set"] and validation["quarantine"]
     link = _value(summary["link"])
     assert isinstance(link, str) and link.startswith("file://") and "validation/events/ds%3D2026-11-02" in link
-    assert "DataFailure" in log.read_text() and "action.in_set" in log.read_text()
+    assert "DataError" in log.read_text() and "action.in_set" in log.read_text()
     # Quarantined with its report; the other partitions stay; nothing downstream was written.
     record = Path(validation["quarantine"])
     assert (record / "data" / storage.MARKER).exists() and (record / "report" / "result.json").exists()
-    assert not storage.partition_path(root, "raw/events", BAD).exists()
+    assert not storage.is_dir(storage.partition(root, "raw/events", BAD))
     assert storage.is_complete(root, "raw/pins", BAD) and storage.is_complete(root, "raw/users", BAD)
     assert storage.is_complete(root, "raw/events", START)
     for dataset in ("features/user_daily", "features/pin_daily", "features/user_window", "examples"):
-        assert not storage.partition_path(root, dataset, BAD).exists(), dataset
+        assert not storage.is_dir(storage.partition(root, dataset, BAD)), dataset
 
 
 
@@ -130,8 +131,73 @@ def test_partition_that_never_lands_fails_the_deferred_sensor(airflow_db, tmp_pa
         "upstream_failed"
     }, states
     text = log.read_text()
-    assert "DataFailure" in text and f"raw partitions of ds={BAD} did not land within 2 s" in text
+    assert "DataError" in text and f"raw partitions of ds={BAD} did not land within 2 s" in text
     assert f"raw/events/ds={BAD} does not exist" in text
+
+
+@pytest.mark.integration
+def test_validation_command_on_an_s3_root(moto_server: str, tmp_path: Path) -> None:
+    """The command as a job on AWS Batch or Kubernetes runs it: the root is a bucket, found through the AWS
+    variables; the report, the Data Docs and the quarantine record land in the bucket."""
+    import boto3
+    import pyarrow as pa
+
+    from core import storage
+    from features.synthetic import WorldConfig, generate_world
+
+    bucket = "pinflow-validation-test"
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL_S3": moto_server,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+    }
+    env.pop("AWS_PROFILE", None)
+    local = tmp_path / "storage"
+    generate_world(local, WorldConfig(start=START, days=2, users=60, pins=80, seed=3))
+    events = storage.read_table(local, "raw/events", BAD)
+    actions = events.column("action").to_pylist()
+    actions[1] = "like"
+    storage.write_table(
+        local, "raw/events", BAD,
+        events.set_column(events.schema.get_field_index("action"), "action", pa.array(actions, pa.string())),
+    )
+    client = boto3.client(
+        "s3", endpoint_url=moto_server, aws_access_key_id="testing", aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)
+    for path in sorted(p for p in (local / "raw").rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"pinflow/{path.relative_to(local).as_posix()}")
+    root = f"s3://{bucket}/pinflow"
+
+    def validate(ds: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "features.validate", "events", "--root", root, "--ds", ds, *extra],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )
+
+    good = validate(START)
+    bad = validate(BAD, "--quarantine", "--no-data-docs")
+
+    assert good.returncode == 0, good.stderr[-4000:]
+    report = f"pinflow/reports/validation/events/ds={START}"
+    assert good.stdout.strip().splitlines()[-1] == f"s3://{bucket}/{report}/result.json"
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=report)["Contents"]}
+    assert {f"{report}/result.json", f"{report}/profile.json", f"{report}/data_docs/index.html"} <= keys
+    assert bad.returncode == 2, bad.stderr[-4000:]
+    assert "action.in_set" in bad.stdout and "Quarantined" in bad.stdout
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"pinflow/raw/events/ds={BAD}/")
+    assert listed["KeyCount"] == 0  # moved: copied, then deleted, the marker first
+    moved = {o["Key"].split("/", 5)[-1] for o in client.list_objects_v2(
+        Bucket=bucket, Prefix=f"pinflow/quarantine/events/ds={BAD}/")["Contents"]}
+    assert {"data/_SUCCESS", f"data/{storage.DATA_FILE}", "report/result.json", "QUARANTINE.json"} <= moved
+    client.delete_objects(Bucket=bucket, Delete={"Objects": [
+        {"Key": o["Key"]} for o in client.list_objects_v2(Bucket=bucket)["Contents"]
+    ]})
 
 
 if __name__ == "__main__":

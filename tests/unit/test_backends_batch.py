@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from core.config import BatchConfig, PlatformConfig, TeamConfig
+from core.failures import FailureClass
 from operators.backends import JobSpec, JobState, get_backend
 from operators.backends.batch import RETRY_ON_EXIT, BatchBackend, classify_job
-from training.failures import FailureClass
 
-TEAMS = {"ranking": {"queue": "ranking-gpu", "share": "ranking", "priority": 50}}
+TEAMS = {"ranking": TeamConfig(queue="ranking-gpu", share="ranking", priority=50)}
 
 
 def spec(**change):
@@ -20,7 +21,7 @@ def spec(**change):
 
 
 def backend(**opts):
-    return BatchBackend({"efa_devices": 2, "job_role_arn": "arn:aws:iam::123:role/pinflow", **opts}, TEAMS)
+    return BatchBackend(BatchConfig(**{"efa_devices": 2, "job_role_arn": "arn:aws:iam::123:role/pinflow", **opts}), TEAMS)
 
 
 @pytest.mark.unit
@@ -113,8 +114,8 @@ def test_spec_checked_against_config_naming_the_setting(change, says):
 
 @pytest.mark.unit
 def test_get_backend_builds_it_from_config():
-    b = get_backend("batch", cfg={"home": "/tmp", "teams": TEAMS, "batch": {"region_name": "eu-west-1"}})
-    assert isinstance(b, BatchBackend) and b.options["region_name"] == "eu-west-1" and b.options["efa_devices"] == 0
+    b = get_backend("batch", PlatformConfig(home="/tmp", teams=TEAMS, batch=BatchConfig(region_name="eu-west-1")))
+    assert isinstance(b, BatchBackend) and b.options.region_name == "eu-west-1" and b.options.efa_devices == 0
     assert "eu-west-1.console.aws.amazon.com/batch" in b.console_url("abc")
 
 
@@ -158,3 +159,25 @@ def test_classifier_on_recorded_failures(job, nodes, klass, says):
                                             ("RUNNING", JobState.RUNNING), ("SUCCEEDED", JobState.SUCCEEDED)])
 def test_classifier_states(raw, state):
     assert classify_job({"jobId": "j", "status": raw}).state is state
+
+
+@pytest.mark.unit
+def test_missing_aws_credentials_fail_the_preflight_as_user_error(monkeypatch, tmp_path):
+    """No credentials anywhere: a setting to fix, not an INFRA failure retried three times."""
+    from core import config
+    from core.failures import UserError
+    from operators.training import DistributedTrainingOperator
+    from training.smoke_data import write_tiny_world
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AIRFLOW_CONN_AWS_DEFAULT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to find either
+    write_tiny_world(tmp_path / "storage", ["2026-11-01", "2026-11-02"], rows_per_day=20, pins=10)
+    monkeypatch.setattr(config, "load", lambda: PlatformConfig(storage_root=str(tmp_path / "storage")))
+    op = DistributedTrainingOperator(task_id="train", plan={"train_days": ["2026-11-01"], "eval_ds": "2026-11-02"},
+                                     backend="batch")
+    with pytest.raises(UserError, match="preflight: the batch backend: NoCredentialsError") as err:
+        op._preflight(BatchBackend(BatchConfig(region_name="us-east-1"), TEAMS))
+    assert err.value.failure_class is FailureClass.USER

@@ -7,11 +7,12 @@ import copy
 
 import pytest
 
+from core.config import KubernetesConfig, TeamConfig
+from core.failures import FailureClass
 from operators.backends import JobSpec, JobState
 from operators.backends.kubernetes import KubernetesBackend, check_manifest, classify_pytorchjob, job_state
-from training.failures import FailureClass
 
-TEAMS = {"ranking": {"queue": "ranking", "share": "ranking", "priority": 50, "priority_class": "pinflow-ranking"}}
+TEAMS = {"ranking": TeamConfig(queue="ranking", share="ranking", priority=50, priority_class="pinflow-ranking")}
 
 
 def spec(**change):
@@ -23,7 +24,7 @@ def spec(**change):
 
 @pytest.mark.unit
 def test_manifest_is_the_whole_pytorchjob():
-    manifest = KubernetesBackend({"namespace": "ml"}, TEAMS).dry_run(spec())
+    manifest = KubernetesBackend(KubernetesConfig(namespace="ml"), TEAMS).dry_run(spec())
     template = {
         "metadata": {"labels": {"pinflow/team": "ranking", "pinflow/job": "train-abc-try1-0123456789"}},
         "spec": {
@@ -65,7 +66,7 @@ def test_manifest_is_the_whole_pytorchjob():
 def test_pod_template_loads_through_the_client_models():
     from kubernetes.client import ApiClient, V1PodTemplateSpec
 
-    manifest = KubernetesBackend({}, TEAMS).dry_run(spec())
+    manifest = KubernetesBackend(KubernetesConfig(), TEAMS).dry_run(spec())
     template = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     model = ApiClient()._ApiClient__deserialize(template, "V1PodTemplateSpec")
     assert isinstance(model, V1PodTemplateSpec)
@@ -86,7 +87,7 @@ def test_pod_template_loads_through_the_client_models():
     ],
 )
 def test_bad_manifests_are_refused(mutate, says):
-    manifest = copy.deepcopy(KubernetesBackend({}, TEAMS).dry_run(spec()))
+    manifest = copy.deepcopy(KubernetesBackend(KubernetesConfig(), TEAMS).dry_run(spec()))
     mutate(manifest)
     with pytest.raises(ValueError) as err:
         check_manifest(manifest)
@@ -95,10 +96,10 @@ def test_bad_manifests_are_refused(mutate, says):
 
 @pytest.mark.unit
 def test_single_node_has_no_workers_and_unknown_team_is_refused():
-    manifest = KubernetesBackend({}, TEAMS).dry_run(spec(nodes=1))
+    manifest = KubernetesBackend(KubernetesConfig(), TEAMS).dry_run(spec(nodes=1))
     assert list(manifest["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     with pytest.raises(ValueError, match="team 'search' is not under teams:"):
-        KubernetesBackend({}, TEAMS).dry_run(spec(team="search"))
+        KubernetesBackend(KubernetesConfig(), TEAMS).dry_run(spec(team="search"))
 
 
 def job(*conditions, name="j"):
@@ -161,7 +162,7 @@ class FakeHook:
 
 @pytest.mark.unit
 def test_create_twice_reattaches():
-    backend = KubernetesBackend({}, TEAMS)
+    backend = KubernetesBackend(KubernetesConfig(), TEAMS)
     backend._hook = FakeHook()
     assert backend.find(spec().name) is None
     assert backend.submit(spec()) == backend.submit(spec()) == spec().name

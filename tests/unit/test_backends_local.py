@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from core.failures import ExitCode, FailureClass, classify_exit_code
 from operators.backends import JobSpec, get_backend
 from operators.jobs import job_name
-from training.failures import ExitCode, FailureClass, classify_exit_code
 from training.launch import exit_code_of_failures, rendezvous_from_env, torchrun_args
 
 
@@ -20,7 +20,7 @@ def spec(**kw):
 
 @pytest.mark.unit
 def test_local_dry_run_is_the_whole_request(tmp_path):
-    request = get_backend("local", str(tmp_path)).dry_run(spec())
+    request = get_backend("local", home=str(tmp_path)).dry_run(spec())
     port = int(request["nodes"][0]["argv"][6].rsplit(":", 1)[1])
     assert request == {
         "job_name": "train-abc",
@@ -40,7 +40,7 @@ def test_local_dry_run_is_the_whole_request(tmp_path):
         ],
     }
     # Pure: the same spec gives the same request.
-    assert get_backend("local", str(tmp_path)).dry_run(spec()) == request
+    assert get_backend("local", home=str(tmp_path)).dry_run(spec()) == request
 
 
 @pytest.mark.unit
@@ -56,14 +56,14 @@ def test_local_dry_run_is_the_whole_request(tmp_path):
 )
 def test_invalid_spec_fails_before_submit_naming_the_setting(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
-        get_backend("local", str(tmp_path)).submit(spec(**change))
+        get_backend("local", home=str(tmp_path)).submit(spec(**change))
     assert not (tmp_path / "jobs").exists()
 
 
 @pytest.mark.unit
 def test_unknown_backend_lists_the_choices(tmp_path):
     with pytest.raises(ValueError, match="choose one of local"):
-        get_backend("slurm", str(tmp_path))
+        get_backend("slurm", home=str(tmp_path))
 
 
 @pytest.mark.unit
@@ -122,7 +122,7 @@ def test_sigterm_from_torchrun_is_a_consequence_not_the_cause():
 def test_preflight_runs_first_in_the_same_world(tmp_path):
     from training.launch import preflight_command
 
-    argv = get_backend("local", str(tmp_path)).dry_run(spec(preflight=True))["nodes"][0]["argv"]
+    argv = get_backend("local", home=str(tmp_path)).dry_run(spec(preflight=True))["nodes"][0]["argv"]
     assert argv[argv.index("--") - 1] == "--preflight"
     assert preflight_command(["-m", "training.train", "--config", "/r/RUN.json"]) == [
         "-m", "training.preflight", "--config", "/r/RUN.json"]

@@ -4,28 +4,29 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from features import build
-from features.contracts import (
+from core import contracts, storage
+from core.contracts import (
     ACTIONS,
     DENSE_FEATURES,
     EMBEDDING_DIM,
-    EVENTS,
-    EXAMPLES,
-    PIN_DAILY,
-    PIN_WINDOW,
-    PINS,
-    USER_DAILY,
-    USER_SEQUENCE,
-    USER_WINDOW,
+    EVENTS_SCHEMA,
+    EXAMPLES_SCHEMA,
+    PIN_DAILY_SCHEMA,
+    PIN_WINDOW_SCHEMA,
+    PINS_SCHEMA,
+    USER_DAILY_SCHEMA,
+    USER_SEQUENCE_SCHEMA,
+    USER_WINDOW_SCHEMA,
 )
-from features.storage import partition_path, read_metadata, read_table, write_table
+from core.failures import ExitCode
+from core.storage import partition, read_metadata, read_table, write_table
+from features import build
 
 D1, D2, D3, D4 = "2024-01-01", "2024-01-02", "2024-01-03", "2024-01-04"
 DAYS = (D1, D2, D3, D4)
@@ -78,7 +79,7 @@ def events_table(rows: Sequence[tuple[int, int, int, int, str, str, str]]) -> pa
             }
             for e, i, u, p, a, day, hhmm in rows
         ],
-        schema=EVENTS,
+        schema=EVENTS_SCHEMA,
     )
 
 
@@ -94,7 +95,7 @@ def pins_table() -> pa.Table:
             }
             for pin, category in CATEGORIES.items()
         ],
-        schema=PINS,
+        schema=PINS_SCHEMA,
     )
 
 
@@ -103,14 +104,14 @@ Row = tuple[int, int, int, int, str, str, str]
 
 def write_events(root: Path, day: str, extra: Sequence[Row] = ()) -> None:
     rows = [r for r in EVENT_ROWS if r[5] == day] + list(extra)
-    write_table(root, build.RAW_EVENTS, day, events_table(rows))
+    write_table(root, contracts.RAW_EVENTS, day, events_table(rows))
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     for day in DAYS:
         write_events(tmp_path, day)
-        write_table(tmp_path, build.RAW_PINS, day, pins_table())
+        write_table(tmp_path, contracts.RAW_PINS, day, pins_table())
     return tmp_path
 
 
@@ -130,9 +131,9 @@ def build_all(root: Path, **params) -> None:
 def test_daily_counts_and_distinct(root: Path) -> None:
     summary = build.build_daily(root, D1, engine=ENGINE)
 
-    users = read_table(root, build.USER_DAILY_DS, D1)
-    pins = read_table(root, build.PIN_DAILY_DS, D1)
-    assert users.schema.equals(USER_DAILY) and pins.schema.equals(PIN_DAILY)
+    users = read_table(root, contracts.USER_DAILY, D1)
+    pins = read_table(root, contracts.PIN_DAILY, D1)
+    assert users.schema.equals(USER_DAILY_SCHEMA) and pins.schema.equals(PIN_DAILY_SCHEMA)
     assert rows_by(users, "user_id")[1] == {
         "user_id": 1,
         "impressions": 2,
@@ -156,8 +157,8 @@ def test_daily_counts_and_distinct(root: Path) -> None:
         "closeups": 0,
         "distinct_users": 2,
     }
-    assert summary[build.USER_DAILY_DS]["rows"] == 3  # users 1, 2, 4
-    assert read_metadata(root, build.PIN_DAILY_DS, D1)["inputs"] == [f"raw/events/ds={D1}", f"raw/pins/ds={D1}"]
+    assert summary[contracts.USER_DAILY]["rows"] == 3  # users 1, 2, 4
+    assert read_metadata(root, contracts.PIN_DAILY, D1)["inputs"] == [f"raw/events/ds={D1}", f"raw/pins/ds={D1}"]
 
 
 # --- window ---------------------------------------------------------------------------------------------
@@ -169,9 +170,9 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
         build.build_daily(root, day, engine=ENGINE)
     summary = build.build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE)
 
-    users = read_table(root, build.USER_WINDOW_DS, D4)
-    pins = read_table(root, build.PIN_WINDOW_DS, D4)
-    assert users.schema.equals(USER_WINDOW) and pins.schema.equals(PIN_WINDOW)
+    users = read_table(root, contracts.USER_WINDOW, D4)
+    pins = read_table(root, contracts.PIN_WINDOW, D4)
+    assert users.schema.equals(USER_WINDOW_SCHEMA) and pins.schema.equals(PIN_WINDOW_SCHEMA)
     # D2..D4; D1 (2 impressions, 1 click of user 1) lies outside the window.
     u1 = rows_by(users, "user_id")[1]
     assert (u1["impressions"], u1["clicks"], u1["repins"], u1["hides"], u1["closeups"]) == (6, 3, 1, 1, 1)
@@ -192,10 +193,10 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
     assert p10["repin_rate"] == pytest.approx((0 + 20 * g_repin) / (3 + 20))
     assert p10["hide_rate"] == pytest.approx((0 + 20 * g_hide) / (3 + 20))
 
-    meta = summary[build.PIN_WINDOW_DS]
+    meta = summary[contracts.PIN_WINDOW]
     assert meta["global_rates"] == pytest.approx({"ctr": g_ctr, "repin_rate": g_repin, "hide_rate": g_hide})
     assert meta["missing_days"] == [] and meta["window_start"] == D2
-    assert read_metadata(root, build.PIN_WINDOW_DS, D4)["global_rates"] == meta["global_rates"]
+    assert read_metadata(root, contracts.PIN_WINDOW, D4)["global_rates"] == meta["global_rates"]
 
 
 @pytest.mark.unit
@@ -203,25 +204,25 @@ def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: 
     for day in DAYS:
         build.build_daily(root, day, engine=ENGINE)
     build.build_window(root, D4, window_days=3, engine=ENGINE)
-    expected = {d: read_table(root, d, D4) for d in (build.USER_WINDOW_DS, build.PIN_WINDOW_DS)}
+    expected = {d: read_table(root, d, D4) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW)}
 
     # D2's daily aggregates are missing: computed from its raw partitions, same result, nothing written for D2.
-    for dataset in (build.USER_DAILY_DS, build.PIN_DAILY_DS):
-        shutil.rmtree(partition_path(root, dataset, D2))
+    for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
+        storage.remove_tree(partition(root, dataset, D2))
     summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
-    assert summary[build.USER_WINDOW_DS]["computed_from_raw"] == [D2]
-    assert summary[build.USER_WINDOW_DS]["missing_days"] == []
-    assert f"raw/events/ds={D2}" in summary[build.PIN_WINDOW_DS]["inputs"]
-    assert not partition_path(root, build.USER_DAILY_DS, D2).exists()
+    assert summary[contracts.USER_WINDOW]["computed_from_raw"] == [D2]
+    assert summary[contracts.USER_WINDOW]["missing_days"] == []
+    assert f"raw/events/ds={D2}" in summary[contracts.PIN_WINDOW]["inputs"]
+    assert not storage.exists(partition(root, contracts.USER_DAILY, D2))
     for dataset, table in expected.items():
         assert read_table(root, dataset, D4).equals(table), dataset
 
     # No raw events of D2 either (a gap): the day is named in missing_days and left out.
-    shutil.rmtree(partition_path(root, build.RAW_EVENTS, D2))
+    storage.remove_tree(partition(root, contracts.RAW_EVENTS, D2))
     summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
-    assert summary[build.USER_WINDOW_DS]["missing_days"] == [D2]
-    assert read_metadata(root, build.PIN_WINDOW_DS, D4)["missing_days"] == [D2]
-    u1 = rows_by(read_table(root, build.USER_WINDOW_DS, D4), "user_id")[1]
+    assert summary[contracts.USER_WINDOW]["missing_days"] == [D2]
+    assert read_metadata(root, contracts.PIN_WINDOW, D4)["missing_days"] == [D2]
+    u1 = rows_by(read_table(root, contracts.USER_WINDOW, D4), "user_id")[1]
     assert (u1["impressions"], u1["repins"], u1["hides"]) == (4, 0, 0)
 
 
@@ -231,11 +232,11 @@ def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: 
 @pytest.mark.unit
 def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
     summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
-    assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
-    assert summary[build.USER_SEQUENCE_DS]["missing_days"] == []
+    assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
+    assert summary[contracts.USER_SEQUENCE]["missing_days"] == []
 
-    table = read_table(root, build.USER_SEQUENCE_DS, D4)
-    assert table.schema.equals(USER_SEQUENCE)
+    table = read_table(root, contracts.USER_SEQUENCE, D4)
+    assert table.schema.equals(USER_SEQUENCE_SCHEMA)
     seqs = rows_by(table, "user_id")
     # User 1 in D3..D4: click 12 (D4 10:01), click 10 (D3 08:02), click 13 and closeup 10 (both D3 08:01,
     # pin 13 first); truncated to 3. Impressions and D2's repin/hide are not there.
@@ -252,14 +253,14 @@ def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
     incremental = {}
     for day in DAYS:
         summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
-        assert summary[build.USER_SEQUENCE_DS]["mode"] == ("full" if day == D1 else "incremental")
-        incremental[day] = read_table(root, build.USER_SEQUENCE_DS, day)
+        assert summary[contracts.USER_SEQUENCE]["mode"] == ("full" if day == D1 else "incremental")
+        incremental[day] = read_table(root, contracts.USER_SEQUENCE, day)
 
     for day in (D4, D3, D2):
-        shutil.rmtree(partition_path(root, build.USER_SEQUENCE_DS, build.shift_ds(day, -1)))
+        storage.remove_tree(partition(root, contracts.USER_SEQUENCE, build.shift_ds(day, -1)))
         summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
-        assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
-        assert read_table(root, build.USER_SEQUENCE_DS, day).equals(incremental[day]), day
+        assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
+        assert read_table(root, contracts.USER_SEQUENCE, day).equals(incremental[day]), day
 
     # D3 truncation dropped closeup 10 at the tie; D2's actions left the window at D4.
     assert rows_by(incremental[D4], "user_id")[1]["seq_pin_ids"] == [12, 10]
@@ -270,7 +271,7 @@ def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
 def test_sequences_recompute_when_parameters_change(root: Path) -> None:
     build.build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE)
     summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
-    assert summary[build.USER_SEQUENCE_DS]["mode"] == "full"
+    assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
 
 
 # --- examples -------------------------------------------------------------------------------------------
@@ -290,8 +291,8 @@ FEATURE_COLUMNS = [
 def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> None:
     build_all(root, window_days=2, sequence_length=3)
 
-    table = read_table(root, build.EXAMPLES_DS, D4)
-    assert table.schema.equals(EXAMPLES)
+    table = read_table(root, contracts.EXAMPLES, D4)
+    assert table.schema.equals(EXAMPLES_SCHEMA)
     assert table["impression_id"].to_pylist() == [19, 21, 22, 23]
     rows = rows_by(table, "impression_id")
     assert [rows[i]["click"] for i in (19, 21, 22, 23)] == [1, 0, 0, 0]
@@ -302,7 +303,7 @@ def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> 
     assert (ex["category"], ex["creator_id"]) == (120, 12000)
     assert (ex["u_impressions"], ex["u_clicks"], ex["u_repins"], ex["u_hides"]) == (4.0, 2.0, 1.0, 1.0)
     assert ex["u_ctr"] == pytest.approx(0.5)
-    p_window = rows_by(read_table(root, build.PIN_WINDOW_DS, D3), "pin_id")[12]
+    p_window = rows_by(read_table(root, contracts.PIN_WINDOW, D3), "pin_id")[12]
     assert ex["p_impressions"] == 1.0 and ex["p_hide_rate"] == pytest.approx(p_window["hide_rate"])
     # The sequence of D3 (D4's click on pin 12 at 10:01 is not in it).
     assert ex["seq_pin_ids"] == [10, 13, 10]
@@ -314,7 +315,7 @@ def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> 
     assert all(cold[f] == 0.0 for f in DENSE_FEATURES if f.startswith("u_"))
     assert cold["seq_pin_ids"] == [] and cold["seq_age_hours"] == []
 
-    meta = read_metadata(root, build.EXAMPLES_DS, D4)
+    meta = read_metadata(root, contracts.EXAMPLES, D4)
     assert meta["missing_inputs"] == [] and meta["features_ds"] == D3
     assert meta["global_rates_source"] == f"features/pin_window/ds={D3}"
 
@@ -322,8 +323,8 @@ def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> 
 @pytest.mark.unit
 def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
     build_all(root, window_days=2, sequence_length=3)
-    before = read_table(root, build.EXAMPLES_DS, D4)
-    features_d3 = {d: read_table(root, d, D3) for d in (build.USER_WINDOW_DS, build.USER_SEQUENCE_DS)}
+    before = read_table(root, contracts.EXAMPLES, D4)
+    features_d3 = {d: read_table(root, d, D3) for d in (contracts.USER_WINDOW, contracts.USER_SEQUENCE)}
 
     # An extra click of user 2 on pin 10 during D4, before impression 21 (11:00) and under its id.
     write_events(root, D4, extra=[(24, 21, 2, 10, "click", D4, "10:30")])
@@ -332,7 +333,7 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
     for dataset, table in features_d3.items():
         assert read_table(root, dataset, D3).equals(table)
-    after = read_table(root, build.EXAMPLES_DS, D4)
+    after = read_table(root, contracts.EXAMPLES, D4)
     assert after.select(["impression_id", *FEATURE_COLUMNS]).equals(before.select(["impression_id", *FEATURE_COLUMNS]))
     assert rows_by(after, "impression_id")[21]["click"] == 1
     assert rows_by(before, "impression_id")[21]["click"] == 0
@@ -340,7 +341,7 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
 @pytest.mark.unit
 def test_examples_without_previous_features_use_priors_and_record_missing(root: Path) -> None:
-    summary = build.build_examples(root, D1, engine=ENGINE)[build.EXAMPLES_DS]
+    summary = build.build_examples(root, D1, engine=ENGINE)[contracts.EXAMPLES]
     prev = "2023-12-31"
     assert summary["missing_inputs"] == [
         f"features/user_window/ds={prev}",
@@ -348,8 +349,8 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
         f"features/user_sequence/ds={prev}",
     ]
     assert summary["global_rates_source"] == "defaults"
-    table = read_table(root, build.EXAMPLES_DS, D1)
-    assert table.schema.equals(EXAMPLES)
+    table = read_table(root, contracts.EXAMPLES, D1)
+    assert table.schema.equals(EXAMPLES_SCHEMA)
     assert set(table["p_ctr"].to_pylist()) == {build.DEFAULT_GLOBAL_RATES["ctr"]}
     assert set(map(len, table["seq_pin_ids"].to_pylist())) == {0}
     assert table["click"].to_pylist() == [1, 1, 0, 1]
@@ -358,15 +359,15 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
 @pytest.mark.unit
 def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) -> None:
     positives = {1, 3, 6}  # D1 impressions with a click; impression 5 is the only negative
-    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE)[build.EXAMPLES_DS]
-    assert set(read_table(root, build.EXAMPLES_DS, D1)["impression_id"].to_pylist()) == positives
+    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE)[contracts.EXAMPLES]
+    assert set(read_table(root, contracts.EXAMPLES, D1)["impression_id"].to_pylist()) == positives
     assert zero["negative_downsample"] == 0.0 and zero["impressions"] == 4 and zero["rows"] == 3
 
     for seed in (0, 1, 2, 3):
         build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
-        first = read_table(root, build.EXAMPLES_DS, D1)
+        first = read_table(root, contracts.EXAMPLES, D1)
         build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
-        assert read_table(root, build.EXAMPLES_DS, D1).equals(first)
+        assert read_table(root, contracts.EXAMPLES, D1).equals(first)
         digest = hashlib.md5(f"{seed}:5".encode()).hexdigest()
         kept_5 = int(digest[:13], 16) / 2**52 < 0.5
         assert set(first["impression_id"].to_pylist()) == positives | ({5} if kept_5 else set())
@@ -387,5 +388,5 @@ def test_missing_events_partition_names_the_day(root: Path) -> None:
 def test_cli_prints_summary_and_exits_data_on_missing_input(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert build.main(["--root", str(root), "--ds", D1, "--step", "daily"]) == 0
     assert '"features/user_daily"' in capsys.readouterr().out
-    assert build.main(["--root", str(root), "--ds", "2024-02-01"]) == build.EXIT_DATA
+    assert build.main(["--root", str(root), "--ds", "2024-02-01"]) == ExitCode.DATA
     assert "ds=2024-02-01" in capsys.readouterr().err

@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from core import contracts, storage
+from core.contracts import EVENTS_SCHEMA
+from core.storage import MARKER, day_range, partition, read_metadata, read_table, shift_ds, write_table
 from features import build
-from features.contracts import EVENTS
-from features.storage import MARKER, day_range, partition_path, read_metadata, read_table, shift_ds, write_table
 from features.synthetic import WorldConfig, generate_world
 
 START = "2026-03-01"
@@ -26,8 +27,8 @@ BUILT = [d for d in DAYS if d != GAP]
 # A short window and short sequences, so that the window drop and the truncation both happen.
 PARAMS = {"window_days": 3, "sequence_length": 6, "negative_downsample": 0.5, "seed": 11}
 ENGINE = build.DuckDBSettings(threads=1, memory_limit="512MB")
-RAW = (build.RAW_EVENTS, build.RAW_PINS, "raw/users")
-OUTPUTS = build.OUTPUTS
+RAW = (contracts.RAW_EVENTS, contracts.RAW_PINS, "raw/users")
+OUTPUTS = contracts.FEATURE_OUTPUTS
 
 
 def copy_raw(source: Path, target: Path) -> Path:
@@ -41,7 +42,7 @@ def raw_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("world")
     generate_world(root, WorldConfig(start=START, days=len(DAYS), users=60, pins=80, seed=5, active_rate=0.9))
     for dataset in (*RAW, "truth"):
-        shutil.rmtree(partition_path(root, dataset, GAP))
+        storage.remove_tree(partition(root, dataset, GAP))
     return root
 
 
@@ -83,23 +84,23 @@ def test_daily_outputs_equal_full_recompute_from_raw(raw_world: Path, daily_root
         incremental, full = read_table(daily_root, dataset, day), read_table(tmp_path, dataset, day)
         assert incremental.num_rows > 0, (dataset, day)
         assert incremental.equals(full), f"{dataset} ds={day}: incremental != full recompute"
-    for dataset in (build.USER_WINDOW_DS, build.USER_SEQUENCE_DS, build.EXAMPLES_DS):
+    for dataset in (contracts.USER_WINDOW, contracts.USER_SEQUENCE, contracts.EXAMPLES):
         assert read_metadata(daily_root, dataset, day)["missing_days"] == read_metadata(tmp_path, dataset, day)["missing_days"]
 
 
 @pytest.mark.unit
 def test_incremental_path_was_taken_and_gap_is_named(daily_root: Path) -> None:
-    seq = {d: read_metadata(daily_root, build.USER_SEQUENCE_DS, d) for d in BUILT}
+    seq = {d: read_metadata(daily_root, contracts.USER_SEQUENCE, d) for d in BUILT}
     assert [seq[d]["mode"] for d in BUILT] == ["full", "incremental", "incremental", "full", "incremental", "incremental"]
     # The gap stays named while it lies in the 3-day window, then leaves it.
     assert [seq[d]["missing_days"] for d in DAYS[4:]] == [[GAP], [GAP], []]
-    window = {d: read_metadata(daily_root, build.USER_WINDOW_DS, d) for d in DAYS[4:]}
+    window = {d: read_metadata(daily_root, contracts.USER_WINDOW, d) for d in DAYS[4:]}
     assert [window[d]["missing_days"] for d in DAYS[4:]] == [[GAP], [GAP], []]
     assert all(window[d]["computed_from_raw"] == [] for d in DAYS[4:])  # daily partitions were there
     # The day after the gap has no features of the day before: priors, named in the metadata.
-    examples = read_metadata(daily_root, build.EXAMPLES_DS, DAYS[4])
-    assert examples["missing_inputs"] == [f"{d}/ds={GAP}" for d in (build.USER_WINDOW_DS, build.PIN_WINDOW_DS, build.USER_SEQUENCE_DS)]
-    later = read_metadata(daily_root, build.EXAMPLES_DS, DAYS[5])
+    examples = read_metadata(daily_root, contracts.EXAMPLES, DAYS[4])
+    assert examples["missing_inputs"] == [f"{d}/ds={GAP}" for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE)]
+    later = read_metadata(daily_root, contracts.EXAMPLES, DAYS[5])
     assert later["missing_inputs"] == [] and later["negative_downsample"] == 0.5 and later["negative_weight"] == 2.0
     assert later["rows"] < later["impressions"]
 
@@ -118,7 +119,7 @@ def feature_columns(table: pa.Table) -> list[str]:
 
 def perturb_day(root: Path, day: str) -> None:
     """Replace every engagement of ``day`` by others (each impression clicked and repinned one second later)."""
-    events = read_table(root, build.RAW_EVENTS, day)
+    events = read_table(root, contracts.RAW_EVENTS, day)
     impressions = events.filter(pc.equal(events["action"], "impression"))
     engagements = []
     for k, action in enumerate(("click", "repin")):
@@ -132,9 +133,9 @@ def perturb_day(root: Path, day: str) -> None:
                 "ts",
                 pc.add(impressions["ts"], pa.scalar(dt.timedelta(seconds=1 + k), pa.duration("us"))),
             )
-            .cast(EVENTS)
+            .cast(EVENTS_SCHEMA)
         )
-    write_table(root, build.RAW_EVENTS, day, pa.concat_tables([impressions, *engagements]))
+    write_table(root, contracts.RAW_EVENTS, day, pa.concat_tables([impressions, *engagements]))
 
 
 @pytest.mark.unit
@@ -142,11 +143,11 @@ def test_no_example_carries_information_from_its_own_day(daily_root: Path, tmp_p
     day = DAYS[5]
     root = tmp_path / "root"
     shutil.copytree(daily_root, root)
-    before = read_table(root, build.EXAMPLES_DS, day)
+    before = read_table(root, contracts.EXAMPLES, day)
 
     perturb_day(root, day)
     build.build_day(root, day, engine=ENGINE, **PARAMS)
-    after = read_table(root, build.EXAMPLES_DS, day)
+    after = read_table(root, contracts.EXAMPLES, day)
 
     # Every label changed meaning (all clicked and repinned now), every feature stayed exactly the same.
     kept = pc.is_in(before["impression_id"], after["impression_id"])
@@ -155,7 +156,7 @@ def test_no_example_carries_information_from_its_own_day(daily_root: Path, tmp_p
     assert same.select(feature_columns(same)).equals(before.select(feature_columns(before)))
     assert pc.all(pc.equal(after["click"], 1)).as_py() and pc.all(pc.equal(after["repin"], 1)).as_py()
     # And the day's own features (of ds, used by ds+1) did change: the perturbation was seen where it belongs.
-    assert not read_table(root, build.USER_WINDOW_DS, day).equals(read_table(daily_root, build.USER_WINDOW_DS, day))
+    assert not read_table(root, contracts.USER_WINDOW, day).equals(read_table(daily_root, contracts.USER_WINDOW, day))
 
     # Every action in a sequence happened before the day started.
     day_start = dt.datetime.fromisoformat(f"{day}T00:00:00+00:00")

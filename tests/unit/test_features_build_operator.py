@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
+from core import config
+from core.config import FeaturesConfig, PlatformConfig
+from core.failures import ConfigError, DataError, FailureClass
 from features import build
-from operators import config
-from operators.errors import DataFailure
 from operators.features import FeatureBuildOperator
 
 SETTINGS = {
@@ -26,8 +27,8 @@ SETTINGS = {
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
     recorded: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-    monkeypatch.setattr(config, "section", lambda name: dict(SETTINGS))
-    monkeypatch.setattr(config, "storage_root", lambda: "/data")
+    platform = PlatformConfig(storage_root="/data", features=FeaturesConfig(**SETTINGS))
+    monkeypatch.setattr(config, "load", lambda: platform)
     for name in ("build_daily", "build_window", "build_sequences", "build_examples"):
         def fake(*args: Any, _name: str = name, **kwargs: Any) -> dict[str, Any]:
             recorded.append((_name, args, kwargs))
@@ -58,5 +59,13 @@ def test_missing_input_is_a_data_failure(monkeypatch: pytest.MonkeyPatch, calls:
         raise build.MissingInputError("required input raw/events for ds=2026-11-02 is missing")
 
     monkeypatch.setattr(build, "build_daily", missing)
-    with pytest.raises(DataFailure, match="daily for ds=2026-11-02.*raw/events"):
+    with pytest.raises(DataError, match="raw/events for ds=2026-11-02"):
         FeatureBuildOperator(task_id="daily", step="daily", ds="2026-11-02").execute({})  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
+def test_a_bad_param_fails_as_user_error_naming_it(calls: list[Any]) -> None:
+    op = FeatureBuildOperator(task_id="examples", step="examples", ds="2026-11-02", overrides={"negative_downsample": 5})
+    with pytest.raises(ConfigError, match="the run's params: features.negative_downsample = 5: .*less than or equal to 1") as err:
+        op.execute({})  # type: ignore[arg-type]
+    assert err.value.failure_class is FailureClass.USER and not calls

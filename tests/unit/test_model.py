@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from features.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS
-from training.config import ConfigError, RunConfig, fields_help
+from core.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS
+from core.failures import ConfigError, DataError, ExitCode, NanLossError, exit_code_for
+from training.config import RunConfig, fields_help
 from training.data import ExampleStream, PinEmbeddings, balance, example_units
 from training.evaluate import auc, evaluate
-from training.failures import DataError, ExitCode, NanLossError
 from training.model import ModelConfig, PinRanker, hash_ids, multitask_loss
-from training.runtime import exit_code_for
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.unit
@@ -391,7 +390,7 @@ def test_match_features_see_the_candidate_category_in_the_sequence():
     batch["category"] = torch.tensor([3, 99])
     batch["seq_categories"] = torch.where(batch["seq_mask"], 3, -1)
     feats = model.match_features(batch)
-    from features.contracts import ACTIONS
+    from core.contracts import ACTIONS
 
     a = len(ACTIONS)
     same_count = feats[:, 3 * a : 4 * a].sum(1)

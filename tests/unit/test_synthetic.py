@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from features import contracts, storage
+from core import contracts, storage
 from features.synthetic import DATASETS, WorldConfig, generate_world, main
 
 SMALL = WorldConfig(start="2026-11-01", days=3, users=200, pins=300, categories=6, seed=11)

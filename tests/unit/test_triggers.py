@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from core.failures import FailureClass
 from operators.backends import JobState, JobStatus
 from operators.triggers import ComputeJobTrigger
-from training.failures import FailureClass
 
 
 def make(**change):

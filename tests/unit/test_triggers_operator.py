@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from core.failures import FailureClass, InfraError, UserError
 from operators.backends import JobState, JobStatus
-from operators.errors import InfraFailure, UserFailure
 from operators.training import DistributedTrainingOperator
-from training.failures import FailureClass
 
 
 class Backend:
@@ -70,9 +69,9 @@ class TI:
 @pytest.fixture
 def backend(monkeypatch):
     fake = Backend()
-    monkeypatch.setattr("operators.backends.get_backend", lambda name, home=None, cfg=None: fake)
+    monkeypatch.setattr("operators.backends.get_backend", lambda name, cfg=None, home=None: fake)
     monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend: None)
-    monkeypatch.setattr("training.storage_io.write_json", lambda path, payload: None)
+    monkeypatch.setattr("core.storage.write_json", lambda path, payload: None)
     return fake
 
 
@@ -132,11 +131,11 @@ def test_events_are_rechecked_and_classified(backend):
     kwargs, context = run(operator(), 1, store)
     event = {k: kwargs[k] for k in ("backend", "job_id", "output_dir")}
     backend.jobs[kwargs["job_id"]] = JobState.FAILED
-    with pytest.raises(UserFailure, match="code 76"):
+    with pytest.raises(UserError, match="code 76"):
         operator().execute_complete(context, {**event, "state": "FAILED"})
     assert "training_job" not in store  # ended: a retry submits anew
     store.set("training_job", event)
-    with pytest.raises(InfraFailure, match="no progress"):
+    with pytest.raises(InfraError, match="no progress"):
         operator().execute_complete(context, {**event, "state": "STALLED", "reason": "made no progress for 300s"})
     assert "training_job" not in store
 
@@ -147,3 +146,26 @@ def test_on_kill_cancels_the_job_it_waits_for(backend):
     op._remember({"ti": TI(1)}, {"backend": "local", "job_id": "j1", "output_dir": "/o"})
     op.on_kill()
     assert backend.cancelled == ["j1"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"team": "search"}, "team 'search' is not under teams:"),
+        ({"overrides": {"lr": -1.0}}, "RUN.json of train-"),
+        ({"overrides": {"strategy": "zero3"}}, "strategy: 'zero3' is not one of 'ddp', 'fsdp'"),
+        ({"procs_per_node": 0}, "procs_per_node=0"),
+    ],
+)
+def test_a_bad_setting_fails_at_once_as_user_error_before_submitting(backend, change, says):
+    """An unknown team or a bad param is USER (no retry) and nothing is submitted."""
+    from core.failures import ConfigError
+
+    op = operator()
+    for name, value in change.items():
+        setattr(op, name, value)
+    with pytest.raises(ConfigError, match=says) as err:
+        op.execute({"ti": TI(1), "task_state_store": Store()})  # type: ignore[arg-type]
+    assert err.value.failure_class is FailureClass.USER
+    assert backend.submitted == []

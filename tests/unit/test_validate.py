@@ -1,4 +1,4 @@
-"""The raw-data validation gate: features/validate.py."""
+"""The raw-data validation gate: features/validate.py (the command) and features/validation/ (its stages)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ import datetime as dt
 import json
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from features import contracts, storage, validate
+from core import config, contracts, storage
+from core.config import ValidationConfig
+from features import validate
+from features.validation import history
 
 pytestmark = pytest.mark.unit
 
@@ -19,12 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 DS = "2024-05-01"
 START = dt.datetime(2024, 5, 1, tzinfo=dt.UTC)
 N = 12
+CONFIG = ValidationConfig()
 
 
-def events_table(n: int = N, schema: pa.Schema = contracts.EVENTS, **overrides: list) -> pa.Table:
+def events_table(n: int = N, schema: pa.Schema = contracts.EVENTS_SCHEMA, **overrides: list) -> pa.Table:
     """``n`` valid events of DS, the first and last microsecond of the day included: every third row is an
     impression, the two after it are engagements of the same user and pin that reference it."""
-    ts = [START + dt.timedelta(hours=i) for i in range(n)]
+    ts = [START + dt.timedelta(minutes=i) for i in range(n)]
     if n:
         ts[-1] = START + dt.timedelta(days=1, microseconds=-1)
     columns = {
@@ -49,7 +55,7 @@ def pins_table(n: int = N) -> pa.Table:
             "creator_id": [1 + i % 2 for i in range(n)],
             "created_at": [START - dt.timedelta(days=i) for i in range(n)],
         },
-        schema=contracts.PINS,
+        schema=contracts.PINS_SCHEMA,
     )
 
 
@@ -60,7 +66,7 @@ def users_table(n: int = N) -> pa.Table:
             "country": ["US" if i % 2 else "FR" for i in range(n)],
             "created_at": [START - dt.timedelta(days=i) for i in range(n)],
         },
-        schema=contracts.USERS,
+        schema=contracts.USERS_SCHEMA,
     )
 
 
@@ -69,8 +75,22 @@ def nullable(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.with_nullable(True) for f in schema])
 
 
-def write(root: Path, dataset: str, table: pa.Table) -> Path:
-    return storage.write_table(root, f"raw/{dataset}", DS, table)
+def write(root: Path | str, dataset: str, table: pa.Table, ds: str = DS) -> str:
+    return storage.write_table(root, f"raw/{dataset}", ds, table)
+
+
+def validate_partition(root: Path | str, dataset: str, ds: str = DS, **kwargs) -> validate.ValidationReport:
+    """``validate_partition`` with the default thresholds; Data Docs only where asked for (they take time)."""
+    kwargs.setdefault("data_docs", False)
+    return validate.validate_partition(root, dataset, ds, config=CONFIG, **kwargs)
+
+
+def data_file(root: Path, dataset: str = "raw/events") -> Path:
+    return Path(storage.partition(root, dataset, DS)) / storage.DATA_FILE
+
+
+def marker(root: Path, dataset: str = "raw/events") -> Path:
+    return Path(storage.partition(root, dataset, DS)) / storage.MARKER
 
 
 def statuses(report: validate.ValidationReport) -> dict[str, str]:
@@ -85,7 +105,7 @@ def check(report: validate.ValidationReport, name: str) -> validate.Check:
     return next(c for c in report.checks if c.name == name)
 
 
-def write_day(root: Path) -> None:
+def write_day(root: Path | str) -> None:
     """A good day of all three datasets: the events reference the pins and users."""
     write(root, "events", events_table())
     write(root, "pins", pins_table())
@@ -105,13 +125,13 @@ def good_events(tmp_path: Path) -> Path:
 def test_good_partition_passes_every_check(tmp_path: Path, dataset: str, make) -> None:
     write_day(tmp_path)
 
-    report = validate.validate_partition(tmp_path, dataset, DS, data_docs=dataset == "events")
+    report = validate_partition(tmp_path, dataset, data_docs=dataset == "events")
 
     assert report.success, report.failure_message()
     assert set(statuses(report).values()) == {"passed"}
     assert [c.name for c in report.checks] == validate.check_names(dataset)
     assert report.rows == N
-    assert report.report_path == tmp_path / "reports/validation" / dataset / f"ds={DS}" / "result.json"
+    assert report.report_path == str(tmp_path / "reports/validation" / dataset / f"ds={DS}" / "result.json")
     summary = report.summary()
     assert {k: summary[k] for k in ("dataset", "ds", "success", "rows", "failed_checks", "quarantine")} == {
         "dataset": dataset,
@@ -121,16 +141,16 @@ def test_good_partition_passes_every_check(tmp_path: Path, dataset: str, make) -
         "failed_checks": [],
         "quarantine": None,
     }
-    assert summary["report_path"] == str(report.report_path)
+    assert summary["report_path"] == report.report_path
     assert summary["warnings"] and "min_history_days" in summary["warnings"][0]  # the first day: no history
-    assert (report.report_path.parent / "profile.json").exists()
+    assert (Path(report.folder) / "profile.json").exists()
     assert report.failure_message() == ""
 
 
 def test_report_json_lists_every_check_with_observed_values(good_events: Path) -> None:
-    report = validate.validate_partition(good_events, "raw/events", DS)
+    report = validate_partition(good_events, "raw/events", data_docs=True)
 
-    payload = json.loads(report.report_path.read_text())
+    payload = json.loads(Path(report.report_path).read_text())
     assert payload["success"] is True
     assert payload["dataset"] == "events" and payload["ds"] == DS and payload["rows"] == N
     assert [c["name"] for c in payload["checks"]] == validate.check_names("events")
@@ -141,14 +161,14 @@ def test_report_json_lists_every_check_with_observed_values(good_events: Path) -
     assert by_name["table.row_count"]["observed"] == N
     assert by_name["ts.in_partition_day"]["expected"]["min_value"] == START.isoformat()
     assert by_name["action.in_set"]["expected"]["value_set"] == list(contracts.ACTIONS)
-    out = report.report_path.parent
+    out = Path(report.folder)
     assert "ts.in_partition_day" in (out / "index.html").read_text()
     assert (out / "data_docs" / "index.html").exists()  # the GX Data Docs site of the run
-    assert not list(out.glob(".*"))  # no temporary leftovers
+    assert not list(out.glob(".*")) and not list(out.parent.glob(".*"))  # no temporary leftovers
 
 
 def test_check_names_match_the_suite() -> None:
-    suite = validate.build_suite("events", DS)
+    suite = validate.build_suite("events", DS, config=CONFIG)
 
     assert [(e.meta or {})["check"] for e in suite.expectations] == validate.suite_check_names("events")
     assert {
@@ -173,7 +193,7 @@ def test_check_names_match_the_suite() -> None:
 def test_missing_column(tmp_path: Path) -> None:
     write(tmp_path, "events", events_table().drop_columns(["surface"]))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["schema.columns", "table.columns_match_set"]
     assert check(report, "schema.columns").observed == {"missing": ["surface"], "unexpected": []}
@@ -182,12 +202,12 @@ def test_missing_column(tmp_path: Path) -> None:
 
 
 def test_wrong_type_of_a_column(tmp_path: Path) -> None:
-    schema = contracts.EVENTS.set(
-        contracts.EVENTS.get_field_index("user_id"), pa.field("user_id", pa.string(), nullable=False)
+    schema = contracts.EVENTS_SCHEMA.set(
+        contracts.EVENTS_SCHEMA.get_field_index("user_id"), pa.field("user_id", pa.string(), nullable=False)
     )
     write(tmp_path, "events", events_table(schema=schema, user_id=[str(u) for u in events_table()["user_id"].to_pylist()]))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["schema.types"]
     types = check(report, "schema.types")
@@ -200,9 +220,9 @@ def test_wrong_type_of_a_column(tmp_path: Path) -> None:
 def test_null_user_id(tmp_path: Path) -> None:
     user_ids: list[int | None] = events_table()["user_id"].to_pylist()
     user_ids[4] = None  # an engagement
-    write(tmp_path, "events", events_table(schema=nullable(contracts.EVENTS), user_id=user_ids))
+    write(tmp_path, "events", events_table(schema=nullable(contracts.EVENTS_SCHEMA), user_id=user_ids))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["user_id.not_null"]
     assert check(report, "user_id.not_null").observed["unexpected_count"] == 1
@@ -213,7 +233,7 @@ def test_unknown_action(tmp_path: Path) -> None:
     actions[5] = "like"  # an engagement
     write(tmp_path, "events", events_table(action=actions))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["action.in_set"]
     assert check(report, "action.in_set").observed["examples"] == ["like"]
@@ -225,7 +245,7 @@ def test_ts_from_another_day(tmp_path: Path) -> None:
     ts[2] = START + dt.timedelta(days=1)  # the first microsecond of the next day is outside
     write(tmp_path, "events", events_table(ts=ts))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["ts.in_partition_day"]
     assert check(report, "ts.in_partition_day").observed["unexpected_count"] == 1
@@ -236,7 +256,7 @@ def test_duplicated_event_id(tmp_path: Path) -> None:
     ids[8] = ids[7]  # two engagements share an id
     write(tmp_path, "events", events_table(event_id=ids))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["event_id.unique"]
     assert 8 in check(report, "event_id.unique").observed["examples"]
@@ -246,46 +266,46 @@ def test_duplicated_pin_id(tmp_path: Path) -> None:
     table = pins_table()
     write(tmp_path, "pins", table.set_column(0, "pin_id", pa.array([1] * N, pa.int64())))
 
-    report = validate.validate_partition(tmp_path, "pins", DS, data_docs=False)
+    report = validate_partition(tmp_path, "pins")
 
     assert failed(report) == ["pin_id.unique"]
 
 
 def test_truncated_parquet_file(good_events: Path) -> None:
-    data = storage.partition_path(good_events, "raw/events", DS) / storage.DATA_FILE
+    data = data_file(good_events)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
-    report = validate.validate_partition(good_events, "events", DS)
+    report = validate_partition(good_events, "events", data_docs=True)
 
     assert failed(report) == ["files.readable"]
     assert str(data) in check(report, "files.readable").details
     assert str(data) in report.failure_message()
     assert report.rows is None
     assert {statuses(report)[n] for n in validate.suite_check_names("events")} == {"skipped"}
-    assert [c["name"] for c in json.loads(report.report_path.read_text())["checks"]] == validate.check_names("events")
+    assert [c["name"] for c in json.loads(Path(report.report_path).read_text())["checks"]] == validate.check_names("events")
 
 
 def test_missing_marker(good_events: Path) -> None:
-    (storage.partition_path(good_events, "raw/events", DS) / storage.MARKER).unlink()
+    marker(good_events).unlink()
 
-    report = validate.validate_partition(good_events, "events", DS, data_docs=False)
+    report = validate_partition(good_events, "events")
 
     assert failed(report) == ["partition.marker"]
     assert storage.MARKER in check(report, "partition.marker").details
-    assert report.report_path.exists()
+    assert Path(report.report_path).exists()
 
 
 def test_missing_partition(tmp_path: Path) -> None:
-    report = validate.validate_partition(tmp_path, "users", DS, data_docs=False)
+    report = validate_partition(tmp_path, "users")
 
     assert failed(report) == ["partition.marker"]
     assert "does not exist" in check(report, "partition.marker").details
 
 
 def test_empty_partition_without_files(good_events: Path) -> None:
-    (storage.partition_path(good_events, "raw/events", DS) / storage.DATA_FILE).unlink()
+    data_file(good_events).unlink()
 
-    report = validate.validate_partition(good_events, "events", DS, data_docs=False)
+    report = validate_partition(good_events, "events")
 
     assert failed(report) == ["partition.files"]
 
@@ -293,7 +313,7 @@ def test_empty_partition_without_files(good_events: Path) -> None:
 def test_empty_partition_without_rows(tmp_path: Path) -> None:
     write(tmp_path, "events", events_table(n=0))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     assert failed(report) == ["table.row_count"]
     assert check(report, "table.row_count").observed == 0
@@ -303,31 +323,32 @@ def test_failure_message_names_partition_checks_and_fix(tmp_path: Path) -> None:
     ids = [1] * N
     write(tmp_path, "events", events_table(event_id=ids, impression_id=ids, action=["like"] * N))
 
-    report = validate.validate_partition(tmp_path, "events", DS, data_docs=False)
+    report = validate_partition(tmp_path, "events")
 
     message = report.failure_message()
     assert f"raw/events partition ds={DS}" in message
     assert "event_id.unique" in message and "action.in_set" in message
     assert f"{N} of {N} rows" in message
-    assert str(report.report_path) in message
+    assert report.report_path in message
     assert "replace the partition" in message and "clear this task" in message
     assert report.summary()["failed_checks"] == ["event_id.unique", "action.in_set", "engagement.has_impression"]
     json.dumps(report.summary())
 
 
 def test_rerun_replaces_the_report(good_events: Path) -> None:
-    assert validate.validate_partition(good_events, "events", DS).success
-    (storage.partition_path(good_events, "raw/events", DS) / storage.MARKER).unlink()
+    assert validate_partition(good_events, "events", data_docs=True).success
+    marker(good_events).unlink()
 
-    report = validate.validate_partition(good_events, "events", DS)
+    report = validate_partition(good_events, "events", data_docs=True)
 
-    assert json.loads(report.report_path.read_text())["success"] is False
-    assert not (report.report_path.parent / "data_docs").exists()  # no stale docs of the good run
+    assert json.loads(Path(report.report_path).read_text())["success"] is False
+    assert not (Path(report.folder) / "data_docs").exists()  # no stale docs of the good run
+    assert not (Path(report.folder) / "profile.json").exists()  # nor its profile
 
 
 def test_unknown_dataset_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown raw dataset 'clicks'"):
-        validate.validate_partition(tmp_path, "clicks", DS)
+        validate_partition(tmp_path, "clicks")
 
 
 # --- command line -----------------------------------------------------------------------------------
@@ -349,7 +370,7 @@ def test_cli_passes_with_exit_0_and_prints_the_report_path(good_events: Path) ->
 
 
 def test_cli_fails_with_exit_2_and_prints_the_report_path(good_events: Path, capsys) -> None:
-    (storage.partition_path(good_events, "raw/events", DS) / storage.MARKER).unlink()
+    marker(good_events).unlink()
 
     code = validate.main(["events", "--root", str(good_events), "--ds", DS])
 
@@ -381,3 +402,114 @@ def test_module_import_is_cheap() -> None:
 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_cli_takes_its_thresholds_from_the_platform_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A day at 1.065x the trailing median passes the default volume band and fails a tighter configured one,
+    as the DAG's validation task would judge it."""
+    write_day(tmp_path)
+    write(tmp_path, "events", events_table(n=213))
+    trailing = history.profile_table("events", events_table(n=200))
+    for back in (1, 2, 3):
+        folder = Path(validate.report_dir(tmp_path, "events", storage.shift_ds(DS, -back)))
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({"success": True}))
+        (folder / "profile.json").write_text(json.dumps(trailing))
+    argv = ["events", "--root", str(tmp_path), "--ds", DS, "--no-data-docs"]
+    config.load.cache_clear()
+    try:
+        assert validate.main(argv) == 0, capsys.readouterr().out
+        monkeypatch.setenv("PINFLOW_VALIDATION__VOLUME_MIN_RATIO", "0.999")
+        monkeypatch.setenv("PINFLOW_VALIDATION__VOLUME_MAX_RATIO", "1.001")
+        config.load.cache_clear()
+
+        code = validate.main(argv)
+
+        out = capsys.readouterr().out
+        assert code == 2, out
+        assert "history.volume: 213 rows is 1.06x the median of the 3 trailing days (200)" in out
+        assert "expected between 0.999x and 1.001x" in out
+        monkeypatch.setenv("PINFLOW_VALIDATION__VOLUME_MAX_RATIO", "0.9")  # not a valid band: a tool error
+        config.load.cache_clear()
+        assert validate.main(argv) == 1
+        assert "validation.volume_max_ratio" in capsys.readouterr().err
+    finally:
+        config.load.cache_clear()
+
+
+# --- an object-store root (fsspec's in-process memory filesystem: the code path of s3://) ---------------
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    root = f"memory://pinflow-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    storage.remove_tree(root)
+
+
+def test_validation_on_an_object_store_passes_and_writes_the_report_there(memory_root: str) -> None:
+    write_day(memory_root)
+
+    report = validate_partition(memory_root, "events", data_docs=True)
+
+    assert report.success, report.failure_message()
+    assert report.report_path == storage.join(validate.report_dir(memory_root, "events", DS), "result.json")
+    assert report.report_path.startswith("memory://")
+    assert storage.read_json(report.report_path)["success"] is True
+    assert set(storage.list_names(report.folder)) == {"result.json", "index.html", "profile.json", "data_docs"}
+    assert report.data_docs_path == storage.join(report.folder, "data_docs", "index.html")
+    assert "<html" in storage.read_text(report.data_docs_path).lower()  # GX's site, copied from a local folder
+
+
+def test_validation_on_an_object_store_fails_and_quarantines(memory_root: str) -> None:
+    write_day(memory_root)
+    assert validate_partition(memory_root, "events").success  # a first run's report, replaced below
+    actions = events_table()["action"].to_pylist()
+    actions[5] = "like"
+    part = write(memory_root, "events", events_table(action=actions))
+
+    report = validate_partition(memory_root, "events", quarantine=True)
+
+    assert failed(report) == ["action.in_set"]
+    assert not storage.is_complete(memory_root, "raw/events", DS) and not storage.is_dir(part)
+    record = report.quarantine
+    assert record is not None and record.startswith(storage.join(memory_root, "quarantine", "events", f"ds={DS}"))
+    assert storage.list_names(storage.join(record, "data")) == [storage.MARKER, storage.DATA_FILE]
+    assert storage.read_json(storage.join(record, "report", "result.json"))["failed_checks"] == ["action.in_set"]
+    assert storage.read_json(storage.join(record, "QUARANTINE.json"))["source"] == part
+    result = storage.read_json(report.report_path)
+    assert result["success"] is False and result["quarantine"] == record
+    assert storage.is_complete(memory_root, "raw/pins", DS)  # the other partitions stay
+
+
+def test_quarantine_removes_the_marker_before_moving_anything(memory_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an object store a move is a copy then a delete: readers must stop seeing the partition first."""
+    from features.validation import report as report_module
+
+    part = write(memory_root, "users", users_table())
+    seen: list[bool] = []
+    move_tree = storage.move_tree
+
+    def watched_move(source: str, target: str) -> None:
+        seen.append(storage.is_complete(memory_root, "raw/users", DS))
+        move_tree(source, target)
+
+    monkeypatch.setattr(report_module.storage, "move_tree", watched_move)
+
+    record = report_module.quarantine_partition(memory_root, "users", DS)
+
+    assert seen == [False]
+    assert storage.exists(storage.join(record, "data", storage.MARKER)) and not storage.is_dir(part)
+
+
+def test_cli_accepts_a_url_root(memory_root: str, capsys: pytest.CaptureFixture[str]) -> None:
+    write_day(memory_root)
+
+    code = validate.main(["users", "--root", memory_root, "--ds", DS, "--no-data-docs"])
+
+    assert code == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == storage.join(
+        validate.report_dir(memory_root, "users", DS), "result.json"
+    )

@@ -14,9 +14,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from features import contracts, storage, validate
-from features.history import quarantine_records
+from core import contracts, storage
+from core.config import ValidationConfig
+from features import validate
 from features.synthetic import WorldConfig, generate_world
+from features.validation.report import quarantine_records
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +26,16 @@ DAYS = 30
 WORLD = WorldConfig(start="2026-11-01", days=DAYS, users=120, pins=150, seed=11)
 LAST = WORLD.day_list[-1]
 DATASETS = ("events", "pins", "users")
+CONFIG = ValidationConfig()
+
+
+def validate_partition(root: Path, dataset: str, ds: str = LAST) -> validate.ValidationReport:
+    """As the daily DAG runs it by default: quarantine on, default thresholds (no Data Docs: they take time)."""
+    return validate.validate_partition(root, dataset, ds, config=CONFIG, data_docs=False, quarantine=True)
+
+
+def partition(root: Path, dataset: str) -> Path:
+    return Path(storage.partition(root, f"raw/{dataset}", LAST))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, lis
     reports: dict[str, list[validate.ValidationReport]] = {d: [] for d in DATASETS}
     for ds in WORLD.day_list:
         for dataset in DATASETS:
-            reports[dataset].append(validate.validate_partition(root, dataset, ds, data_docs=False, quarantine=True))
+            reports[dataset].append(validate_partition(root, dataset, ds))
     from features import build
 
     build.build_daily(root, LAST)
@@ -179,12 +191,12 @@ def bad_country(root: Path) -> None:
 
 
 def truncated_file(root: Path) -> None:
-    data = storage.partition_path(root, "raw/events", LAST) / storage.DATA_FILE
+    data = partition(root, "events") / storage.DATA_FILE
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
 
 def not_parquet(root: Path) -> None:
-    data = storage.partition_path(root, "raw/pins", LAST) / storage.DATA_FILE
+    data = partition(root, "pins") / storage.DATA_FILE
     data.write_text("pin_id,embedding\n1,[0.1]\n")
 
 
@@ -193,7 +205,7 @@ def empty_partition(root: Path) -> None:
 
 
 def no_data_files(root: Path) -> None:
-    (storage.partition_path(root, "raw/users", LAST) / storage.DATA_FILE).unlink()
+    (partition(root, "users") / storage.DATA_FILE).unlink()
 
 
 # name -> (dataset, corruption, the check that names it, other checks it may also fail)
@@ -232,12 +244,12 @@ def test_corruption_fails_its_check_and_is_quarantined(world, tmp_path: Path, na
     dataset, corrupt, expected, also = CORPUS[name]
     root = tmp_path / "root"
     shutil.copytree(world[0], root)
-    part = storage.partition_path(root, f"raw/{dataset}", LAST)
-    own = (part, validate.report_dir(root, dataset, LAST), root / "quarantine")
+    part = partition(root, dataset)
+    own = (part, Path(validate.report_dir(root, dataset, LAST)), root / "quarantine")
     corrupt(root)
     before = _digests(root, own)
 
-    report = validate.validate_partition(root, dataset, LAST, data_docs=False, quarantine=True)
+    report = validate_partition(root, dataset)
 
     failed = {c.name for c in report.failed_checks}
     assert expected in failed, report.failure_message()
@@ -245,8 +257,9 @@ def test_corruption_fails_its_check_and_is_quarantined(world, tmp_path: Path, na
     assert expected in report.failure_message() and f"ds={LAST}" in report.failure_message()
     # Quarantined: moved aside with its report and a record, never deleted.
     assert not part.exists()
-    [record] = quarantine_records(root, dataset, LAST)
-    assert report.quarantine == str(record)
+    [location] = quarantine_records(root, dataset, LAST)
+    assert report.quarantine == location
+    record = Path(location)
     assert (record / "data" / storage.MARKER).exists()
     assert json.loads((record / "report" / "result.json").read_text())["success"] is False
     assert expected in json.loads((record / "QUARANTINE.json").read_text())["failed_checks"]
@@ -265,15 +278,15 @@ def test_relanded_partition_validates_again_and_the_record_stays(world, tmp_path
     shutil.copytree(world[0], root)
     good = _events(root)
     volume_drop(root)
-    assert not validate.validate_partition(root, "events", LAST, data_docs=False, quarantine=True).success
+    assert not validate_partition(root, "events").success
     _write(root, "events", good)  # the data engineer lands the corrected partition
 
-    report = validate.validate_partition(root, "events", LAST, data_docs=False, quarantine=True)
+    report = validate_partition(root, "events")
 
     assert report.success, report.failure_message()
     [record] = quarantine_records(root, "events", LAST)
-    assert (record / "data" / storage.DATA_FILE).exists() and (record / "QUARANTINE.json").exists()
-    assert report.quarantine_history == [str(record)]
+    assert (Path(record) / "data" / storage.DATA_FILE).exists() and (Path(record) / "QUARANTINE.json").exists()
+    assert report.quarantine_history == [record]
     assert report.quarantine is None
 
 
@@ -281,10 +294,10 @@ def test_missing_marker_fails_but_is_not_moved(world, tmp_path: Path) -> None:
     """An incomplete partition may still be landing: it fails, and stays where its writer puts it."""
     root = tmp_path / "root"
     shutil.copytree(world[0], root)
-    part = storage.partition_path(root, "raw/events", LAST)
+    part = partition(root, "events")
     (part / storage.MARKER).unlink()
 
-    report = validate.validate_partition(root, "events", LAST, data_docs=False, quarantine=True)
+    report = validate_partition(root, "events")
 
     assert [c.name for c in report.failed_checks] == ["partition.marker"]
     assert part.exists() and report.quarantine is None
@@ -296,9 +309,9 @@ def test_events_pass_when_the_pins_snapshot_is_quarantined(world, tmp_path: Path
     root = tmp_path / "root"
     shutil.copytree(world[0], root)
     nan_embeddings(root)
-    assert not validate.validate_partition(root, "pins", LAST, data_docs=False, quarantine=True).success
+    assert not validate_partition(root, "pins").success
 
-    report = validate.validate_partition(root, "events", LAST, data_docs=False, quarantine=True)
+    report = validate_partition(root, "events")
 
     assert report.success, report.failure_message()
     ref = {c.name: c for c in report.checks}["pin_id.in_pins_snapshot"]

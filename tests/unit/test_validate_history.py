@@ -1,4 +1,4 @@
-"""History checks, settings and quarantine details of the validation gate (features/history.py)."""
+"""History checks, thresholds and quarantine details of the validation gate (features/validation/history.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import yaml
 
-from features import contracts, history, storage, validate
+from core import contracts, storage
+from core.config import ValidationConfig
+from features import validate
+from features.validation import history
+from features.validation.report import quarantine_records
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 MIX = {"impression": 0.83, "click": 0.09, "repin": 0.035, "hide": 0.025, "closeup": 0.02}
 
 
@@ -30,11 +32,11 @@ def profile(rows: int = 1000, mix: dict[str, float] | None = None, nulls: float 
 
 ROWS = (980, 1010, 1000, 990, 1020, 1000, 995)
 HISTORY = [(f"2024-04-{d:02d}", profile(rows)) for d, rows in zip(range(24, 31), ROWS, strict=True)]
-SETTINGS = history.ValidationSettings()
+CONFIG = ValidationConfig()
 
 
-def results(p: dict, hist: list = HISTORY, settings: history.ValidationSettings = SETTINGS) -> dict:
-    return {r.name: r for r in history.history_checks("events", "2024-05-01", p, hist, settings)}
+def results(p: dict, hist: list = HISTORY, config: ValidationConfig = CONFIG) -> dict:
+    return {r.name: r for r in history.history_checks("events", "2024-05-01", p, hist, config)}
 
 
 def test_a_normal_day_passes_every_history_check() -> None:
@@ -78,33 +80,45 @@ def test_psi() -> None:
     assert history.psi({"a": 1.0}, {"a": 0.5, "b": 0.5}) > 1.0  # an empty bucket: large and finite
 
 
-def test_settings_from_the_platform_config() -> None:
-    section = yaml.safe_load((REPO / "config" / "platform.yaml").read_text())["validation"]
-    settings = history.ValidationSettings.from_mapping(section)
-    assert settings.history_days == 7 and settings.min_referential_integrity == section["min_referential_integrity"]
-    assert section["on_window_gap"] in ("fail", "proceed")
-    with pytest.raises(ValueError, match="volume band"):
-        history.ValidationSettings.from_mapping({"volume_min_ratio": 1.5})
-    with pytest.raises(ValueError, match="min_history_days"):
-        history.ValidationSettings(history_days=2, min_history_days=3)
+def test_thresholds_are_the_configured_ones() -> None:
+    tight = ValidationConfig(volume_min_ratio=0.999, volume_max_ratio=1.001)
+    checks = results(profile(1065), config=tight)
+    assert checks["history.volume"].success is False
+    assert "expected between 0.999x and 1.001x" in checks["history.volume"].details
+    assert checks["history.volume"].expected == pytest.approx({"min_rows": 999.0, "max_rows": 1001.0})
+    assert results(profile(1065))["history.volume"].success  # the default band [0.5, 2]
+    checks = results(profile(1000), hist=HISTORY[:4], config=ValidationConfig(history_days=5, min_history_days=5))
+    assert all(c.details.startswith("warning:") and c.success for c in checks.values())
 
 
 def test_history_skips_days_that_failed(tmp_path: Path) -> None:
-    reports = tmp_path / "reports/validation"
     for day, ok in (("2024-04-29", True), ("2024-04-30", False)):
-        folder = reports / "events" / f"ds={day}"
+        folder = Path(validate.report_dir(tmp_path, "events", day))
         folder.mkdir(parents=True)
         (folder / "result.json").write_text(json.dumps({"success": ok}))
         (folder / history.PROFILE_FILE).write_text(json.dumps(profile()))
-    assert [d for d, _ in history.trailing_profiles(reports, "events", "2024-05-01", 7)] == ["2024-04-29"]
+    assert [d for d, _ in history.trailing_profiles(tmp_path, "events", "2024-05-01", 7)] == ["2024-04-29"]
+
+
+def test_history_reads_profiles_from_an_object_store() -> None:
+    root = "memory://pinflow-test-history"
+    try:
+        for day in ("2024-04-28", "2024-04-30"):
+            folder = validate.report_dir(root, "events", day)
+            storage.write_json(storage.join(folder, "result.json"), {"success": True})
+            storage.write_json(storage.join(folder, history.PROFILE_FILE), profile(rows=int(day[-2:])))
+        found = history.trailing_profiles(root, "events", "2024-05-01", 7)
+        assert [(d, p["rows"]) for d, p in found] == [("2024-04-28", 28), ("2024-04-30", 30)]
+    finally:
+        storage.remove_tree(root)
 
 
 def test_cli_quarantines_a_failed_partition(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     table = pa.table(
         {"user_id": [1, 2], "country": ["US", "usa"], "created_at": pa.array([0, 0], contracts.TS)},
-        schema=contracts.USERS,
+        schema=contracts.USERS_SCHEMA,
     )
-    part = storage.write_table(tmp_path, "raw/users", "2024-05-01", table)
+    part = Path(storage.write_table(tmp_path, "raw/users", "2024-05-01", table))
 
     code = validate.main(["users", "--root", str(tmp_path), "--ds", "2024-05-01", "--quarantine", "--no-data-docs"])
 
@@ -114,5 +128,6 @@ def test_cli_quarantines_a_failed_partition(tmp_path: Path, capsys: pytest.Captu
     assert report["failed_checks"] == ["country.well_formed"] and report["quarantine"]
     assert any("Quarantined" in line for line in out)
     assert "Quarantined" in (Path(out[-1]).parent / "index.html").read_text()
-    [record] = history.quarantine_records(tmp_path, "users", "2024-05-01")
-    assert json.loads((record / "QUARANTINE.json").read_text())["failed_checks"] == ["country.well_formed"]
+    [record] = quarantine_records(tmp_path, "users", "2024-05-01")
+    assert json.loads((Path(record) / "QUARANTINE.json").read_text())["failed_checks"] == ["country.well_formed"]
+    assert (Path(record) / "data" / storage.MARKER).exists()

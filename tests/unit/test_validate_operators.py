@@ -6,15 +6,16 @@ import asyncio
 import datetime as dt
 import importlib
 import json
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 import pytest
 
-from features import storage
-from operators import config
-from operators.errors import DataFailure
+from core import config, storage
+from core.failures import DataError, UserError
 from operators.sensors import RawPartitionSensor, RawPartitionTrigger, missing_partitions
 from operators.validation import DataDocsLink, ValidatePartitionOperator, WindowGapCheckOperator
 
@@ -33,20 +34,36 @@ class FakeTI:
 
 
 @pytest.fixture
-def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private storage root that the operators read through operators.config."""
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private storage root that the operators read through core.config."""
     monkeypatch.setenv("PINFLOW_STORAGE_ROOT", str(tmp_path))
     config.load.cache_clear()
     yield tmp_path
     config.load.cache_clear()
 
 
-def land(root: Path, dataset: str, ds: str = DS, marker: bool = True) -> Path:
-    part = storage.partition_path(root, dataset, ds)
-    part.mkdir(parents=True)
-    (part / storage.DATA_FILE).write_bytes(b"PAR1")
+@pytest.fixture
+def memory_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A private object-store root (fsspec's in-process memory filesystem: the code path of s3://)."""
+    location = f"memory://pinflow-test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("PINFLOW_STORAGE_ROOT", location)
+    config.load.cache_clear()
+    yield location
+    config.load.cache_clear()
+    storage.remove_tree(location)
+
+
+def context(ti: FakeTI) -> Any:
+    """The part of an Airflow task context the operators use."""
+    return {"ti": ti}
+
+
+def land(root: Path | str, dataset: str, ds: str = DS, marker: bool = True) -> str:
+    """Land a partition as an upstream writer does: its data file ("PAR1" is no Parquet file), then its marker."""
+    part = storage.partition(root, dataset, ds)
+    storage.write_bytes(storage.join(part, storage.DATA_FILE), b"PAR1")
     if marker:
-        (part / storage.MARKER).write_text("")
+        storage.write_text(storage.join(part, storage.MARKER), "")
     return part
 
 
@@ -108,7 +125,7 @@ def test_trigger_keeps_waiting_until_the_marker_lands(tmp_path: Path) -> None:
     async def land_later_then_wait() -> dict[str, Any]:
         async def marker() -> None:
             await asyncio.sleep(0.05)
-            (part / storage.MARKER).write_text("")
+            storage.write_text(storage.join(part, storage.MARKER), "")
 
         task = asyncio.create_task(marker())
         async for event in trigger.run():
@@ -157,7 +174,7 @@ def test_sensor_timeout_is_a_data_failure_naming_the_partitions() -> None:
     sensor.execute_complete({}, {"status": "success"})  # type: ignore[arg-type]
     missing = {"raw/pins": "/data/raw/pins/ds=2024-05-01 does not exist"}
 
-    with pytest.raises(DataFailure) as err:
+    with pytest.raises(DataError) as err:
         sensor.execute_complete({}, {"status": "timeout", "missing": missing})  # type: ignore[arg-type]
 
     assert "raw/pins" in str(err.value) and "does not exist" in str(err.value) and "600 s" in str(err.value)
@@ -172,6 +189,42 @@ def test_missing_partitions_names_folder_or_marker(tmp_path: Path) -> None:
     assert set(missing) == {"raw/events", "raw/pins"}
 
 
+def test_missing_partitions_on_an_object_store(memory_root: str) -> None:
+    land(memory_root, "raw/events", marker=False)
+    land(memory_root, "raw/users")
+
+    missing = missing_partitions(memory_root, ["raw/events", "raw/pins", "raw/users"], DS)
+
+    assert set(missing) == {"raw/events", "raw/pins"}
+    assert missing["raw/events"] == (
+        f"no _SUCCESS marker in {storage.partition(memory_root, 'raw/events', DS)} (1 Parquet file(s) so far)"
+    )
+    assert missing["raw/pins"] == f"{storage.partition(memory_root, 'raw/pins', DS)} does not exist"
+
+
+def test_deferrable_sensor_on_an_object_store(memory_root: str) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    land(memory_root, "raw/events")
+    with pytest.raises(TaskDeferred) as deferred:
+        _sensor().execute({})  # type: ignore[arg-type]
+    assert deferred.value.trigger.root == memory_root  # type: ignore[attr-defined]
+
+    land(memory_root, "raw/pins")
+    assert _first_event(deferred.value.trigger)["status"] == "success"  # type: ignore[arg-type]
+    assert _sensor().execute({}) is None  # type: ignore[arg-type]
+
+
+def test_sensor_timings_default_to_the_platform_config(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PINFLOW_VALIDATION__SENSOR_POKE_SECONDS", "7")
+    monkeypatch.setenv("PINFLOW_VALIDATION__SENSOR_TIMEOUT_SECONDS", "90")
+    config.load.cache_clear()
+
+    sensor = RawPartitionSensor(task_id="wait_for_raw", datasets=["raw/events"], ds=DS)
+
+    assert (sensor.poke_interval, sensor.timeout) == (7, 90)
+
+
 # --- validation operator and its link ----------------------------------------------------------------------
 
 
@@ -180,19 +233,47 @@ def test_operator_pushes_summary_then_fails_and_quarantines(root: Path) -> None:
     ti = FakeTI()
     op = ValidatePartitionOperator(task_id="validate_users", dataset="users", ds=DS)
 
-    with pytest.raises(DataFailure) as err:
-        op.execute({"ti": ti})  # type: ignore[arg-type]
+    with pytest.raises(DataError) as err:
+        op.execute(context(ti))
 
     summary = ti.xcom["validation"]
     assert summary["success"] is False and summary["failed_checks"] == ["files.readable"]
     assert summary["quarantine"] and Path(summary["quarantine"], "data", storage.DATA_FILE).exists()
-    assert not part.exists()
+    assert not Path(part).exists()
     message = str(err.value)
     assert "raw/users partition ds=2024-05-01" in message and "files.readable" in message
-    assert str(part / storage.DATA_FILE) in message and "Quarantined" in message
+    assert storage.join(part, storage.DATA_FILE) in message and "Quarantined" in message
     link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
     assert link == op.data_docs_url and link.startswith("file://") and link.endswith("index.html")
     assert Path(unquote(link.removeprefix("file://"))).exists()
+
+
+def test_operator_on_an_object_store_fails_and_quarantines(memory_root: str) -> None:
+    part = land(memory_root, "raw/pins")
+    ti = FakeTI()
+    op = ValidatePartitionOperator(task_id="validate_pins", dataset="pins", ds=DS)
+
+    with pytest.raises(DataError, match="files.readable"):
+        op.execute(context(ti))
+
+    summary = ti.xcom["validation"]
+    assert summary["quarantine"].startswith(storage.join(memory_root, "quarantine", "pins", f"ds={DS}"))
+    assert storage.list_names(storage.join(summary["quarantine"], "data")) == [storage.MARKER, storage.DATA_FILE]
+    assert not storage.is_dir(part)
+    assert storage.read_json(summary["report_path"])["failed_checks"] == ["files.readable"]
+    assert op.data_docs_url == summary["data_docs"] and summary["data_docs"].startswith("memory://")
+
+
+def test_invalid_validation_settings_are_a_user_error(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PINFLOW_VALIDATION__MIN_HISTORY_DAYS", "30")  # more than history_days
+    config.load.cache_clear()
+    land(root, "raw/users")
+
+    with pytest.raises(UserError, match="min_history_days=30 must be at most history_days=7") as err:
+        ValidatePartitionOperator(task_id="validate_users", dataset="users", ds=DS).execute(context(FakeTI()))
+
+    assert not isinstance(err.value, DataError)
+    assert storage.is_complete(root, "raw/users", DS)  # nothing was judged, nothing moved
 
 
 def test_link_without_a_run_points_at_the_partition_report(root: Path) -> None:
@@ -220,16 +301,16 @@ def test_serialized_dag_keeps_the_link() -> None:
     task = DagSerialization.from_dict(DagSerialization.to_dict(dag)).get_task("validate_events")
 
     assert [link.name for link in task.operator_extra_links] == ["Data Docs"]
-    assert dag.get_task("wait_for_raw").deferrable is True
+    assert getattr(dag.get_task("wait_for_raw"), "deferrable", None) is True
 
 
 # --- window gaps -------------------------------------------------------------------------------------------
 
 
-def _window_root(root: Path) -> None:
+def _window_root(root: Path | str) -> None:
     for ds in ("2024-04-27", "2024-04-28", "2024-04-30"):
         land(root, "raw/events", ds)
-    (root / "quarantine" / "events" / "ds=2024-04-29" / "20240429T000000Z").mkdir(parents=True)
+    storage.write_json(storage.join(root, "quarantine", "events", "ds=2024-04-29", "20240429T000000Z", "QUARANTINE.json"), {})
 
 
 @pytest.mark.parametrize("policy", ["fail", "proceed"])
@@ -241,18 +322,29 @@ def test_window_gap_policy(root: Path, monkeypatch: pytest.MonkeyPatch, policy: 
     op = WindowGapCheckOperator(task_id="validate_window", ds=DS)
 
     if policy == "fail":
-        with pytest.raises(DataFailure, match=r"2024-04-29 \(quarantined: 2024-04-29\)"):
-            op.execute({"ti": ti})  # type: ignore[arg-type]
+        with pytest.raises(DataError, match=r"2024-04-29 \(quarantined: 2024-04-29\)"):
+            op.execute(context(ti))
     else:
-        assert op.execute({"ti": ti})["gaps"] == ["2024-04-29"]  # type: ignore[arg-type]
+        assert op.execute(context(ti))["gaps"] == ["2024-04-29"]
     gaps = ti.xcom["window_gaps"]
     # Days before the first known day are not gaps: history starts there.
     assert gaps["gaps"] == ["2024-04-29"] and gaps["history_start"] == "2024-04-27" and gaps["policy"] == policy
+
+
+def test_window_gaps_on_an_object_store(memory_root: str) -> None:
+    from features.validation.window import window_gaps
+
+    _window_root(memory_root)
+
+    gaps = window_gaps(memory_root, DS, 30)
+
+    assert gaps["gaps"] == ["2024-04-29"] and gaps["quarantined"] == ["2024-04-29"]
+    assert gaps["history_start"] == "2024-04-27"
 
 
 def test_window_gap_policy_is_checked(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PINFLOW_VALIDATION__ON_WINDOW_GAP", "ignore")
     config.load.cache_clear()
 
-    with pytest.raises(DataFailure, match="on_window_gap='ignore'"):
-        WindowGapCheckOperator(task_id="validate_window", ds=DS).execute({"ti": FakeTI()})  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="validation.on_window_gap = 'ignore'"):
+        WindowGapCheckOperator(task_id="validate_window", ds=DS).execute(context(FakeTI()))

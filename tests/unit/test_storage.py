@@ -1,4 +1,4 @@
-"""training.storage_io on a local folder and on an fsspec URL (fsspec's in-process ``memory://`` filesystem,
+"""core.storage on a local folder and on an fsspec URL (fsspec's in-process ``memory://`` filesystem,
 which goes through the same code as ``s3://``), and what the training job builds on it: partitions,
 streamed examples and DCP checkpoints on a URL. The same against a real S3 API: tests/integration/test_train_s3.py.
 """
@@ -12,7 +12,8 @@ import fsspec
 import pytest
 import torch
 
-from training import checkpoint, storage_io
+from core import storage
+from training import checkpoint
 from training.data import ExampleStream, PinEmbeddings
 from training.smoke_data import write_tiny_world
 
@@ -28,7 +29,7 @@ def base(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url = f"memory:///{tmp_path.name}/base"
     yield url
-    fs, path = storage_io.filesystem(url)
+    fs, path = storage.filesystem(url)
     if fs.exists(path):
         fs.rm(path, recursive=True)
 
@@ -40,37 +41,37 @@ def tiny_world(tmp_path: Path) -> str:
 
 
 def test_small_files_round_trip_and_are_listed(base: str):
-    assert storage_io.is_remote(base) == base.startswith("memory://")
-    path = storage_io.join(base, "job", "heartbeat-rank0.json")
-    assert not storage_io.exists(path)
-    storage_io.make_dirs(storage_io.join(base, "job"))
-    storage_io.write_json(path, {"step": 3})
-    storage_io.write_json(path, {"step": 4})  # replaced whole
-    storage_io.write_json(storage_io.join(base, "job", "heartbeat-rank1.json"), {"step": 4})
-    assert storage_io.exists(path)
-    assert storage_io.read_text(path).replace(" ", "").replace("\n", "") == '{"step":4}'
-    assert storage_io.glob(storage_io.join(base, "job"), "heartbeat-rank*.json") == [
-        storage_io.join(base, "job", f"heartbeat-rank{r}.json") for r in (0, 1)
+    assert storage.is_remote(base) == base.startswith("memory://")
+    path = storage.join(base, "job", "heartbeat-rank0.json")
+    assert not storage.exists(path)
+    storage.make_dirs(storage.join(base, "job"))
+    storage.write_json(path, {"step": 3})
+    storage.write_json(path, {"step": 4})  # replaced whole
+    storage.write_json(storage.join(base, "job", "heartbeat-rank1.json"), {"step": 4})
+    assert storage.exists(path)
+    assert storage.read_text(path).replace(" ", "").replace("\n", "") == '{"step":4}'
+    assert storage.glob(storage.join(base, "job"), "heartbeat-rank*.json") == [
+        storage.join(base, "job", f"heartbeat-rank{r}.json") for r in (0, 1)
     ]
-    assert storage_io.glob(storage_io.join(base, "nothing-here"), "*.json") == []
-    storage_io.remove(path)
-    storage_io.remove(path)  # not there: nothing happens
-    assert not storage_io.exists(path)
+    assert storage.glob(storage.join(base, "nothing-here"), "*.json") == []
+    storage.remove(path)
+    storage.remove(path)  # not there: nothing happens
+    assert not storage.exists(path)
     with pytest.raises(FileNotFoundError):
-        storage_io.read_text(path)
-    storage_io.remove_tree(storage_io.join(base, "job"))
-    storage_io.remove_tree(storage_io.join(base, "job"))
-    assert not storage_io.exists(storage_io.join(base, "job", "heartbeat-rank1.json"))
+        storage.read_text(path)
+    storage.remove_tree(storage.join(base, "job"))
+    storage.remove_tree(storage.join(base, "job"))
+    assert not storage.exists(storage.join(base, "job", "heartbeat-rank1.json"))
 
 
 def test_local_paths_and_file_urls_stay_local(tmp_path: Path):
-    assert not storage_io.is_remote(tmp_path) and not storage_io.is_remote(f"file://{tmp_path}")
-    assert storage_io.is_remote("s3://bucket/prefix")
-    assert storage_io.join(f"file://{tmp_path}", "a", "b") == str(tmp_path / "a" / "b")
-    assert storage_io.join("s3://bucket/prefix/", "a", "b.json") == "s3://bucket/prefix/a/b.json"
+    assert not storage.is_remote(tmp_path) and not storage.is_remote(f"file://{tmp_path}")
+    assert storage.is_remote("s3://bucket/prefix")
+    assert storage.join(f"file://{tmp_path}", "a", "b") == str(tmp_path / "a" / "b")
+    assert storage.join("s3://bucket/prefix/", "a", "b.json") == "s3://bucket/prefix/a/b.json"
     odd = tmp_path / "run[1]"  # glob characters in the folder name match themselves
-    storage_io.write_json(str(odd / "x.json"), {})
-    assert storage_io.glob(str(odd), "*.json") == [str(odd / "x.json")]
+    storage.write_json(str(odd / "x.json"), {})
+    assert storage.glob(str(odd), "*.json") == [str(odd / "x.json")]
 
 
 def test_partitions_and_the_example_stream_read_the_same_from_a_url(tiny_world: str, tmp_path: Path):
@@ -79,11 +80,11 @@ def test_partitions_and_the_example_stream_read_the_same_from_a_url(tiny_world: 
     fs.put(f"{tiny_world}/", url, recursive=True)
     try:
         fs.rm(f"{url}/examples/ds=2026-01-02/_SUCCESS")  # an incomplete partition does not exist
-        assert storage_io.complete_days(url, "examples") == ["2026-01-01"]
-        assert not storage_io.is_complete(url, "examples", "2026-01-02")
+        assert storage.complete_days(url, "examples") == ["2026-01-01"]
+        assert not storage.is_complete(url, "examples", "2026-01-02")
         with pytest.raises(FileNotFoundError, match="ds=2026-01-02 is missing or incomplete"):
-            storage_io.data_files(url, "examples", "2026-01-02")
-        assert storage_io.data_files(url, "examples", "2026-01-01") == [
+            storage.data_files(url, "examples", "2026-01-02")
+        assert storage.data_files(url, "examples", "2026-01-01") == [
             f"{url}/examples/ds=2026-01-01/part-00000.parquet"
         ]
 
@@ -119,9 +120,9 @@ def test_checkpoints_on_a_url_save_prune_find_and_load(base: str):
             data={"epoch": 0, "batches": step}, is_main=True, keep=1,
         )
         assert saved == checkpoint.step_dir(base, step)
-    storage_io.write_json(storage_io.join(checkpoint.step_dir(base, 6), ".metadata.tmp"), {})  # died unmarked
+    storage.write_json(storage.join(checkpoint.step_dir(base, 6), ".metadata.tmp"), {})  # died unmarked
     assert checkpoint.complete_checkpoints(base) == [(4, checkpoint.step_dir(base, 4))]  # step 2 pruned
-    assert not storage_io.exists(storage_io.join(checkpoint.step_dir(base, 2), checkpoint.MARKER))
+    assert not storage.exists(storage.join(checkpoint.step_dir(base, 2), checkpoint.MARKER))
     latest = checkpoint.latest_checkpoint(base)
     assert latest is not None and latest["step"] == 4 and latest["path"] == checkpoint.step_dir(base, 4)
 
@@ -138,8 +139,7 @@ def test_an_object_store_that_does_not_answer_is_infra_a_denied_one_is_user():
 
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    from training.failures import ExitCode
-    from training.runtime import exit_code_for
+    from core.failures import ExitCode, exit_code_for
 
     def reply(status: int, code: str) -> ClientError:
         return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
@@ -160,7 +160,7 @@ def test_an_object_store_that_does_not_answer_is_infra_a_denied_one_is_user():
 def test_a_checkpoint_write_that_fails_in_storage_is_infra(base: str, monkeypatch: pytest.MonkeyPatch):
     import errno
 
-    from training.failures import InfraError
+    from core.failures import InfraError
 
     def failing_writer(path: str) -> object:
         writer = real_writer(path)
@@ -179,3 +179,50 @@ def test_a_checkpoint_write_that_fails_in_storage_is_infra(base: str, monkeypatc
     with pytest.raises(InfraError, match="checkpoint save at .* failed on rank\\(s\\) \\[0\\]: OSError: .*went away"):
         checkpoint.save(base, step=1, epoch=0, examples_seen=1, parts={"model": (model, opt, sched)}, is_main=True)
     assert checkpoint.latest_checkpoint(base) is None
+
+
+def test_a_partition_is_published_whole_and_a_rerun_replaces_exactly_it(base: str):
+    import pyarrow as pa
+
+    first = pa.table({"x": [1, 2, 3]})
+    storage.write_table(base, "features/user_daily", "2026-01-01", first, {"rows": 3})
+    with storage.write_partition(base, "features/user_daily", "2026-01-01") as staging:
+        # Not visible while it is written: readers still see the complete old partition (local) or none (S3).
+        if not storage.is_remote(base):
+            assert storage.read_table(base, "features/user_daily", "2026-01-01").equals(first)
+        storage.write_bytes(storage.join(staging, "part-00000.parquet"), _parquet(pa.table({"x": [7]})))
+        storage.write_bytes(storage.join(staging, "part-00001.parquet"), _parquet(pa.table({"x": [8]})))
+    assert storage.read_table(base, "features/user_daily", "2026-01-01")["x"].to_pylist() == [7, 8]
+    assert storage.read_metadata(base, "features/user_daily", "2026-01-01") == {}  # the old one went with it
+
+    storage.write_table(base, "features/user_daily", "2026-01-02", first)
+    with pytest.raises(RuntimeError), storage.write_partition(base, "features/user_daily", "2026-01-02") as staging:
+        storage.write_bytes(storage.join(staging, "part-00000.parquet"), b"half a file")
+        raise RuntimeError("the writer died")
+    # A failed rewrite never shows half a partition: locally the old one stays, on S3 there is none until rerun.
+    if storage.is_remote(base):
+        assert not storage.is_complete(base, "features/user_daily", "2026-01-02")
+    else:
+        assert storage.read_table(base, "features/user_daily", "2026-01-02").equals(first)
+        assert storage.list_names(storage.join(base, "features", "user_daily")) == ["ds=2026-01-01", "ds=2026-01-02"]
+    assert storage.complete_days(base, "features/user_daily")[0] == "2026-01-01"
+
+
+def test_a_folder_moves_and_copies_between_roots(base: str, tmp_path: Path):
+    storage.write_json(storage.join(base, "a", "x.json"), {"k": 1})
+    storage.write_json(storage.join(base, "a", "sub", "y.json"), {"k": 2})
+    storage.copy_tree(storage.join(base, "a"), str(tmp_path / "copy"))
+    assert storage.read_json(str(tmp_path / "copy" / "sub" / "y.json")) == {"k": 2}
+    storage.move_tree(storage.join(base, "a"), storage.join(base, "b"))
+    assert not storage.exists(storage.join(base, "a", "x.json"))
+    assert storage.read_json(storage.join(base, "b", "sub", "y.json")) == {"k": 2}
+    assert storage.list_names(storage.join(base, "b")) == ["sub", "x.json"]
+
+
+def _parquet(table) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return bytes(sink.getvalue().to_pybytes())

@@ -1,7 +1,9 @@
-"""Data contracts: the pyarrow schema of every dataset under the storage root.
+"""Data contracts: the name and the pyarrow schema of every dataset under the storage root.
 
-Every dataset is Parquet, partitioned by day as ``<dataset>/ds=YYYY-MM-DD/``. Timestamps are
-microseconds in UTC. These schemas are the single source of truth for writers, readers and validation.
+Every dataset is Parquet, partitioned by day as ``<dataset>/ds=YYYY-MM-DD/``. Timestamps are microseconds in
+UTC. One name per thing: a dataset's name is its folder under the storage root (``EXAMPLES = "examples"``),
+its schema is ``<NAME>_SCHEMA``, and the Airflow asset that announces it lives in ``operators.assets`` as
+``<NAME>_ASSET``. These are the single source of truth for writers, readers and validation.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ SURFACES: tuple[str, ...] = ("home_feed", "search", "related_pins")
 
 TS = pa.timestamp("us", tz="UTC")
 
-EVENTS = pa.schema(
+EVENTS_SCHEMA = pa.schema(
     [
         pa.field("event_id", pa.int64(), nullable=False),
         pa.field("impression_id", pa.int64(), nullable=False),  # == event_id for an impression
@@ -32,7 +34,7 @@ EVENTS = pa.schema(
     ]
 )
 
-PINS = pa.schema(
+PINS_SCHEMA = pa.schema(
     [
         pa.field("pin_id", pa.int64(), nullable=False),
         pa.field("embedding", pa.list_(pa.float32(), EMBEDDING_DIM), nullable=False),
@@ -42,7 +44,7 @@ PINS = pa.schema(
     ]
 )
 
-USERS = pa.schema(
+USERS_SCHEMA = pa.schema(
     [
         pa.field("user_id", pa.int64(), nullable=False),
         pa.field("country", pa.string(), nullable=False),
@@ -51,7 +53,7 @@ USERS = pa.schema(
 )
 
 # Hidden ground truth of the synthetic world, one row per impression. Never read by the model.
-TRUTH = pa.schema(
+TRUTH_SCHEMA = pa.schema(
     [
         pa.field("impression_id", pa.int64(), nullable=False),
         pa.field("p_click", pa.float64(), nullable=False),
@@ -60,7 +62,27 @@ TRUTH = pa.schema(
     ]
 )
 
-RAW_DATASETS: dict[str, pa.Schema] = {"events": EVENTS, "pins": PINS, "users": USERS}
+# --- Dataset names: the folder of each dataset under the storage root -----------------------------------
+
+RAW_EVENTS = "raw/events"
+RAW_PINS = "raw/pins"
+RAW_USERS = "raw/users"
+TRUTH = "truth"
+USER_DAILY = "features/user_daily"
+PIN_DAILY = "features/pin_daily"
+USER_WINDOW = "features/user_window"
+PIN_WINDOW = "features/pin_window"
+USER_SEQUENCE = "features/user_sequence"
+EXAMPLES = "examples"
+VALIDATION_REPORTS = "reports/validation"
+QUARANTINE = "quarantine"
+MODELS = "models"
+INFERENCE = "inference"
+RUNS = "runs"
+
+# Raw datasets by their short name (the validation CLI's argument): their folder and their schema.
+RAW_DATASETS: dict[str, str] = {"events": RAW_EVENTS, "pins": RAW_PINS, "users": RAW_USERS}
+RAW_SCHEMAS: dict[str, pa.Schema] = {"events": EVENTS_SCHEMA, "pins": PINS_SCHEMA, "users": USERS_SCHEMA}
 
 # --- Derived datasets (written by features.build) ---------------------------------------------------
 
@@ -80,7 +102,7 @@ CATEGORY_ENGAGEMENT = pa.list_(
     )
 )
 
-USER_DAILY = pa.schema(
+USER_DAILY_SCHEMA = pa.schema(
     [pa.field("user_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
     + [
@@ -89,14 +111,14 @@ USER_DAILY = pa.schema(
     ]
 )
 
-PIN_DAILY = pa.schema(
+PIN_DAILY_SCHEMA = pa.schema(
     [pa.field("pin_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
     + [pa.field("distinct_users", pa.int64(), nullable=False)]
 )
 
 # 30-day window as of the end of ds: sums of the daily counts plus smoothed rates.
-USER_WINDOW = pa.schema(
+USER_WINDOW_SCHEMA = pa.schema(
     [pa.field("user_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
     + [
@@ -105,7 +127,7 @@ USER_WINDOW = pa.schema(
     ]
 )
 
-PIN_WINDOW = pa.schema(
+PIN_WINDOW_SCHEMA = pa.schema(
     [pa.field("pin_id", pa.int64(), nullable=False)]
     + [pa.field(c, pa.int64(), nullable=False) for c in COUNT_COLUMNS]
     + [
@@ -117,7 +139,7 @@ PIN_WINDOW = pa.schema(
 
 # Last N engagements (actions other than impression) per user as of the end of ds, most recent first,
 # within the window; an action's category is that of its pin in the pins snapshot of the action's day.
-USER_SEQUENCE = pa.schema(
+USER_SEQUENCE_SCHEMA = pa.schema(
     [
         pa.field("user_id", pa.int64(), nullable=False),
         pa.field("seq_pin_ids", pa.list_(pa.int64()), nullable=False),
@@ -134,7 +156,7 @@ DENSE_FEATURES: tuple[str, ...] = tuple(f"u_{c}" for c in COUNT_COLUMNS) + ("u_c
 
 # One row per impression of ds; features as of the end of ds-1 (point-in-time correct); labels from ds.
 # Users or pins without history get zero counts, the prior rates and an empty sequence.
-EXAMPLES = pa.schema(
+EXAMPLES_SCHEMA = pa.schema(
     [
         pa.field("impression_id", pa.int64(), nullable=False),
         pa.field("ts", TS, nullable=False),
@@ -153,3 +175,14 @@ EXAMPLES = pa.schema(
     ]
     + [pa.field(label, pa.int8(), nullable=False) for label in LABELS]
 )
+
+# Every dataset a day's feature build writes, in build order, and its schema.
+FEATURE_SCHEMAS: dict[str, pa.Schema] = {
+    USER_DAILY: USER_DAILY_SCHEMA,
+    PIN_DAILY: PIN_DAILY_SCHEMA,
+    USER_WINDOW: USER_WINDOW_SCHEMA,
+    PIN_WINDOW: PIN_WINDOW_SCHEMA,
+    USER_SEQUENCE: USER_SEQUENCE_SCHEMA,
+    EXAMPLES: EXAMPLES_SCHEMA,
+}
+FEATURE_OUTPUTS: tuple[str, ...] = tuple(FEATURE_SCHEMAS)

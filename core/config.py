@@ -1,0 +1,356 @@
+"""The platform configuration as typed models: one per section, defaults here and nowhere else.
+
+Sources, later ones winning: the defaults below; ``config/platform.yaml`` (or the file ``PINFLOW_CONFIG``
+names); environment variables ``PINFLOW_<SECTION>__<KEY>`` (``PINFLOW_TRAINING__EPOCHS=3``) and, for top-level
+keys, ``PINFLOW_<KEY>`` (``PINFLOW_STORAGE_ROOT=s3://bucket/prefix``), parsed as YAML scalars. Other
+``PINFLOW_*`` variables without ``__`` (``PINFLOW_HOME``, ``PINFLOW_RDZV_PORT``) are not settings.
+
+An unknown key (in the file or a ``__`` variable) is an error that names it, where it came from and the
+closest known key; a value of the wrong type names the key, its source and what was expected. The Airflow
+layer reads the configuration once (:func:`load`) and passes sections down as explicit arguments; the DAGs'
+``Param`` defaults come from it, so a trigger-form value wins only for its own run.
+
+    python -m core.config          # every key with its effective value, source and help
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.failures import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_FILE = REPO_ROOT / "config" / "platform.yaml"
+ENV_PREFIX = "PINFLOW_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+S = TypeVar("S", bound=Section)
+
+
+class MlflowConfig(Section):
+    """Experiment tracking and the model registry."""
+
+    tracking_uri: str = Field("", description="tracking and registry URI; empty: sqlite:///<PINFLOW_HOME>/mlflow/mlflow.db")
+    artifact_root: str = Field("mlflow/artifacts", description="artifact location of new experiments (relative: under PINFLOW_HOME)")
+    experiment: str = Field("pin_ranker", description="MLflow experiment of training runs")
+    model_name: str = Field("pin_ranker", description="registered model name")
+    ui_url: str = Field("http://localhost:5000", description="where the MLflow UI runs (the 'MLflow run' link points here)")
+
+
+class FeaturesConfig(Section):
+    """The daily feature build (DuckDB)."""
+
+    window_days: int = Field(30, ge=1, le=365, description="length of the rolling window features")
+    sequence_length: int = Field(50, ge=1, le=1000, description="last N engagements per user")
+    pin_prior_impressions: float = Field(20.0, ge=0, description="strength of the prior of the smoothed pin rates")
+    negative_downsample: float = Field(1.0, gt=0, le=1, description="keep this fraction of impressions without any label")
+    negative_downsample_seed: int = Field(0, description="seed of the hash that picks the kept negatives")
+    duckdb_threads: int = Field(2, ge=1, description="DuckDB threads per build step")
+    duckdb_memory_limit: str = Field("4GB", description="beyond it DuckDB spills to disk instead of failing")
+    duckdb_temp_directory: str = Field("", description="parent folder of spill files; empty: the system temporary folder")
+
+
+class ValidationConfig(Section):
+    """The validation gate of raw partitions."""
+
+    sensor_poke_seconds: float = Field(30, gt=0, description="seconds between checks for a raw partition")
+    sensor_timeout_seconds: float = Field(21600, gt=0, description="a raw partition not landed this long after its run starts fails the run")
+    min_referential_integrity: float = Field(0.999, ge=0, le=1, description="share of events whose pin / user is in that day's snapshot")
+    history_days: int = Field(7, ge=1, description="trailing days a partition's profile is compared with")
+    min_history_days: int = Field(3, ge=1, description="fewer validated trailing days: history checks pass with a warning")
+    volume_min_ratio: float = Field(0.5, ge=0, le=1, description="rows must lie in [min, max] x the trailing median")
+    volume_max_ratio: float = Field(2.0, ge=1, description="rows must lie in [min, max] x the trailing median")
+    action_mix_max_psi: float = Field(0.1, gt=0, description="population stability index of the action mix vs the trailing days")
+    null_rate_max_increase: float = Field(0.01, ge=0, description="a column's null rate may exceed its trailing median by this much")
+    quarantine: bool = Field(True, description="move a failed partition to quarantine/<dataset>/ds=.../<time>/")
+    on_window_gap: Literal["fail", "proceed"] = Field("proceed", description="a quarantined or missing day in the window")
+    data_docs: bool = Field(True, description="render the GX Data Docs HTML beside each report")
+
+    @model_validator(mode="after")
+    def _history(self) -> ValidationConfig:
+        if self.min_history_days > self.history_days:
+            raise ValueError(f"min_history_days={self.min_history_days} must be at most history_days={self.history_days}")
+        return self
+
+
+class TrainingConfig(Section):
+    """Training runs: the defaults of the training DAG's form and of every job."""
+
+    backend: Literal["local", "batch", "kubernetes"] = Field("local", description="where training and scoring jobs run")
+    team: str = Field("ranking", description="team whose queue, fair share and priority jobs use (a key of teams:)")
+    nodes: int = Field(1, ge=1, le=64, description="nodes of a training job")
+    procs_per_node: int = Field(2, ge=1, le=8, description="worker processes per node")
+    train_days: int = Field(7, ge=1, le=30, description="days of examples before the evaluation day to train on")
+    epochs: int = Field(1, ge=1, le=100, description="passes over the training days")
+    batch_size: int = Field(512, ge=8, le=65536, description="examples per rank per step")
+    lr: float = Field(0.003, gt=0, le=1, description="peak learning rate (AdamW, warmup then cosine)")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: replicated model; fsdp: FSDP2, tables sharded across ranks")
+    promotion_tolerance: float = Field(0.002, ge=0, le=0.1, description="how much worse than the champion's mean AUC a new model may be and still be promoted")
+    heartbeat_timeout_seconds: float = Field(300, gt=0, description="no heartbeat progress this long: cancel the job as INFRA (retried)")
+    poll_seconds: float = Field(10, gt=0, description="between job status checks of the operator and its trigger")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node")
+    image: str = Field("pinflow-training:latest", description="container image of training and scoring jobs")
+    preflight: bool = Field(True, description="run the nodes' health check (training.preflight) before training")
+
+
+class InferenceConfig(Section):
+    """Corpus inference."""
+
+    shards: int = Field(4, ge=1, le=4096, description="shards of the corpus (the inference DAG's form default)")
+
+
+class TeamConfig(Section):
+    """A team: its AWS Batch job queue and Kueue LocalQueue, Batch fair-share id and priority, pod PriorityClass."""
+
+    queue: str
+    share: str
+    priority: int = Field(50, ge=0, le=9999)
+    priority_class: str = ""
+
+
+class BatchConfig(Section):
+    """AWS Batch multi-node parallel jobs (backend: batch)."""
+
+    aws_conn_id: str = Field("aws_default", description="Airflow connection; endpoint_url in its extra points at a test server")
+    region_name: str | None = Field("us-east-1", description="AWS region of the Batch queues")
+    job_role_arn: str = Field("", description="IAM role of the containers (S3 access to the storage root)")
+    log_group: str = Field("/aws/batch/job", description="CloudWatch log group of the awslogs driver")
+    efa_devices: int = Field(0, ge=0, description="EFA interfaces per node (p4d: 4, p5: 32); 0 = TCP sockets only")
+    shm_size_mb: int = Field(16384, ge=64, description="/dev/shm per node for NCCL and DataLoader workers")
+    rdzv_port: int = Field(29400, ge=1, le=65535, description="c10d rendezvous port on the main node")
+    max_gpus_per_node: int = Field(8, ge=0, description="the biggest instance in the compute environment")
+    attempts: int = Field(3, ge=1, le=10, description="Batch-level attempts, for host and Spot loss only")
+
+
+class KubernetesConfig(Section):
+    """Kubeflow PyTorchJobs queued by Kueue (backend: kubernetes)."""
+
+    conn_id: str = Field("kubernetes_default", description="Airflow connection of the cluster")
+    namespace: str = Field("pinflow", description="namespace of the jobs")
+    service_account: str = Field("", description="service account of the pods (S3 access through IRSA)")
+    shm_size: str = Field("16Gi", description="memory-backed /dev/shm per pod")
+    rdzv_port: int = Field(29400, ge=1, le=65535, description="the master's pytorchjob-port")
+    efa_devices: int = Field(0, ge=0, description="vpc.amazonaws.com/efa per node (0 = none)")
+    max_gpus_per_node: int = Field(8, ge=0, description="the biggest node of the cluster")
+    ttl_seconds_after_finished: int = Field(86400, ge=0, description="how long a finished job is kept")
+    console_url: str = Field(
+        "https://kubernetes-dashboard/#/customresourcedefinition/pytorchjobs.kubeflow.org/{namespace}/{name}",
+        description="a dashboard URL with {namespace} and {name}",
+    )
+
+
+class DemoConfig(Section):
+    """The synthetic world of ``make demo``."""
+
+    start: str = Field("2026-11-01", pattern=r"^\d{4}-\d{2}-\d{2}$", description="first day of the world")
+    days: int = Field(20, ge=2, description="days of synthetic logs")
+    users: int = Field(300, ge=1)
+    impressions_per_user: int = Field(100, ge=1, description="mean impressions of an active user per day")
+    pins: int = Field(3000, ge=1)
+    train_days: int = Field(19, ge=1, description="days trained on, the ones before the last (evaluation) day")
+    seed: int = 7
+
+    @model_validator(mode="after")
+    def _train_days(self) -> DemoConfig:
+        if self.train_days > self.days - 1:
+            raise ValueError(f"train_days={self.train_days} must be at most days - 1 = {self.days - 1}")
+        return self
+
+
+class PlatformConfig(Section):
+    """The whole platform configuration. ``home`` is PINFLOW_HOME, not a key of the file."""
+
+    storage_root: str = Field("storage", description="local path, file:// URL or s3://bucket/prefix (relative: under PINFLOW_HOME)")
+    mlflow: MlflowConfig = MlflowConfig()
+    features: FeaturesConfig = FeaturesConfig()
+    validation: ValidationConfig = ValidationConfig()
+    training: TrainingConfig = TrainingConfig()
+    inference: InferenceConfig = InferenceConfig()
+    teams: dict[str, TeamConfig] = Field(
+        default_factory=lambda: {"ranking": TeamConfig(queue="ranking", share="ranking", priority=50,
+                                                       priority_class="pinflow-ranking")},
+    )
+    batch: BatchConfig = BatchConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    demo: DemoConfig = DemoConfig()
+    home: str = Field("", exclude=True)
+
+    @model_validator(mode="after")
+    def _team(self) -> PlatformConfig:
+        if self.training.team not in self.teams:
+            raise ValueError(
+                f"training.team={self.training.team!r} is not under teams: (known: {', '.join(sorted(self.teams))})"
+            )
+        return self
+
+
+def pinflow_home() -> Path:
+    """Where the embedded default writes everything (``PINFLOW_HOME``, default: ``.pinflow/`` of the clone)."""
+    return Path(os.environ.get("PINFLOW_HOME") or REPO_ROOT / ".pinflow").resolve()
+
+
+def config_file() -> Path:
+    return Path(os.environ.get("PINFLOW_CONFIG") or CONFIG_FILE)
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _overlay_env(data: dict[str, Any], environ: dict[str, str], sources: dict[tuple[str, ...], str]) -> None:
+    """Apply ``PINFLOW_*`` overrides to ``data`` in place; ``sources`` records which variable set which key."""
+    top_level = {name for name, f in PlatformConfig.model_fields.items() if not f.exclude}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = tuple(name[len(ENV_PREFIX):].lower().split("__"))
+        if len(path) == 1 and path[0] not in top_level:
+            continue  # a runtime variable (PINFLOW_HOME, PINFLOW_RDZV_PORT), not a setting
+        try:
+            value = yaml.safe_load(raw) if raw else raw
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        for key in path[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(path[:-1])} is not a section of the platform configuration")
+            node = child
+        node[path[-1]] = value
+        sources[path] = f"environment variable {name}"
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the model at ``loc`` (for a 'did you mean' hint)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            annotation = current.model_fields[part].annotation
+            current = annotation
+        elif getattr(current, "__origin__", None) is dict:
+            current = current.__args__[1]
+        else:
+            return []
+    return list(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def _describe(err: ValidationError, file: Path, sources: dict[tuple[str, ...], str]) -> str:
+    lines = []
+    for problem in err.errors():
+        loc = tuple(str(p) for p in problem["loc"])
+        key = ".".join(loc) or "(top level)"
+        source = sources.get(loc, str(file))
+        if problem["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc[-1], _known_keys(PlatformConfig, loc[:-1]), n=1)
+            hint = f" (did you mean {'.'.join((*loc[:-1], close[0]))!r}?)" if close else ""
+            lines.append(f"{key}: unknown key in {source}{hint}")
+        else:
+            given = problem.get("input")
+            lines.append(f"{key} = {given!r} in {source}: {problem['msg']}")
+    return "invalid platform configuration:\n  " + "\n  ".join(lines) + (
+        f"\n(keys, defaults and help: python -m core.config; file: {file})"
+    )
+
+
+def read(file: Path | None = None, environ: dict[str, str] | None = None, home: Path | None = None) -> PlatformConfig:
+    """Read and validate the configuration (no cache): the file, then the environment; paths resolved."""
+    file = file or config_file()
+    environ = dict(os.environ if environ is None else environ)
+    home = home or pinflow_home()
+    data = _read_file(file)
+    sources: dict[tuple[str, ...], str] = {}
+    _overlay_env(data, environ, sources)
+    try:
+        config = PlatformConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, file, sources)) from None
+
+    def resolve(value: str) -> str:
+        return value if "://" in value or Path(value).is_absolute() else str(home / value)
+
+    mlflow = config.mlflow.model_copy(update={
+        "artifact_root": resolve(config.mlflow.artifact_root),
+        "tracking_uri": config.mlflow.tracking_uri or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
+    })
+    return config.model_copy(update={"home": str(home), "storage_root": resolve(config.storage_root), "mlflow": mlflow})
+
+
+@functools.cache
+def load() -> PlatformConfig:
+    """The platform configuration of this process, read once."""
+    return read()
+
+
+def with_overrides(section: S, overrides: dict[str, Any], source: str) -> S:
+    """``section`` with the non-None ``overrides`` (a trigger form's values), validated by the same model.
+
+    A ConfigError names each bad key, its value, ``source`` (e.g. "the run's params") and what was expected.
+    """
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if not changes:
+        return section
+    try:
+        return type(section).model_validate({**section.model_dump(), **changes})
+    except ValidationError as err:
+        name = next((n for n, f in PlatformConfig.model_fields.items() if f.annotation is type(section)), "")
+        problems = "; ".join(
+            f"{'.'.join(p for p in (name, *(str(p) for p in e['loc'])) if p)} = {e.get('input')!r}: {e['msg']}"
+            for e in err.errors()
+        )
+        raise ConfigError(f"{source}: {problems}") from None
+
+
+def describe(config: PlatformConfig) -> str:
+    """Every key with its effective value and help (what ``python -m core.config`` prints)."""
+    lines = [f"# effective platform configuration (file: {config_file()}, PINFLOW_HOME: {config.home})"]
+    for name, field in PlatformConfig.model_fields.items():
+        if field.exclude:
+            continue
+        value = getattr(config, name)
+        if isinstance(value, Section):
+            lines.append(f"{name}:  # {(type(value).__doc__ or '').splitlines()[0]}")
+            for key, sub in type(value).model_fields.items():
+                lines.append(f"  {key}: {getattr(value, key)!r}  # {sub.description or ''}")
+        elif isinstance(value, dict):
+            lines.append(f"{name}:")
+            for key, item in value.items():
+                lines.append(f"  {key}: {item.model_dump()}")
+        else:
+            lines.append(f"{name}: {value!r}  # {field.description or ''}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    try:
+        print(describe(read()))
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,388 @@
+"""The storage root and everything under it (DESIGN.md §2), on a local folder or any fsspec URL (``s3://...``).
+
+Every location is a string: a local path (or ``file://`` URL) or a URL of another filesystem. Local paths
+use the operating system directly; anything else goes through fsspec (s3fs for ``s3://``). S3 credentials,
+region and endpoint come from the usual AWS sources (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+``AWS_PROFILE``, the instance or pod role, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL``): botocore reads them, nothing is passed here.
+
+A partition is the folder ``<root>/<dataset>/ds=YYYY-MM-DD/``. It exists for readers only once its completion
+marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic and idempotent:
+
+* a folder (a partition, a report, a quarantine record) is written through :func:`publish`: on a local root
+  into a hidden temporary sibling that is renamed into place with its marker, so a crash never leaves partial
+  output and a rerun replaces exactly that folder; on an object store, which has no rename, the old marker goes
+  first, then the old objects, then the new data, and the marker last;
+* a single file (JSON, a report page) through :func:`write_bytes` / :func:`write_json`: locally a temporary
+  sibling and a rename, on an object store one PUT, which S3 makes visible whole or not at all.
+
+Listings are never served from fsspec's cache: other processes and nodes write the files.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import glob as globlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from fsspec import AbstractFileSystem
+
+MARKER = "_SUCCESS"
+DATA_FILE = "part-00000.parquet"
+METADATA_FILE = "_metadata.json"
+
+Location = str | os.PathLike[str]
+
+
+# --- days ---------------------------------------------------------------------------------------------------
+
+
+def parse_ds(ds: str | dt.date) -> dt.date:
+    if isinstance(ds, dt.date):
+        return ds
+    try:
+        return dt.date.fromisoformat(ds)
+    except ValueError:
+        raise ValueError(f"partition day {ds!r} is not a date in the form YYYY-MM-DD") from None
+
+
+def ds_str(ds: str | dt.date) -> str:
+    return parse_ds(ds).isoformat()
+
+
+def day_range(start: str | dt.date, end: str | dt.date) -> list[str]:
+    """Days from ``start`` to ``end``, both included, as YYYY-MM-DD strings."""
+    first, last = parse_ds(start), parse_ds(end)
+    return [(first + dt.timedelta(days=i)).isoformat() for i in range((last - first).days + 1)]
+
+
+def shift_ds(ds: str | dt.date, days: int) -> str:
+    return (parse_ds(ds) + dt.timedelta(days=days)).isoformat()
+
+
+# --- locations ----------------------------------------------------------------------------------------------
+
+
+def is_remote(location: Location) -> bool:
+    """True for a URL of another filesystem than the local one (``s3://...``); False for a path or file://."""
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(location: Location) -> Path:
+    """The local path of a location; ValueError naming it if it is a URL of another filesystem."""
+    if is_remote(location):
+        raise ValueError(f"{os.fspath(location)} is not on the local filesystem")
+    return Path(os.fspath(location).removeprefix("file://"))
+
+
+def join(base: Location, *names: str) -> str:
+    """``base/name/...`` for a local path or a URL (a URL keeps its scheme and ``/`` separators)."""
+    if is_remote(base):
+        return "/".join([os.fspath(base).rstrip("/"), *names])
+    return str(local_path(base).joinpath(*names))
+
+
+def name_of(location: Location) -> str:
+    """The last component of a location (``part-00000.parquet``)."""
+    return os.fspath(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def as_uri(location: Location) -> str:
+    """A URL of the location: ``file:///abs/path`` for a local one, the URL itself otherwise."""
+    return os.fspath(location) if is_remote(location) else local_path(location).resolve().as_uri()
+
+
+def filesystem(location: Location) -> tuple[AbstractFileSystem, str]:
+    """The fsspec filesystem of a URL and the path inside it, with its listing cache emptied."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(os.fspath(location))
+    fs.invalidate_cache()  # another process or node may have written or deleted files since
+    return fs, path
+
+
+def exists(location: Location) -> bool:
+    if not is_remote(location):
+        return local_path(location).exists()
+    fs, key = filesystem(location)
+    return bool(fs.exists(key))
+
+
+def is_dir(location: Location) -> bool:
+    """A local folder, or a prefix holding at least one object."""
+    if not is_remote(location):
+        return local_path(location).is_dir()
+    fs, key = filesystem(location)
+    return bool(fs.isdir(key))
+
+
+def read_bytes(location: Location) -> bytes:
+    """The bytes of a file; FileNotFoundError if it is not there."""
+    if not is_remote(location):
+        return local_path(location).read_bytes()
+    fs, key = filesystem(location)
+    return bytes(fs.cat_file(key))
+
+
+def read_text(location: Location) -> str:
+    return read_bytes(location).decode()
+
+
+def read_json(location: Location) -> Any:
+    return json.loads(read_bytes(location))
+
+
+def write_bytes(location: Location, data: bytes) -> None:
+    """Write a file so that readers see the old one or the new one, never half of one.
+
+    Locally through a temporary sibling and a rename; on an object store as one PUT.
+    """
+    if is_remote(location):
+        fs, key = filesystem(location)
+        fs.pipe_file(key, data)
+        return
+    path = local_path(location)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(location: Location, text: str) -> None:
+    write_bytes(location, text.encode())
+
+
+def write_json(location: Location, payload: Any) -> None:
+    write_bytes(location, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
+
+
+@contextmanager
+def open_output(location: Location) -> Iterator[IO[bytes]]:
+    """A file opened for writing (a Parquet writer's sink). Not atomic by itself: use it inside :func:`publish`."""
+    if is_remote(location):
+        fs, key = filesystem(location)
+        with fs.open(key, "wb") as f:
+            yield f
+        return
+    path = local_path(location)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        yield f
+
+
+def remove(location: Location) -> None:
+    """Delete a file; nothing happens if it is not there."""
+    if not is_remote(location):
+        local_path(location).unlink(missing_ok=True)
+        return
+    fs, key = filesystem(location)
+    try:
+        fs.rm_file(key)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(location: Location) -> None:
+    """Delete a folder (every object under the prefix) and all it holds; nothing happens if it is not there."""
+    if not is_remote(location):
+        shutil.rmtree(local_path(location), ignore_errors=True)
+        return
+    fs, key = filesystem(location)
+    if fs.exists(key):
+        fs.rm(key, recursive=True)
+
+
+def make_dirs(location: Location) -> None:
+    """Create a local folder and its parents; an object store has no folders to create."""
+    if not is_remote(location):
+        local_path(location).mkdir(parents=True, exist_ok=True)
+
+
+def glob(base: Location, pattern: str) -> list[str]:
+    """Locations (URLs keep their scheme) under ``base`` matching ``pattern`` (``*/x.json``), sorted.
+
+    Only ``pattern`` is a pattern: ``*``, ``?`` or ``[`` in ``base`` match themselves.
+    """
+    if not is_remote(base):
+        return sorted(globlib.glob(os.path.join(globlib.escape(str(local_path(base))), pattern)))
+    fs, key = filesystem(base)
+    return sorted(fs.unstrip_protocol(p) for p in fs.glob(f"{globlib.escape(key.rstrip('/'))}/{pattern}"))
+
+
+def list_names(base: Location) -> list[str]:
+    """Names of the entries (files and folders) directly under ``base``, sorted; [] if it does not exist."""
+    if not is_remote(base):
+        path = local_path(base)
+        return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    fs, key = filesystem(base)
+    try:
+        return sorted(name_of(entry) for entry in fs.ls(key, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def copy_tree(source: Location, target: Location) -> None:
+    """Copy a folder and everything under it (between any two filesystems)."""
+    for name in list_names(source):
+        src, dst = join(source, name), join(target, name)
+        if is_dir(src):
+            copy_tree(src, dst)
+        else:
+            write_bytes(dst, read_bytes(src))
+
+
+def move_tree(source: Location, target: Location) -> None:
+    """Move a folder: a rename on a local filesystem; copy then delete elsewhere (the source goes last)."""
+    if not is_remote(source) and not is_remote(target):
+        local_path(target).parent.mkdir(parents=True, exist_ok=True)
+        local_path(source).rename(local_path(target))
+        return
+    copy_tree(source, target)
+    remove_tree(source)
+
+
+# --- the one publishing rule ----------------------------------------------------------------------------
+
+
+@contextmanager
+def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
+    """Yield a folder to fill; on success it replaces ``final`` whole, with ``marker`` written last.
+
+    Local: a hidden temporary sibling, then a rename over the old folder (which is removed afterwards); a
+    failure removes the temporary folder and leaves the old one. Object store: the old marker is deleted
+    first (the folder stops existing for readers), then its other objects; the data goes straight under
+    ``final`` and the marker is the last PUT. ``marker=None`` for folders that have none (reports).
+    """
+    if is_remote(final):
+        remove(join(final, marker or MARKER))
+        remove_tree(final)
+        yield os.fspath(final)
+        if marker:
+            write_text(join(final, marker), dt.datetime.now(dt.UTC).isoformat())
+        return
+    path = local_path(final)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield str(tmp)
+        if marker:
+            (tmp / marker).write_text(dt.datetime.now(dt.UTC).isoformat())
+        old = None
+        if path.exists():
+            old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+            path.rename(old)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- partitions ---------------------------------------------------------------------------------------------
+
+
+def partition(root: Location, dataset: str, ds: str | dt.date) -> str:
+    """The folder of one day of a dataset: ``<root>/<dataset>/ds=YYYY-MM-DD``."""
+    return join(root, *dataset.split("/"), f"ds={ds_str(ds)}")
+
+
+def is_complete(root: Location, dataset: str, ds: str | dt.date) -> bool:
+    return exists(join(partition(root, dataset, ds), MARKER))
+
+
+def complete_days(root: Location, dataset: str) -> list[str]:
+    """The days of ``dataset`` whose partition is complete (has its marker), sorted."""
+    markers = glob(join(root, *dataset.split("/")), f"ds=*/{MARKER}")
+    return sorted(marker.replace(os.sep, "/").rsplit("/", 2)[-2].removeprefix("ds=") for marker in markers)
+
+
+def data_files(root: Location, dataset: str, ds: str | dt.date) -> list[str]:
+    """The Parquet files of a complete partition; FileNotFoundError naming the partition if it is incomplete."""
+    path = partition(root, dataset, ds)
+    if not exists(join(path, MARKER)):
+        raise FileNotFoundError(
+            f"{dataset} partition ds={ds_str(ds)} is missing or incomplete: no {MARKER} marker in {path}"
+        )
+    return glob(path, "*.parquet")
+
+
+@contextmanager
+def write_partition(root: Location, dataset: str, ds: str | dt.date) -> Iterator[str]:
+    """Yield a folder to fill with the partition's files; on success it becomes the partition (see :func:`publish`)."""
+    with publish(partition(root, dataset, ds)) as staging:
+        yield staging
+
+
+def write_table(
+    root: Location, dataset: str, ds: str | dt.date, table: pa.Table, metadata: dict[str, Any] | None = None
+) -> str:
+    """Write one table as a complete partition, with optional JSON metadata beside it (``_metadata.json``)."""
+    import pyarrow.parquet as pq
+
+    with write_partition(root, dataset, ds) as staging:
+        with open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(table, f, row_group_size=64 * 1024)
+        if metadata is not None:
+            write_json(join(staging, METADATA_FILE), metadata)
+    return partition(root, dataset, ds)
+
+
+def read_parquet(location: Location, columns: list[str] | None = None) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    if not is_remote(location):
+        return pq.read_table(str(local_path(location)), columns=columns)
+    fs, key = filesystem(location)
+    return pq.read_table(key, columns=columns, filesystem=fs)
+
+
+def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[str] | None = None) -> pa.Table:
+    import pyarrow as pa
+
+    files = data_files(root, dataset, ds)
+    if not files:
+        raise FileNotFoundError(f"{dataset} partition ds={ds_str(ds)} has a marker but no Parquet file")
+    return pa.concat_tables([read_parquet(f, columns=columns) for f in files])
+
+
+def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
+    """The partition's ``_metadata.json``; {} if it has none."""
+    try:
+        return dict(read_json(join(partition(root, dataset, ds), METADATA_FILE)))
+    except FileNotFoundError:
+        return {}
+
+
+@contextmanager
+def parquet_file(location: Location) -> Iterator[pq.ParquetFile]:
+    """An open ``pyarrow.parquet.ParquetFile``: its footer is read now, row groups only when asked for.
+
+    On an object store every read is one ranged GET of what the Parquet reader asks for (no read-ahead),
+    so reading one row group of a large file downloads that row group and the footer, not the file.
+    """
+    import pyarrow.parquet as pq
+
+    if not is_remote(location):
+        with pq.ParquetFile(str(local_path(location))) as parquet:
+            yield parquet
+        return
+    fs, key = filesystem(location)
+    with fs.open(key, "rb", cache_type="none") as f, pq.ParquetFile(f) as parquet:
+        yield parquet

@@ -1,0 +1,260 @@
+"""The ``Check`` record and the first stage of the gate: storage and physical schema, with pyarrow.
+
+``read_partition`` checks the ``_SUCCESS`` marker, at least one Parquet file, every file readable, and the
+column names and types of every file against the contract in ``core.contracts``. An unreadable file or a
+missing marker is a failed check naming the file, never only a stack trace. It works on any storage root
+``core.storage`` knows (a local folder, ``s3://...``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+
+from core import contracts, storage
+
+CheckStatus = Literal["passed", "failed", "skipped"]
+
+# Checks of the storage and physical-schema stage, in the order they run.
+STORAGE_CHECKS: tuple[str, ...] = (
+    "partition.marker",
+    "partition.files",
+    "files.readable",
+    "schema.columns",
+    "schema.types",
+)
+
+EXAMPLES = 10  # offending values quoted in a check's observed value
+
+
+@dataclass
+class Check:
+    """One named check and its outcome; ``success`` is ``None`` when it was skipped."""
+
+    name: str
+    success: bool | None
+    observed: Any = None
+    expected: Any = None
+    details: str = ""
+    required: bool = True  # False: a skipped check does not fail the partition (its input lies elsewhere)
+
+    @property
+    def passed(self) -> bool:
+        return self.success is True or (self.success is None and not self.required)
+
+    @property
+    def status(self) -> CheckStatus:
+        if self.success is None:
+            return "skipped"
+        return "passed" if self.success else "failed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "success": self.success,
+            "observed": jsonable(self.observed),
+            "expected": jsonable(self.expected),
+            "details": self.details,
+        }
+
+
+def dataset_name(dataset: str) -> str:
+    """``events`` for ``events`` or ``raw/events``; raises ValueError naming the known datasets."""
+    name = next((short for short, folder in contracts.RAW_DATASETS.items() if dataset == folder), dataset)
+    if name not in contracts.RAW_DATASETS:
+        known = ", ".join(sorted(contracts.RAW_DATASETS))
+        raise ValueError(f"unknown raw dataset {dataset!r}: expected one of {known}")
+    return name
+
+
+def raw_dataset(name: str) -> str:
+    """The folder of a raw dataset under the storage root: ``raw/events`` for ``events``."""
+    return contracts.RAW_DATASETS[dataset_name(name)]
+
+
+def day_bounds(ds: str | dt.date) -> tuple[dt.datetime, dt.datetime]:
+    """The partition's UTC day as ``[start, end)``."""
+    day = storage.parse_ds(ds)
+    start = dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC)
+    return start, start + dt.timedelta(days=1)
+
+
+# --- the storage and physical-schema stage ----------------------------------------------------------------
+
+
+@dataclass
+class ReadPartition:
+    """What the storage stage found: its checks by name, and the partition as one table when it is usable.
+
+    ``table`` is None when a later stage cannot run, and ``skip_reason`` says why. ``bad_columns``: columns
+    missing from a file or of the wrong type, which the column-level checks leave out.
+    """
+
+    location: str
+    checks: dict[str, Check]
+    files: list[str] = field(default_factory=list)
+    table: pa.Table | None = None
+    bad_columns: set[str] = field(default_factory=set)
+    skip_reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """The partition has its completion marker (only a complete partition may be quarantined)."""
+        return self.checks["partition.marker"].success is True
+
+
+def read_partition(root: storage.Location, dataset: str, ds: str) -> ReadPartition:
+    """Run the storage and physical-schema checks of ``raw/<dataset>/ds=<ds>`` and read it into one table."""
+    name = dataset_name(dataset)
+    source = raw_dataset(name)
+    part = storage.partition(root, source, ds)
+    found = ReadPartition(location=part, checks={})
+    checks = found.checks
+    if not storage.exists(storage.join(part, storage.MARKER)):
+        if storage.is_dir(part):
+            checks["partition.marker"] = Check(
+                "partition.marker",
+                False,
+                "missing",
+                storage.MARKER,
+                f"no {storage.MARKER} marker in {part}: the partition is incomplete and does not exist for readers",
+            )
+        else:
+            checks["partition.marker"] = Check(
+                "partition.marker",
+                False,
+                "partition folder missing",
+                storage.MARKER,
+                f"{part} does not exist: the partition has not landed",
+            )
+        found.skip_reason = "the partition is missing or incomplete"
+        return found
+
+    checks["partition.marker"] = Check("partition.marker", True, "present", storage.MARKER)
+    found.files = storage.data_files(root, source, ds)
+    checks["partition.files"] = Check(
+        "partition.files",
+        bool(found.files),
+        [storage.name_of(f) for f in found.files],
+        ">= 1 *.parquet file",
+        "" if found.files else f"{part} has a {storage.MARKER} marker but no *.parquet file: the partition is empty",
+    )
+    if not found.files:
+        found.skip_reason = "the partition has no Parquet file"
+        return found
+
+    tables, readable = read_files(found.files)
+    checks["files.readable"] = readable
+    if not readable.success:
+        found.skip_reason = "a Parquet file is unreadable"
+        return found
+    checks["schema.columns"], checks["schema.types"], found.bad_columns = check_schema(
+        [(f, t.schema) for f, t in zip(found.files, tables, strict=True)], contracts.RAW_SCHEMAS[name]
+    )
+    try:
+        found.table = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        found.skip_reason = f"the files cannot be combined into one table ({err})"
+    return found
+
+
+def read_files(files: list[str]) -> tuple[list[pa.Table], Check]:
+    """Every file as a table, and the ``files.readable`` check naming each file that is not readable."""
+    tables: list[pa.Table] = []
+    unreadable: dict[str, str] = {}
+    for f in files:
+        try:
+            tables.append(storage.read_parquet(f))
+        except Exception as err:  # noqa: BLE001 - a corrupt file raises many types; each is a data failure
+            unreadable[f] = f"{type(err).__name__}: {err}"
+    if unreadable:
+        details = "; ".join(
+            f"{path} is not a readable Parquet file (truncated or not Parquet): {msg}"
+            for path, msg in unreadable.items()
+        )
+        return tables, Check("files.readable", False, unreadable, "every file readable as Parquet", details)
+    return tables, Check("files.readable", True, {}, "every file readable as Parquet")
+
+
+def check_schema(schemas: list[tuple[str, pa.Schema]], contract: pa.Schema) -> tuple[Check, Check, set[str]]:
+    """Column names and types of every file against the contract; also the columns GX cannot judge."""
+    missing: dict[str, list[str]] = {}
+    unexpected: dict[str, list[str]] = {}
+    wrong: dict[str, dict[str, str]] = {}
+    for path, schema in schemas:
+        file_name = storage.name_of(path)
+        for col in contract.names:
+            if col not in schema.names:
+                missing.setdefault(col, []).append(file_name)
+            elif not schema.field(col).type.equals(contract.field(col).type):
+                wrong.setdefault(col, {})[file_name] = str(schema.field(col).type)
+        for col in schema.names:
+            if col not in contract.names:
+                unexpected.setdefault(col, []).append(file_name)
+
+    columns_details = []
+    if missing:
+        columns_details.append(f"missing columns {sorted(missing)} (in {_files_of(missing)})")
+    if unexpected:
+        columns_details.append(f"unexpected columns {sorted(unexpected)} (in {_files_of(unexpected)})")
+    columns = Check(
+        "schema.columns",
+        not missing and not unexpected,
+        {"missing": sorted(missing), "unexpected": sorted(unexpected)},
+        list(contract.names),
+        "; ".join(columns_details),
+    )
+    types = Check(
+        "schema.types",
+        not wrong,
+        {col: by_file for col, by_file in wrong.items()},
+        {col: str(contract.field(col).type) for col in (wrong or contract.names)},
+        "; ".join(
+            f"{col} is {sorted(set(by_file.values()))} in {sorted(by_file)}, the contract says "
+            f"{contract.field(col).type}"
+            for col, by_file in wrong.items()
+        ),
+    )
+    return columns, types, set(missing) | set(wrong)
+
+
+def _files_of(by_column: dict[str, list[str]]) -> str:
+    return ", ".join(sorted({f for files in by_column.values() for f in files}))
+
+
+# --- values in reports ----------------------------------------------------------------------------------
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with numpy scalars, timestamps and sets turned into plain JSON types."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((jsonable(v) for v in value), key=str)
+    if isinstance(value, (dt.datetime, dt.date)):
+        return value.isoformat()
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        try:
+            return jsonable(item())
+        except (TypeError, ValueError):
+            pass
+    tolist = getattr(value, "tolist", None)  # numpy arrays
+    if callable(tolist):
+        return jsonable(tolist())
+    return str(value)
+
+
+def short(value: Any, limit: int = 200) -> str:
+    """``value`` as text (JSON unless it is a string), cut to ``limit`` characters."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

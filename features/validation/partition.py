@@ -1,0 +1,131 @@
+"""``validate_partition``: run the stages of the gate on one raw partition, in order, and write the report.
+
+1. storage and physical schema (``checks``): marker, files, readability, column names and types;
+2. derived columns (``derived``) and the Great Expectations suite (``suite``) on the partition as one table;
+3. the profile and the history checks against the trailing validated days (``history``);
+4. the report (``report``), after moving a failed, complete partition to quarantine when asked.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from core import storage
+from core.config import ValidationConfig
+from features.validation.checks import STORAGE_CHECKS, Check, dataset_name, read_partition
+from features.validation.derived import derived_columns
+from features.validation.history import (
+    HISTORY_CHECKS,
+    history_checks,
+    previous_ids,
+    profile_table,
+    trailing_profiles,
+)
+from features.validation.report import (
+    DATA_DOCS_DIR,
+    HTML_FILE,
+    RESULT_FILE,
+    ValidationReport,
+    quarantine_partition,
+    quarantine_records,
+    record_quarantine,
+    report_dir,
+    write_report,
+)
+from features.validation.suite import run_suite, suite_check_names
+
+
+def check_names(dataset: str) -> list[str]:
+    """Every check a report of ``dataset`` lists, in order."""
+    return list(STORAGE_CHECKS) + suite_check_names(dataset) + list(HISTORY_CHECKS[dataset_name(dataset)])
+
+
+def validate_partition(
+    root: storage.Location,
+    dataset: str,
+    ds: str | dt.date,
+    *,
+    config: ValidationConfig,
+    data_docs: bool = True,
+    quarantine: bool = False,
+) -> ValidationReport:
+    """Validate the raw partition ``<root>/raw/<dataset>/ds=<ds>`` and write its report and profile.
+
+    ``root``: a local path, ``file://`` URL or fsspec URL (``s3://bucket/prefix``). ``dataset``: ``events``,
+    ``pins`` or ``users`` (a ``raw/`` prefix is accepted). ``config``: the thresholds, the ``validation:``
+    section of the platform configuration. ``data_docs``: also render the GX Data Docs site of the run.
+    ``quarantine``: move a failed, complete partition to ``quarantine/<dataset>/ds=<ds>/<UTC time>/`` with a
+    copy of its report (never deleted; an incomplete partition is left in place, its writer may still be
+    landing it). The caller applies ``config.data_docs`` and ``config.quarantine`` through these two.
+
+    Raises only for errors of the tool itself (a bad argument, a GX failure, storage that does not answer);
+    everything wrong with the data is a failed check in the returned report.
+    """
+    started = time.perf_counter()
+    name = dataset_name(dataset)
+    day = storage.ds_str(ds)
+    out_dir = report_dir(root, name, day)
+    found = read_partition(root, name, day)
+    checks = found.checks
+    suite_names = suite_check_names(name)
+    profile: dict[str, Any] | None = None
+    warnings: list[str] = []
+    rendered = False
+
+    # GX renders Data Docs only to a local folder: a temporary one, copied under the report by write_report.
+    with tempfile.TemporaryDirectory(prefix="pinflow-data-docs-") as scratch:
+        docs_dir = Path(scratch) / DATA_DOCS_DIR if data_docs else None
+        if found.table is None:
+            for check_name in STORAGE_CHECKS:
+                checks.setdefault(check_name, Check(check_name, None, details=f"not run: {found.skip_reason}"))
+            for check_name in (*suite_names, *HISTORY_CHECKS[name]):
+                checks[check_name] = Check(check_name, None, details=f"not run: {found.skip_reason}")
+        else:
+            table = found.table
+            derived, not_run = derived_columns(root, name, day, table, found.bad_columns)
+            gx_checks, rendered = run_suite(
+                name, day, table, config=config, skip_columns=found.bad_columns, derived=derived, docs_dir=docs_dir
+            )
+            for check_name in suite_names:
+                checks[check_name] = gx_checks.get(check_name) or not_run.get(check_name) or Check(
+                    check_name, None, details="not run: the column is missing or of the wrong type"
+                )
+            profile = profile_table(name, table, previous_ids(root, name, day))
+            history = trailing_profiles(root, name, day, config.history_days)
+            for result in history_checks(name, day, profile, history, config):
+                checks[result.name] = Check(
+                    result.name, result.success, result.observed, result.expected, result.details
+                )
+                if result.details.startswith("warning:") and result.details not in warnings:
+                    warnings.append(result.details)
+
+        ordered = [checks[n] for n in check_names(name)]
+        report = ValidationReport(
+            dataset=name,
+            ds=day,
+            success=all(c.passed for c in ordered),
+            checks=ordered,
+            report_path=storage.join(out_dir, RESULT_FILE),
+            rows=None if found.table is None else found.table.num_rows,
+            partition=found.location,
+            files=[storage.name_of(f) for f in found.files],
+            data_docs=f"{DATA_DOCS_DIR}/{HTML_FILE}" if rendered else None,
+            profile=profile,
+            quarantine_history=quarantine_records(root, name, day),
+            warnings=warnings,
+        )
+        # Only a complete partition is moved: an incomplete one may still be landing. The move comes before
+        # the report is written, so that the report says where the partition went.
+        record = None
+        if quarantine and not report.success and found.complete:
+            record = report.quarantine = quarantine_partition(root, name, day)
+        report.duration_s = round(time.perf_counter() - started, 3)
+        write_report(report, docs_dir if rendered else None)
+    if record is not None:
+        record_quarantine(report, record)
+    return report
+

@@ -1,0 +1,256 @@
+"""The validation report of a raw partition, and the quarantine of a partition that failed.
+
+The report folder is ``<root>/reports/validation/<dataset>/ds=<ds>/``: ``result.json`` (every check with its
+observed value; written last, so that it marks the report complete), ``index.html`` (a self-contained table
+of the checks), ``profile.json`` (the partition's profile, which later days compare with) and
+``data_docs/`` (the GX Data Docs site of the run, when the suite ran). The folder is replaced whole through
+``core.storage.publish``, so a rerun never leaves a previous run's Data Docs or profile beside a new result.
+
+A failed, complete partition is quarantined under ``<root>/quarantine/<dataset>/ds=<ds>/<UTC time>/``:
+``data/`` (the partition as it was landed, marker included), ``report/`` (a copy of the report) and
+``QUARANTINE.json`` (what failed and how to restore), written last. Nothing there is ever deleted.
+
+Every location is a ``core.storage`` string, on a local root or an object store alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core import contracts, storage
+from features.validation.checks import Check, dataset_name, jsonable, raw_dataset, short
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+HTML_FILE = "index.html"
+PROFILE_FILE = "profile.json"
+DATA_DOCS_DIR = "data_docs"
+QUARANTINE_FILE = "QUARANTINE.json"
+
+
+def report_dir(root: storage.Location, dataset: str, ds: str | dt.date) -> str:
+    """``<root>/reports/validation/<dataset>/ds=<ds>``: the report folder of a raw partition."""
+    return storage.partition(root, f"{contracts.VALIDATION_REPORTS}/{dataset_name(dataset)}", ds)
+
+
+def _parent(location: str) -> str:
+    return location.rstrip("/").rsplit("/", 1)[0]
+
+
+@dataclass
+class ValidationReport:
+    """The outcome of validating one raw partition; ``report_path`` is its ``result.json``."""
+
+    dataset: str
+    ds: str
+    success: bool
+    checks: list[Check]
+    report_path: str
+    rows: int | None = None
+    partition: str = ""
+    files: list[str] = field(default_factory=list)
+    data_docs: str | None = None  # the GX Data Docs index, relative to the report folder
+    duration_s: float = 0.0
+    profile: dict[str, Any] | None = None
+    quarantine: str | None = None  # where the failed partition was moved, with a copy of this report
+    quarantine_history: list[str] = field(default_factory=list)  # earlier quarantines of this partition
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> str:
+        """The report folder (``result.json``'s)."""
+        return _parent(self.report_path)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if c.success is False]
+
+    @property
+    def data_docs_path(self) -> str:
+        """The page to show for this run: the GX Data Docs index, or this report's own HTML."""
+        return storage.join(self.folder, *(self.data_docs or HTML_FILE).split("/"))
+
+    def summary(self) -> dict[str, Any]:
+        """A short JSON-serializable dict for XCom."""
+        return {
+            "dataset": self.dataset,
+            "ds": self.ds,
+            "success": self.success,
+            "rows": self.rows,
+            "failed_checks": [c.name for c in self.failed_checks],
+            "top_failures": [f"{c.name}: {short(c.details or c.observed, 160)}" for c in self.failed_checks[:3]],
+            "report_path": self.report_path,
+            "data_docs": self.data_docs_path,
+            "quarantine": self.quarantine,
+            "warnings": self.warnings,
+        }
+
+    def failure_message(self, top: int = 5) -> str:
+        """What failed, where, what was seen and how to fix it; empty when the partition passed."""
+        if self.success:
+            return ""
+        source = raw_dataset(self.dataset)
+        failed = self.failed_checks
+        skipped = sum(1 for c in self.checks if c.success is None)
+        lines = [
+            f"Validation failed for {source} partition ds={self.ds}: "
+            f"{len(failed)} of {len(self.checks)} checks failed" + (f", {skipped} not run" if skipped else "")
+        ]
+        for check in failed[:top]:
+            lines.append(f"  - {check.name}: {check.details or short(check.observed)}")
+        if len(failed) > top:
+            lines.append(f"  - ... and {len(failed) - top} more")
+        lines.append(f"Report: {self.report_path}")
+        where = self.partition or f"{source}/ds={self.ds}"
+        if self.quarantine:
+            lines.append(f"Quarantined: the partition was moved to {self.quarantine} (with this report)")
+        if failed and failed[0].name == "partition.marker":
+            fix = f"land the partition {where} (its data files, then its {storage.MARKER} marker)"
+        else:
+            fix = (
+                f"correct the upstream data and replace the partition {where} (data files and its "
+                f"{storage.MARKER} marker, written atomically)"
+            )
+        lines.append(f"Fix: {fix}, then clear this task to validate it again.")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        payload = asdict(self)
+        payload["checks"] = [c.to_dict() for c in self.checks]
+        payload["failed_checks"] = [c.name for c in self.failed_checks]
+        payload.pop("profile", None)  # profile.json beside the report holds it
+        return payload
+
+
+# --- the report folder ---------------------------------------------------------------------------------
+
+
+def write_report(report: ValidationReport, data_docs: Path | None = None) -> None:
+    """Write the report folder of ``report``, replacing the previous run's whole.
+
+    ``data_docs``: a local folder holding the run's rendered GX Data Docs site (GX renders only to a local
+    filesystem), copied to ``data_docs/`` of the report. ``result.json`` goes last.
+    """
+    folder = report.folder
+    if storage.is_remote(folder):
+        # An object store has no rename: the folder is emptied and refilled in place. The old result goes
+        # first, so that history never takes the old day's verdict beside a half-written new profile.
+        storage.remove(storage.join(folder, RESULT_FILE))
+    with storage.publish(folder, marker=None) as staging:
+        storage.write_text(storage.join(staging, HTML_FILE), render_html(report))
+        if report.profile is not None:
+            storage.write_json(
+                storage.join(staging, PROFILE_FILE), {"dataset": report.dataset, "ds": report.ds, **report.profile}
+            )
+        if data_docs is not None and report.data_docs:
+            storage.copy_tree(str(data_docs), storage.join(staging, DATA_DOCS_DIR))
+        payload = report.to_dict()
+        payload["great_expectations_version"] = _gx_version()
+        payload["validated_at"] = dt.datetime.now(dt.UTC).isoformat()
+        storage.write_json(storage.join(staging, RESULT_FILE), payload)
+
+
+def _gx_version() -> str | None:
+    module = sys.modules.get("great_expectations")
+    return getattr(module, "__version__", None)
+
+
+def render_html(report: ValidationReport) -> str:
+    """The report as one self-contained HTML page: a table of every check."""
+    esc = html.escape
+    rows = "\n".join(
+        f'<tr class="{c.status}"><td>{esc(c.name)}</td><td>{c.status}</td>'
+        f"<td><code>{esc(short(jsonable(c.observed), 400))}</code></td>"
+        f"<td><code>{esc(short(jsonable(c.expected), 400))}</code></td><td>{esc(c.details)}</td></tr>"
+        for c in report.checks
+    )
+    verdict = "passed" if report.success else "FAILED"
+    docs = (
+        f'<p>Great Expectations Data Docs: <a href="{esc(report.data_docs)}">{esc(report.data_docs)}</a></p>'
+        if report.data_docs
+        else "<p>No Great Expectations Data Docs for this run (the suite did not run, or they were not asked for).</p>"
+    )
+    title = f"{raw_dataset(report.dataset)} ds={report.ds}: {verdict}"
+    notes = "".join(f"<p class=\"note\">{esc(w)}</p>" for w in report.warnings)
+    if report.quarantine:
+        notes += f"<p class=\"note\">Quarantined: the partition was moved to <code>{esc(report.quarantine)}</code></p>"
+    if report.quarantine_history:
+        notes += "<p>Earlier quarantines: " + ", ".join(f"<code>{esc(q)}</code>" for q in report.quarantine_history) + "</p>"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }}
+tr.failed td {{ background: #fdd; }} tr.skipped td {{ color: #777; }} tr.passed td:nth-child(2) {{ color: #070; }}
+code {{ white-space: pre-wrap; word-break: break-all; }} p.note {{ background: #ffd; padding: 4px; }}
+</style></head><body>
+<h1>{esc(title)}</h1>
+<p>Partition: <code>{esc(report.partition)}</code> &mdash; rows: {report.rows} &mdash;
+files: {esc(", ".join(report.files) or "none")} &mdash; {report.duration_s} s</p>
+{docs}
+{notes}
+<table><tr><th>check</th><th>status</th><th>observed</th><th>expected</th><th>details</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+# --- quarantine ----------------------------------------------------------------------------------------
+
+
+def quarantine_root(root: storage.Location, dataset: str, ds: str | dt.date) -> str:
+    """``<root>/quarantine/<dataset>/ds=<ds>``: one sub-folder per quarantine, named by its UTC time."""
+    return storage.partition(root, f"{contracts.QUARANTINE}/{dataset_name(dataset)}", ds)
+
+
+def quarantine_records(root: storage.Location, dataset: str, ds: str | dt.date) -> list[str]:
+    """The quarantine folders of a partition, oldest first (each keeps the data and report it had)."""
+    base = quarantine_root(root, dataset, ds)
+    records = [storage.join(base, name) for name in storage.list_names(base) if not name.startswith(".")]
+    return [record for record in records if storage.is_dir(record)]
+
+
+def quarantine_partition(root: storage.Location, dataset: str, ds: str) -> str:
+    """Move the complete partition ``raw/<dataset>/ds=<ds>`` to a new quarantine record; return the record.
+
+    The marker goes first: on an object store the move is a copy then a delete, and a reader must never
+    see a half-moved partition; without its marker the partition does not exist for readers. The record's
+    ``data/`` gets the marker back last, so that it holds the partition exactly as it was landed.
+    """
+    part = storage.partition(root, raw_dataset(dataset), ds)
+    record = storage.join(quarantine_root(root, dataset, ds), dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ"))
+    target = storage.join(record, "data")
+    marker = storage.join(part, storage.MARKER)
+    stamp = storage.read_bytes(marker)
+    storage.remove(marker)
+    storage.move_tree(part, target)
+    storage.write_bytes(storage.join(target, storage.MARKER), stamp)
+    log.warning("quarantined %s to %s", part, record)
+    return record
+
+
+def record_quarantine(report: ValidationReport, record: str) -> None:
+    """Complete a quarantine record: a copy of the written report, then ``QUARANTINE.json`` last."""
+    storage.copy_tree(report.folder, storage.join(record, "report"))
+    storage.write_json(
+        storage.join(record, QUARANTINE_FILE),
+        {
+            "dataset": raw_dataset(report.dataset),
+            "ds": report.ds,
+            "quarantined_at": dt.datetime.now(dt.UTC).isoformat(),
+            "source": report.partition,
+            "failed_checks": [c.name for c in report.failed_checks],
+            "message": report.failure_message(),
+            "report": storage.join(record, "report", RESULT_FILE),
+            "restore": f"fix the data, land it again at {report.partition} (data files, then {storage.MARKER}) "
+            "and clear the validation task; this record stays",
+        },
+    )

@@ -1,0 +1,64 @@
+"""The promotion gate and the corpus-inference plan against the MLflow registry: "not found" is an answer,
+an outage is INFRA (retried) and never promotes."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from core import config
+from core.config import MlflowConfig, PlatformConfig
+from core.failures import FailureClass, InfraError, UserError
+from operators import registry
+from operators.inference import plan_inference
+from operators.training import promote_if_better
+
+pytestmark = pytest.mark.unit
+RESULT = {"model_name": "pin_ranker", "model_version": "1", "metrics": {"mean_auc": 0.7}, "eval_ds": "2026-11-20"}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens once the socket is closed
+
+
+@pytest.fixture
+def use_mlflow(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    def use(tracking_uri: str) -> None:
+        platform = PlatformConfig(storage_root=str(tmp_path / "storage"), mlflow=MlflowConfig(tracking_uri=tracking_uri))
+        monkeypatch.setattr(config, "load", lambda: platform)
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    return use
+
+
+def test_an_mlflow_outage_is_infra_and_promotes_nothing(use_mlflow):
+    use_mlflow(f"http://127.0.0.1:{closed_port()}")
+    with pytest.raises(InfraError, match="MLflow registry at http://127.0.0.1") as err:
+        promote_if_better(RESULT, tolerance=0.0)
+    assert err.value.failure_class is FailureClass.INFRA
+    with pytest.raises(InfraError):
+        plan_inference("champion", None, 2)
+
+
+def test_no_champion_yet_promotes_and_an_unknown_version_is_a_user_error(use_mlflow, tmp_path: Path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    use_mlflow(uri)
+    client = registry.client(MlflowConfig(tracking_uri=uri))
+    client.create_registered_model("pin_ranker")
+    run = client.create_run(client.create_experiment("x")).info
+    client.log_metric(run.run_id, "eval_mean_auc", 0.7)
+    client.log_param(run.run_id, "eval_ds", "2026-11-20")
+    client.create_model_version("pin_ranker", "runs:/x/model", run_id=run.run_id)
+    assert registry.champion(client, "pin_ranker") is None
+
+    decision = promote_if_better(RESULT, tolerance=0.0)
+    assert decision["promoted"] and decision["reason"] == "no champion yet"
+    assert str(registry.champion(client, "pin_ranker").version) == "1"
+
+    with pytest.raises(UserError, match="no version or alias '7'"):
+        plan_inference("7", None, 2)
