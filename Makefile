@@ -12,18 +12,30 @@ export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.db
-export AIRFLOW__API__PORT := 8080
+# Ports and URLs in one place: `make airflow PORT=9090` moves the API server (UI, REST API and the execution API
+# that task processes report to) and the log servers next to it; print-env gives the same to a shell.
+PORT ?= 8080
+export AIRFLOW__API__PORT := $(PORT)
+export AIRFLOW__API__BASE_URL := http://localhost:$(PORT)
+export AIRFLOW__CORE__EXECUTION_API_SERVER_URL := http://localhost:$(PORT)/execution/
+# Airflow's defaults (8793, 8794, 8974) for PORT=8080, shifted with it.
+export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT := $(shell echo $$(($(PORT) + 713)))
+export AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT := $(shell echo $$(($(PORT) + 714)))
+export AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT := $(shell echo $$(($(PORT) + 894)))
+# A loaded laptop answers slowly: Airflow's 5 s default failed tasks with an empty log.
+export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT := 60
 # A laptop: a few task slots, not Airflow's default 32 worker processes.
 export AIRFLOW__CORE__PARALLELISM := 4
 export GX_ANALYTICS_ENABLED := False
 export PATH := $(BIN):$(PATH)
 
-.PHONY: help install demo test lint airflow constraints clean print-env
+.PHONY: help install demo test lint airflow constraints clean print-env secrets dev-tools
 
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
 	@echo "make test     - install if needed, then ruff, mypy and pytest"
-	@echo "make airflow  - airflow standalone on http://localhost:8080 with these DAGs"
+	@echo "make airflow  - airflow standalone on http://localhost:$(PORT) with these DAGs (PORT=... moves it)"
+	@echo "make secrets  - write .env with generated secrets for docker-compose.yaml (kept if it exists)"
 	@echo "make install  - .venv with the pinned constraints, and an Airflow home on SQLite under $(PINFLOW_HOME)"
 	@echo "make clean    - delete $(PINFLOW_HOME) (the demo's data, MLflow store and Airflow home)"
 
@@ -46,11 +58,24 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy core operators features training plugins dags scripts
 
-test: install lint
+test: install dev-tools lint
 	$(BIN)/python -m pytest
 
+# Debian's docker-compose 1.x validates docker-compose.yaml without a Docker engine (tests/unit/test_compose.py
+# skips that check without it): installed here when this runs as root with apt-get, named otherwise.
+dev-tools:
+	@command -v docker-compose >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's docker-compose (validates docker-compose.yaml)"; \
+	    { apt-get install -y -qq docker-compose || { apt-get update -qq && apt-get install -y -qq docker-compose; }; } >/dev/null; \
+	  else echo "docker-compose not found: sudo apt-get install docker-compose (tests/unit/test_compose.py skips its check)"; fi; }
+
+# The secrets of docker-compose.yaml: .env from .env.example with generated values (never overwrites an .env).
+secrets:
+	python3 scripts/make_secrets.py
+
 airflow: install
-	@echo "Airflow UI: http://localhost:8080 — user 'admin', password in $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated"
+	@echo "Airflow UI: http://localhost:$(PORT) — user 'admin', password in $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated"
 	$(BIN)/airflow standalone
 
 # Regenerate the constraints from the working .venv (Airflow's convention for reproducible installs).
@@ -63,5 +88,8 @@ clean:
 # The environment of these targets, for running airflow commands by hand: eval "$$(make -s print-env)"
 print-env:
 	@for v in PINFLOW_HOME AIRFLOW_HOME AIRFLOW__CORE__DAGS_FOLDER AIRFLOW__CORE__PLUGINS_FOLDER \
-	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN AIRFLOW__CORE__PARALLELISM GX_ANALYTICS_ENABLED PATH; do \
+	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN AIRFLOW__CORE__PARALLELISM GX_ANALYTICS_ENABLED \
+	  AIRFLOW__API__PORT AIRFLOW__API__BASE_URL AIRFLOW__CORE__EXECUTION_API_SERVER_URL \
+	  AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT \
+	  AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT PATH; do \
 	  echo "export $$v='$${!v}'"; done

@@ -27,7 +27,7 @@ exec "$PY" - <<'EOF'
 import json, math, os, sys, time
 import torch
 from features.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, SURFACES
-from training.model import ModelConfig, PinRanker, multitask_loss
+from training.models.pin_ranker import ModelConfig, PinRanker, multitask_loss
 
 steps, warmup, batch = int(os.environ["STEPS"]), int(os.environ["WARMUP"]), int(os.environ["BATCH"])
 config = ModelConfig(sequence_length=100, d_model=128, n_heads=4, n_layers=2, ff_dim=512, first_k=8,

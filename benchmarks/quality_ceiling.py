@@ -37,7 +37,8 @@ def world_as_of_last_day(config: synthetic.WorldConfig) -> synthetic._World:
     for day_index in range(1, config.days):
         rng = np.random.default_rng(np.random.SeedSequence([config.seed, 2, day_index]))
         count = round(synthetic.NEW_PIN_RATE * config.pins)
-        world.add_pins(rng, count, np.zeros(count, dtype=np.int64))
+        content_rng = np.random.default_rng(np.random.SeedSequence([config.seed, 11, day_index]))
+        world.add_pins(rng, count, np.zeros(count, dtype=np.int64), content_rng)
     return world
 
 

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/training.py --rows-per-day 2000 --steps 20   # a quick run
 
 Setup (not timed): a synthetic ``examples`` dataset (``training.smoke_data``: two days, realistic
-sequence lengths, row groups like the feature build writes) and the PinRanker of ``RunConfig``'s defaults
+sequence lengths, row groups like the feature build writes) and the PinRanker of ``RankerParams``' defaults
 (the demo's model; ``--ablation`` adds the lockstep ablation model as training does).
 
 Measured in this one run, side by side (these machines are noisy; only ratios mean something):
@@ -41,24 +41,12 @@ DAYS = ["2026-01-01", "2026-01-02"]
 
 
 def make_model(ablation: bool) -> tuple[list[Any], list[Any]]:
-    import dataclasses
-
     import torch
 
-    from training.config import RunConfig
-    from training.model import PinRanker
+    from training.models.pin_ranker import PinRanker, RankerParams
 
-    config = RunConfig.from_dict(
-        {
-            "root": "/x",
-            "train_days": DAYS,
-            "eval_ds": DAYS[-1],
-            "output_dir": "/x",
-            "checkpoint_dir": "/x",
-            "mlflow_tracking_uri": "sqlite:////x",
-        }
-    ).model_config()
-    configs = [config] + ([dataclasses.replace(config, use_sequence=False)] if ablation else [])
+    params = RankerParams()  # the ranker's defaults, as a training run uses them
+    configs = [params.model_config()] + ([params.model_config(use_sequence=False)] if ablation else [])
     models, optimizers = [], []
     for c in configs:
         torch.manual_seed(0)
@@ -71,7 +59,7 @@ def make_model(ablation: bool) -> tuple[list[Any], list[Any]]:
 def train_step(models: list[Any], optimizers: list[Any], batch: dict[str, Any]) -> int:
     import torch
 
-    from training.model import multitask_loss
+    from training.models.pin_ranker import multitask_loss
 
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "impression_id")}
     for model, optimizer in zip(models, optimizers, strict=True):
@@ -85,14 +73,15 @@ def train_step(models: list[Any], optimizers: list[Any], batch: dict[str, Any]) 
 
 def stream(root: Path, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0) -> Any:
     from training.data import ExampleStream, PinEmbeddings
+    from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch
 
     pins = PinEmbeddings.from_snapshot(root, DAYS[-1])
     return ExampleStream(
         root,
         DAYS,
-        pins,
+        lambda table: encode_batch(table, pins, 50),
         batch_size=batch_size,
-        sequence_length=50,
+        columns=EXAMPLE_COLUMNS,
         rank=rank,
         world_size=world_size,
         num_workers=num_workers,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.failures import ConfigError
 
@@ -43,9 +43,7 @@ class MlflowConfig(Section):
     """Experiment tracking and the model registry."""
 
     tracking_uri: str = Field("", description="tracking and registry URI; empty: sqlite:///<PINFLOW_HOME>/mlflow/mlflow.db")
-    artifact_root: str = Field("mlflow/artifacts", description="artifact location of new experiments (relative: under PINFLOW_HOME)")
-    experiment: str = Field("pin_ranker", description="MLflow experiment of training runs")
-    model_name: str = Field("pin_ranker", description="registered model name")
+    artifact_root: str = Field("mlflow/artifacts", description="artifact location of new experiments (relative: under PINFLOW_HOME; empty: the tracking server's own, e.g. its proxied --artifacts-destination)")
     ui_url: str = Field("http://localhost:5000", description="where the MLflow UI runs (the 'MLflow run' link points here)")
 
 
@@ -89,6 +87,7 @@ class TrainingConfig(Section):
     """Training runs: the defaults of the training DAG's form and of every job."""
 
     backend: Literal["local", "batch", "kubernetes"] = Field("local", description="where training and scoring jobs run")
+    model: str = Field("pin_ranker", description="the model family a scheduled training run trains (a key of families:)")
     team: str = Field("ranking", description="team whose queue, fair share and priority jobs use (a key of teams:)")
     nodes: int = Field(1, ge=1, le=64, description="nodes of a training job")
     procs_per_node: int = Field(2, ge=1, le=8, description="worker processes per node")
@@ -100,15 +99,44 @@ class TrainingConfig(Section):
     promotion_tolerance: float = Field(0.002, ge=0, le=0.1, description="how much worse than the champion's mean AUC a new model may be and still be promoted")
     heartbeat_timeout_seconds: float = Field(300, gt=0, description="no heartbeat progress this long: cancel the job as INFRA (retried)")
     poll_seconds: float = Field(10, gt=0, description="between job status checks of the operator and its trigger")
-    gpus_per_node: int = Field(0, ge=0, description="GPUs per node")
-    image: str = Field("pinflow-training:latest", description="container image of training and scoring jobs")
+    gpus_per_node: int | None = Field(None, ge=0, description="GPUs per node; empty: all of the instance type's")
+    image: str = Field("", description="container image of training and scoring jobs; empty: the instance type's (images:)")
+    instance_type: str = Field("m5.2xlarge", description="node type of jobs whose team names none (a key of instance_types:)")
+    queue_timeout_seconds: float = Field(
+        86400, ge=0, description="a job queued (not yet running) this long is cancelled as INFRA (retried); 0: no limit"
+    )
     preflight: bool = Field(True, description="run the nodes' health check (training.preflight) before training")
+
+
+class FamilyConfig(Section):
+    """A model family (training.sdk): where it is defined, its MLflow names and its training defaults.
+
+    ``epochs``, ``batch_size`` and ``lr`` left empty take the ``training:`` section's; ``params`` are the
+    family's hyperparameters (checked by the family's own ``Params``).
+    """
+
+    module: str = Field("", description="Python module defining the family (empty: the built-in one of that name)")
+    experiment: str = Field("", description="MLflow experiment (empty: the family's name)")
+    model_name: str = Field("", description="registered model name (empty: the family's name)")
+    epochs: int | None = Field(None, ge=1, le=100)
+    batch_size: int | None = Field(None, ge=8, le=65536)
+    lr: float | None = Field(None, gt=0, le=1)
+    params: dict[str, Any] = Field(default_factory=dict, description="the family's hyperparameters")
+
+
+# The families that ship with the platform (training/models/), always configured; families: may override them.
+BUILTIN_FAMILIES: dict[str, FamilyConfig] = {
+    "pin_ranker": FamilyConfig(),
+    # A small encoder over ~1,000 reviewed pins a day: a few passes at a smaller batch.
+    "pin_content": FamilyConfig(epochs=5, batch_size=256, lr=0.003),
+}
 
 
 class InferenceConfig(Section):
     """Corpus inference."""
 
     shards: int = Field(4, ge=1, le=4096, description="shards of the corpus (the inference DAG's form default)")
+    instance_type: str = Field("m5.2xlarge", description="node type of a scoring job (a key of instance_types:)")
 
 
 class TeamConfig(Section):
@@ -118,6 +146,52 @@ class TeamConfig(Section):
     share: str
     priority: int = Field(50, ge=0, le=9999)
     priority_class: str = ""
+    instance_type: str = Field("", description="the team's node type (a key of instance_types:); empty: training.instance_type")
+    scheduling: Literal["auto", "fair_share", "fifo"] = Field(
+        "auto", description="its Batch queue's policy; auto: read with describe_job_queues (schedulingPolicyArn)"
+    )
+
+
+class InstanceTypeConfig(Section):
+    """A named node type, as torchx's named resources: what one node of a job has (requests derive from it)."""
+
+    gpus: int = Field(0, ge=0)
+    vcpus: int = Field(..., ge=1)
+    memory_gib: float = Field(..., gt=0, description="nominal memory of the instance")
+    efa: int = Field(0, ge=0, description="EFA interfaces (vpc.amazonaws.com/efa, /dev/infiniband/uverbsN)")
+    efa_rdma: bool = Field(False, description="GPUDirect RDMA over EFA (p4d, p5): FI_EFA_USE_DEVICE_RDMA=1")
+    image: str = Field("", description="container image on this type; empty: images.gpu or images.cpu")
+
+
+class ImagesConfig(Section):
+    """Container images of jobs (deploy/training.Dockerfile, deploy/training-cpu.Dockerfile)."""
+
+    gpu: str = Field("pinflow-training:latest", description="GPU image: an AWS PyTorch DLC with EFA and aws-ofi-nccl")
+    cpu: str = Field("pinflow-training-cpu:latest", description="CPU image (CPU instance types, tests)")
+
+
+class ResourcesConfig(Section):
+    """How a node's requests and limits derive from its instance type."""
+
+    memory_tax: float = Field(
+        0.96, gt=0, le=1, description="share of nominal memory a container can get (OS, ECS agent, kubelet take the rest)"
+    )
+    request_fraction: float = Field(
+        0.95, gt=0, le=1, description="Kubernetes cpu/memory requests = limits x this, so a whole-node pod fits beside DaemonSets"
+    )
+    shm_fraction: float = Field(0.25, gt=0, lt=1, description="/dev/shm is at most this share of the memory limit")
+    shm_max_gib: float = Field(48, gt=0, description="/dev/shm cap (AWS's p5 Batch reference: 48 GiB)")
+    hugepages_2mi_mib: int = Field(5120, ge=0, description="hugepages-2Mi of a pod with EFA (AWS's EKS examples)")
+
+
+def _default_instance_types() -> dict[str, InstanceTypeConfig]:
+    # As torchx's named_resources_aws (vCPUs, GPUs, nominal memory, EFA interfaces).
+    return {
+        "p5.48xlarge": InstanceTypeConfig(gpus=8, vcpus=192, memory_gib=2048, efa=32, efa_rdma=True),
+        "p4d.24xlarge": InstanceTypeConfig(gpus=8, vcpus=96, memory_gib=1152, efa=4, efa_rdma=True),
+        "g5.12xlarge": InstanceTypeConfig(gpus=4, vcpus=48, memory_gib=192, efa=1),
+        "m5.2xlarge": InstanceTypeConfig(vcpus=8, memory_gib=32),  # CPU: tests, scoring
+    }
 
 
 class BatchConfig(Section):
@@ -127,27 +201,27 @@ class BatchConfig(Section):
     region_name: str | None = Field("us-east-1", description="AWS region of the Batch queues")
     job_role_arn: str = Field("", description="IAM role of the containers (S3 access to the storage root)")
     log_group: str = Field("/aws/batch/job", description="CloudWatch log group of the awslogs driver")
-    efa_devices: int = Field(0, ge=0, description="EFA interfaces per node (p4d: 4, p5: 32); 0 = TCP sockets only")
-    shm_size_mb: int = Field(16384, ge=64, description="/dev/shm per node for NCCL and DataLoader workers")
     rdzv_port: int = Field(29400, ge=1, le=65535, description="c10d rendezvous port on the main node")
-    max_gpus_per_node: int = Field(8, ge=0, description="the biggest instance in the compute environment")
+    nccl_socket_ifname: str = Field("^lo,docker,ecs", description="NCCL_SOCKET_IFNAME (AWS's Batch reference)")
     attempts: int = Field(3, ge=1, le=10, description="Batch-level attempts, for host and Spot loss only")
 
 
 class KubernetesConfig(Section):
-    """Kubeflow PyTorchJobs queued by Kueue (backend: kubernetes)."""
+    """Kubeflow Trainer v2 TrainJobs (or v1 PyTorchJobs) queued by Kueue (backend: kubernetes)."""
 
     conn_id: str = Field("kubernetes_default", description="Airflow connection of the cluster")
     namespace: str = Field("pinflow", description="namespace of the jobs")
+    api: Literal["trainjob", "pytorchjob"] = Field(
+        "trainjob", description="trainjob: Kubeflow Trainer v2 (deploy/kubernetes/); pytorchjob: training-operator v1"
+    )
+    runtime: str = Field("pinflow-torch", description="the ClusterTrainingRuntime of TrainJobs (deploy/kubernetes/)")
     service_account: str = Field("", description="service account of the pods (S3 access through IRSA)")
-    shm_size: str = Field("16Gi", description="memory-backed /dev/shm per pod")
-    rdzv_port: int = Field(29400, ge=1, le=65535, description="the master's pytorchjob-port")
-    efa_devices: int = Field(0, ge=0, description="vpc.amazonaws.com/efa per node (0 = none)")
-    max_gpus_per_node: int = Field(8, ge=0, description="the biggest node of the cluster")
+    rdzv_port: int = Field(29400, ge=1, le=65535, description="the master's pytorchjob-port (api: pytorchjob)")
+    nccl_socket_ifname: str = Field("^lo", description="NCCL_SOCKET_IFNAME (AWS's EKS examples)")
     ttl_seconds_after_finished: int = Field(86400, ge=0, description="how long a finished job is kept")
     console_url: str = Field(
-        "https://kubernetes-dashboard/#/customresourcedefinition/pytorchjobs.kubeflow.org/{namespace}/{name}",
-        description="a dashboard URL with {namespace} and {name}",
+        "https://kubernetes-dashboard/#/customresourcedefinition/{plural}.{group}/{namespace}/{name}",
+        description="a dashboard URL with {namespace}, {name} (and {plural}, {group} of the job's API)",
     )
 
 
@@ -178,21 +252,49 @@ class PlatformConfig(Section):
     validation: ValidationConfig = ValidationConfig()
     training: TrainingConfig = TrainingConfig()
     inference: InferenceConfig = InferenceConfig()
+    families: dict[str, FamilyConfig] = Field(
+        default_factory=dict, description="model families besides (or overriding) the built-in ones"
+    )
     teams: dict[str, TeamConfig] = Field(
         default_factory=lambda: {"ranking": TeamConfig(queue="ranking", share="ranking", priority=50,
                                                        priority_class="pinflow-ranking")},
     )
+    instance_types: dict[str, InstanceTypeConfig] = Field(default_factory=_default_instance_types)
+    images: ImagesConfig = ImagesConfig()
+    resources: ResourcesConfig = ResourcesConfig()
     batch: BatchConfig = BatchConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
     demo: DemoConfig = DemoConfig()
     home: str = Field("", exclude=True)
 
+    @field_validator("families", mode="after")
+    @classmethod
+    def _with_builtin_families(cls, families: dict[str, FamilyConfig]) -> dict[str, FamilyConfig]:
+        return {**BUILTIN_FAMILIES, **families}
+
     @model_validator(mode="after")
     def _team(self) -> PlatformConfig:
+        if self.training.model not in self.families:
+            raise ValueError(
+                f"training.model={self.training.model!r} is not under families: (known: {', '.join(sorted(self.families))})"
+            )
         if self.training.team not in self.teams:
             raise ValueError(
                 f"training.team={self.training.team!r} is not under teams: (known: {', '.join(sorted(self.teams))})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _instance_types(self) -> PlatformConfig:
+        named = [("training.instance_type", self.training.instance_type),
+                 ("inference.instance_type", self.inference.instance_type)] + [
+            (f"teams.{name}.instance_type", team.instance_type) for name, team in self.teams.items() if team.instance_type
+        ]
+        for key, value in named:
+            if value not in self.instance_types:
+                raise ValueError(
+                    f"{key}={value!r} is not under instance_types: (known: {', '.join(sorted(self.instance_types))})"
+                )
         return self
 
 
@@ -292,7 +394,7 @@ def read(file: Path | None = None, environ: dict[str, str] | None = None, home: 
         return value if "://" in value or Path(value).is_absolute() else str(home / value)
 
     mlflow = config.mlflow.model_copy(update={
-        "artifact_root": resolve(config.mlflow.artifact_root),
+        "artifact_root": resolve(config.mlflow.artifact_root) if config.mlflow.artifact_root else "",
         "tracking_uri": config.mlflow.tracking_uri or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     })
     return config.model_copy(update={"home": str(home), "storage_root": resolve(config.storage_root), "mlflow": mlflow})

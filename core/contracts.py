@@ -11,6 +11,11 @@ from __future__ import annotations
 import pyarrow as pa
 
 EMBEDDING_DIM = 32
+# Content features of a pin, for the content-understanding models: a visual embedding and a bag of text tokens.
+IMAGE_DIM = 64
+TEXT_VOCAB = 256
+# Topics of the trust-and-safety review (related to, not the same as, the pin's category).
+TOPICS = 8
 
 # Engagement actions. ``impression`` is the parent of every other action: an engagement carries the
 # ``impression_id`` of the impression it came from. Order matters: the index is the action id the model uses.
@@ -41,6 +46,8 @@ PINS_SCHEMA = pa.schema(
         pa.field("category", pa.int32(), nullable=False),
         pa.field("creator_id", pa.int64(), nullable=False),
         pa.field("created_at", TS, nullable=False),
+        pa.field("image_embedding", pa.list_(pa.float32(), IMAGE_DIM), nullable=False),
+        pa.field("text_tokens", pa.list_(pa.int32()), nullable=False),  # token ids in [0, TEXT_VOCAB)
     ]
 )
 
@@ -62,12 +69,34 @@ TRUTH_SCHEMA = pa.schema(
     ]
 )
 
+# Human review of a sample of pins, one partition per review day: a pin's safety label and its topic.
+PIN_LABELS_SCHEMA = pa.schema(
+    [
+        pa.field("review_id", pa.int64(), nullable=False),
+        pa.field("pin_id", pa.int64(), nullable=False),
+        pa.field("is_unsafe", pa.int8(), nullable=False),  # 1: violates the content policy
+        pa.field("topic", pa.int32(), nullable=False),  # in [0, TOPICS)
+        pa.field("reviewed_at", TS, nullable=False),
+    ]
+)
+
+# Hidden ground truth of the synthetic world per pin of the snapshot. Never read by a model.
+TRUTH_PINS_SCHEMA = pa.schema(
+    [
+        pa.field("pin_id", pa.int64(), nullable=False),
+        pa.field("p_unsafe", pa.float64(), nullable=False),
+        pa.field("topic_probs", pa.list_(pa.float64(), TOPICS), nullable=False),
+    ]
+)
+
 # --- Dataset names: the folder of each dataset under the storage root -----------------------------------
 
 RAW_EVENTS = "raw/events"
 RAW_PINS = "raw/pins"
 RAW_USERS = "raw/users"
+RAW_PIN_LABELS = "raw/pin_labels"
 TRUTH = "truth"
+TRUTH_PINS = "truth_pins"
 USER_DAILY = "features/user_daily"
 PIN_DAILY = "features/pin_daily"
 USER_WINDOW = "features/user_window"
@@ -81,8 +110,12 @@ INFERENCE = "inference"
 RUNS = "runs"
 
 # Raw datasets by their short name (the validation CLI's argument): their folder and their schema.
-RAW_DATASETS: dict[str, str] = {"events": RAW_EVENTS, "pins": RAW_PINS, "users": RAW_USERS}
-RAW_SCHEMAS: dict[str, pa.Schema] = {"events": EVENTS_SCHEMA, "pins": PINS_SCHEMA, "users": USERS_SCHEMA}
+RAW_DATASETS: dict[str, str] = {
+    "events": RAW_EVENTS, "pins": RAW_PINS, "users": RAW_USERS, "pin_labels": RAW_PIN_LABELS,
+}
+RAW_SCHEMAS: dict[str, pa.Schema] = {
+    "events": EVENTS_SCHEMA, "pins": PINS_SCHEMA, "users": USERS_SCHEMA, "pin_labels": PIN_LABELS_SCHEMA,
+}
 
 # --- Derived datasets (written by features.build) ---------------------------------------------------
 

@@ -15,7 +15,10 @@ from operators.features import FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
 from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
 
-DS = "{{ params.ds or ds }}"
+# The day a run builds: its data interval's, or the `ds` param of a run triggered from the form. A backfill
+# builds each run's own day: the Backfill dialog offers the DAG's params too, and a `ds` given there would
+# otherwise make every backfilled run rebuild that one day.
+DS = "{{ ds if dag_run.run_type == 'backfill' else (params.ds or ds) }}"
 _cfg = config.load()
 
 with DAG(
@@ -23,8 +26,9 @@ with DAG(
     doc_md="""
 ### Daily features
 
-For the day `ds` (the run's data interval, or the `ds` param): waits for the raw events, pins and users
-partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
+For the day `ds` (the run's data interval, or the `ds` param of a triggered run; a backfill ignores that param
+and builds each run's own day): waits for the raw events, pins, users and
+pin review labels partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
 partition is moved to `quarantine/` and stops the day: nothing downstream runs; each validation task
 links to its Data Docs page), checks the 30-day window for quarantined or missing days
 (`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step written atomically:
@@ -35,7 +39,10 @@ links to its Data Docs page), checks the 30-day window for quarantined or missin
 4. `examples` — impressions of `ds` with labels, joined with features as of the end of `ds-1`.
 
 Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --dag-id pin_daily_features
---from-date 2026-11-01 --to-date 2026-11-07`. Emits the `pinflow_examples` asset.
+--from-date 2026-11-01 --to-date 2026-11-07 --reprocess-behavior completed`, or the UI's Backfill dialog. Airflow
+runs a backfill only while the DAG is unpaused (the dialog's *unpause* box); unpausing also starts the daily
+schedule, whose newest run (no catch-up) waits up to `validation.sensor_timeout_seconds` (6 h) for its day's raw
+data. Emits the `pinflow_examples` asset.
 """,
     schedule=CronDataIntervalTimetable("@daily", timezone="UTC"),
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
@@ -50,7 +57,7 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
         "retry_policy": retry_policy(),
     },
     params={
-        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD)."),
+        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
         "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
     },
@@ -58,7 +65,7 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
 ) as dag:
     wait = RawPartitionSensor(
         task_id="wait_for_raw",
-        datasets=["raw/events", "raw/pins", "raw/users"],
+        datasets=["raw/events", "raw/pins", "raw/users", "raw/pin_labels"],
         ds=DS,
         deferrable=True,
         poke_interval=_cfg.validation.sensor_poke_seconds,
@@ -68,6 +75,9 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
         ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0)
         for name in ("events", "pins", "users")
     ] + [WindowGapCheckOperator(task_id="validate_window", ds=DS, retries=0)]
+    # The review labels feed the content model, not these features: a bad day of labels is quarantined
+    # (so the content model never trains on it) without holding back the ranker's features.
+    validate_labels = ValidatePartitionOperator(task_id="validate_pin_labels", dataset="pin_labels", ds=DS, retries=0)
     overrides = {
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
@@ -85,3 +95,4 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
         depends_on_past=True, outlets=[EXAMPLES_ASSET],
     )
     wait >> validations >> daily >> [window, sequences] >> examples
+    wait >> validate_labels

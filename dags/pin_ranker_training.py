@@ -1,8 +1,9 @@
-"""Training DAG: plan → distributed training on the chosen backend → promotion gate → model registry."""
+"""Training DAG for any model family: plan → distributed training on the chosen backend → promotion gate."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pendulum
 from airflow.sdk import DAG, Param, task
@@ -13,20 +14,35 @@ from operators.backends import BACKENDS
 from operators.errors import retry_policy
 from operators.training import DistributedTrainingOperator
 
-# The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*).
-_training = config.load().training
+# The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*); epochs,
+# batch size and lr left empty take the chosen family's defaults (families:), else the training: section's.
+_cfg = config.load()
+_training = _cfg.training
+
+
+def _family_default(key: str) -> str:
+    values = {name: getattr(family, key) or getattr(_training, key) for name, family in _cfg.families.items()}
+    return ", ".join(f"{name} {value}" for name, value in values.items())
+
 
 with DAG(
     dag_id="pin_ranker_training",
     doc_md="""
-### Pin ranker training
+### Model training
 
-Runs when a new day of `examples` lands, or from the trigger form. Trains the TransAct-style ranker
-(transformer over the user's action sequence, sharded-id embedding tables, dense features, one head per
-label: click, repin, hide) with `torchrun` on the chosen backend, evaluates it on the evaluation day
-(AUC per head next to a popularity baseline), logs everything to MLflow and registers the model. The
-promotion gate gives the new version the `champion` alias only if it is at least as good as the current
-champion on the same day; a promotion emits `pinflow_champion_model`, which starts corpus inference.
+Trains the model family chosen by the `model` param (a model family is one file on the platform's model
+SDK, `training/sdk.py`): `pin_ranker`, the TransAct-style ranker (transformer over the user's action sequence,
+hashed-id embedding tables, dense features; heads click, repin, hide) on the `examples` of the days before the
+evaluation day, or `pin_content`, the content-understanding model (safety and topic of a pin from its image
+embedding, text and category) on the daily human reviews `raw/pin_labels`. Runs when a new day of `examples`
+lands (training the `training.model` family, the ranker by default), or from the trigger form.
+
+It trains with `torchrun` on the chosen backend, evaluates on the evaluation day (the family's metrics next
+to a baseline and the synthetic world's oracle), logs to MLflow (the family's experiment, tags for DAG, run,
+try, backend, job, team and family) and registers the family's model. The promotion gate gives the new
+version the `champion` alias only if its mean AUC is at least the champion's on the same day; the decision
+and its reason (AUC per head, new vs champion) are in the promote task's log and XCom and on the MLflow
+version. A promotion emits `pinflow_champion_model`, which starts corpus inference of that family.
 
 The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
 team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The task defers to
@@ -48,12 +64,13 @@ extra links open the job's console page and the MLflow run.
         "retry_policy": retry_policy(),
     },
     params={
+        "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to train (families: in the platform configuration)."),
         "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
-        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of examples before the evaluation day to train on."),
-        "epochs": Param(_training.epochs, type="integer", minimum=1, maximum=100, description="Passes over the training days."),
-        "lr": Param(_training.lr, type="number", exclusiveMinimum=0, maximum=1, description="Peak learning rate (AdamW, warmup then cosine)."),
-        "batch_size": Param(_training.batch_size, type="integer", minimum=8, maximum=65536, description="Examples per rank per step."),
+        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on."),
+        "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, description=f"Passes over the training days (empty: {_family_default('epochs')})."),
+        "lr": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1, description=f"Peak learning rate, AdamW with warmup then cosine (empty: {_family_default('lr')})."),
+        "batch_size": Param(None, type=["null", "integer"], minimum=8, maximum=65536, description=f"Examples per rank per step (empty: {_family_default('batch_size')})."),
         "strategy": Param(_training.strategy, enum=["ddp", "fsdp"], description="ddp: replicated model; fsdp: FSDP2, embedding tables sharded across ranks."),
         "nodes": Param(_training.nodes, type="integer", minimum=1, maximum=64, description="Nodes (local: agents on this machine)."),
         "procs_per_node": Param(_training.procs_per_node, type="integer", minimum=1, maximum=8, description="Worker processes per node."),
@@ -67,11 +84,12 @@ extra links open the job's console page and the MLflow run.
         from operators.training import plan_training_days
 
         assert params is not None
-        return plan_training_days(params["end_ds"], int(params["train_days"]))
+        return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]))
 
     train = DistributedTrainingOperator(
         task_id="train",
         plan="{{ ti.xcom_pull(task_ids='plan_run') }}",
+        model="{{ params.model }}",
         backend="{{ params.backend }}",
         nodes="{{ params.nodes }}",
         procs_per_node="{{ params.procs_per_node }}",
@@ -82,16 +100,26 @@ extra links open the job's console page and the MLflow run.
     )
 
     @task(outlets=[CHAMPION_MODEL_ASSET])
-    def promote(result: dict, params: dict | None = None) -> dict:
+    def promote(result: dict, params: dict | None = None, outlet_events: Any = None) -> dict:
+        import logging
+
         from airflow.sdk.exceptions import AirflowSkipException
 
         from operators.training import promote_if_better
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]))
+        logging.getLogger(__name__).info(
+            "%s version %s %s: %s", decision["model_name"], decision["model_version"],
+            "promoted to champion" if decision["promoted"] else "not promoted", decision["reason"],
+        )
         if not decision["promoted"]:
             # Skipped: no champion asset event, so corpus inference does not rerun for a worse model.
             raise AirflowSkipException(f"not promoted: {decision['reason']}")
+        # Corpus inference reads which family's champion changed from the event.
+        outlet_events[CHAMPION_MODEL_ASSET].extra = {
+            "model": result.get("family", params["model"]), "model_version": str(decision["model_version"]),
+        }
         return decision
 
     plan_run() >> train

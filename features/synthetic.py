@@ -1,7 +1,10 @@
 """A deterministic synthetic world whose engagement comes from hidden ground truth.
 
-The world stands in for the upstream logs of DESIGN.md §2 (``raw/events``, ``raw/pins``, ``raw/users``)
-and adds the hidden truth (``truth``) that evaluation uses for the oracle AUC. The model never reads it.
+The world stands in for the upstream logs of DESIGN.md §2 (``raw/events``, ``raw/pins``, ``raw/users``) and the
+daily human review of a sample of pins (``raw/pin_labels``: a policy label and a topic, for the content model),
+and adds the hidden truth (``truth`` per impression, ``truth_pins`` per pin) that evaluation uses for the oracle
+figures. No model reads it. A pin's content (its topic, hidden unsafety, image embedding and text tokens, see
+``_Content``) comes from random streams of its own, so the engagement world is the same with or without it.
 
 The hidden model
 ----------------
@@ -74,6 +77,8 @@ DATASETS: dict[str, pa.Schema] = {
     contracts.RAW_PINS: contracts.PINS_SCHEMA,
     contracts.RAW_USERS: contracts.USERS_SCHEMA,
     contracts.TRUTH: contracts.TRUTH_SCHEMA,
+    contracts.RAW_PIN_LABELS: contracts.PIN_LABELS_SCHEMA,
+    contracts.TRUTH_PINS: contracts.TRUTH_PINS_SCHEMA,
 }
 COUNTRIES: tuple[str, ...] = ("US", "BR", "GB", "DE", "FR", "JP", "IN", "CA")
 COUNTRY_P = np.array([0.4, 0.12, 0.1, 0.09, 0.08, 0.08, 0.08, 0.05])
@@ -89,6 +94,17 @@ CLOSEUP_RATE = 0.3
 NEW_PIN_RATE = 0.01  # new pins per day after the first, as a share of the initial corpus
 EMBEDDING_NOISE = 0.6
 BURN_IN_DAYS = 5  # unwritten days that settle the recent-interest state before the first day
+# Content of a pin (for the content-understanding family; drawn from streams of their own, so that they leave
+# the engagement world unchanged).
+TOPIC_OF_CATEGORY_P = 0.7  # a pin's topic is its category's topic with this probability, else any topic
+IMAGE_TOPIC_SCALE = 1.6  # norm scale of the topic centroids in the image embedding
+IMAGE_UNSAFE_SCALE = 3.0  # how strongly the hidden unsafety shows along one direction of the image embedding
+TOKENS_PER_PIN = 10
+TOPIC_TOKENS = 16  # tokens [t * 16, (t + 1) * 16) belong to topic t
+UNSAFE_TOKENS = 16  # the last tokens of the vocabulary are policy-violating words
+UNSAFE_SLOPE = 2.5  # p_unsafe = sigmoid(UNSAFE_SLOPE * z + b), z the pin's hidden unsafety
+UNSAFE_RATE = 0.04  # the mean of p_unsafe over the corpus (b is set for it)
+REVIEW_AGREEMENT = 0.9  # a reviewer gives the pin's true topic with this probability, else another one
 
 _IMP, _CLICK, _REPIN, _HIDE, _CLOSEUP = (
     contracts.ACTIONS.index(a) for a in ("impression", "click", "repin", "hide", "closeup")
@@ -101,7 +117,8 @@ class WorldConfig:
 
     ``pins`` is the corpus on the first day (1% more arrive each later day). ``recent_weight`` is the
     weight of the hidden recent-interest term in the click and repin logits (0 turns the effect off; tests
-    use it to show that the effect is causal).
+    use it to show that the effect is causal). ``review_rate`` is the share of the corpus that human review
+    labels each day (``raw/pin_labels``).
     """
 
     start: str
@@ -113,6 +130,7 @@ class WorldConfig:
     impressions_per_user: int = 20
     active_rate: float = 0.5
     recent_weight: float = 1.5
+    review_rate: float = 0.3
 
     def __post_init__(self) -> None:
         storage.parse_ds(self.start)
@@ -125,6 +143,8 @@ class WorldConfig:
             problems.append(f"active_rate={self.active_rate} must be in (0, 1]")
         if self.recent_weight < 0:
             problems.append(f"recent_weight={self.recent_weight} must be >= 0")
+        if not 0.0 < self.review_rate <= 1.0:
+            problems.append(f"review_rate={self.review_rate} must be in (0, 1]")
         if problems:
             raise ValueError("invalid synthetic WorldConfig: " + "; ".join(problems))
 
@@ -155,9 +175,14 @@ class _World:
         default_factory=lambda: np.zeros((0, contracts.EMBEDDING_DIM), np.float32)
     )
     pin_created_us: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    # Content (see _Content): hidden topic and unsafety, visible image embedding and text tokens.
+    content: _Content | None = None
 
-    def add_pins(self, rng: np.random.Generator, count: int, created_us: np.ndarray) -> None:
-        """Create ``count`` pins: a category, a creator, a latent near the category, a visible embedding."""
+    def add_pins(
+        self, rng: np.random.Generator, count: int, created_us: np.ndarray, content_rng: np.random.Generator
+    ) -> None:
+        """Create ``count`` pins: a category, a creator, a latent near the category, a visible embedding,
+        and their content (from ``content_rng``, so that the engagement world does not depend on it)."""
         k, d = self.centroids.shape
         category = rng.integers(0, k, count)
         creator = rng.integers(0, len(self.creator_quality), count)
@@ -171,6 +196,71 @@ class _World:
         self.pin_pop = np.concatenate([self.pin_pop, pop])
         self.pin_embedding = np.concatenate([self.pin_embedding, embedding])
         self.pin_created_us = np.concatenate([self.pin_created_us, created_us.astype(np.int64)])
+        assert self.content is not None
+        self.content.add(content_rng, category)
+
+
+@dataclass
+class _Content:
+    """The content of every pin: a hidden topic and unsafety, and what a model can see of them.
+
+    * topic: the category's topic (``category % TOPICS``) with probability 0.7, else any topic;
+    * hidden unsafety ``z ~ N(0, 1)``; ``p_unsafe = sigmoid(2.5 z + b)`` with ``b`` set for a 4% mean: the
+      share of reviewers who would call the pin policy-violating (each review draws its own label);
+    * ``image_embedding`` (64-d) = the topic's centroid + ``2 z`` along a fixed unit direction + N(0, 1) noise;
+    * ``text_tokens``: 10 tokens, each from the topic's 16 tokens (60%) or the shared ones, and each replaced
+      by a policy-violating word with probability ``sigmoid(2 z - 4)``.
+
+    A reviewer labels the true topic with probability 0.9, else one of the others uniformly; the truth file
+    holds ``p_unsafe`` and that review distribution over topics (the oracle).
+    """
+
+    centroids: np.ndarray  # (TOPICS, IMAGE_DIM)
+    unsafe_direction: np.ndarray  # (IMAGE_DIM,), unit norm
+    bias: float
+    topic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    z: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    image: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, contracts.IMAGE_DIM), np.float32))
+    tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, TOKENS_PER_PIN), np.int32))
+
+    @classmethod
+    def create(cls, rng: np.random.Generator) -> _Content:
+        direction = rng.normal(0.0, 1.0, contracts.IMAGE_DIM)
+        centroids = rng.normal(0.0, IMAGE_TOPIC_SCALE / math.sqrt(contracts.IMAGE_DIM) * 4.0,
+                               (contracts.TOPICS, contracts.IMAGE_DIM))
+        # b such that E[sigmoid(2.5 z + b)] = 4% for z ~ N(0, 1) (probit approximation of the logistic).
+        b = math.log(UNSAFE_RATE / (1 - UNSAFE_RATE)) * math.sqrt(1 + math.pi * UNSAFE_SLOPE**2 / 8)
+        return cls(centroids=centroids, unsafe_direction=direction / np.linalg.norm(direction), bias=b)
+
+    @property
+    def p_unsafe(self) -> np.ndarray:
+        return _sigmoid(UNSAFE_SLOPE * self.z + self.bias)
+
+    def add(self, rng: np.random.Generator, category: np.ndarray) -> None:
+        n = len(category)
+        own = rng.random(n) < TOPIC_OF_CATEGORY_P
+        topic = np.where(own, category % contracts.TOPICS, rng.integers(0, contracts.TOPICS, n))
+        z = rng.normal(0.0, 1.0, n)
+        image = (self.centroids[topic] + IMAGE_UNSAFE_SCALE * z[:, None] * self.unsafe_direction
+                 + rng.normal(0.0, 1.0, (n, contracts.IMAGE_DIM))).astype(np.float32)
+        shared = contracts.TOPICS * TOPIC_TOKENS
+        own_token = topic[:, None] * TOPIC_TOKENS + rng.integers(0, TOPIC_TOKENS, (n, TOKENS_PER_PIN))
+        shared_token = shared + rng.integers(0, contracts.TEXT_VOCAB - shared - UNSAFE_TOKENS, (n, TOKENS_PER_PIN))
+        tokens = np.where(rng.random((n, TOKENS_PER_PIN)) < 0.6, own_token, shared_token)
+        unsafe_word = contracts.TEXT_VOCAB - UNSAFE_TOKENS + rng.integers(0, UNSAFE_TOKENS, (n, TOKENS_PER_PIN))
+        swear = rng.random((n, TOKENS_PER_PIN)) < _sigmoid(2.0 * z[:, None] - 4.0)
+        tokens = np.where(swear, unsafe_word, tokens).astype(np.int32)
+        self.topic = np.concatenate([self.topic, topic])
+        self.z = np.concatenate([self.z, z])
+        self.image = np.concatenate([self.image, image])
+        self.tokens = np.concatenate([self.tokens, tokens])
+
+    def review_probs(self, pins: np.ndarray) -> np.ndarray:
+        """The distribution of a reviewer's topic label for each pin: (len(pins), TOPICS)."""
+        other = (1.0 - REVIEW_AGREEMENT) / (contracts.TOPICS - 1)
+        probs = np.full((len(pins), contracts.TOPICS), other)
+        probs[np.arange(len(pins)), self.topic[pins]] = REVIEW_AGREEMENT
+        return probs
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -210,8 +300,10 @@ def _build_world(config: WorldConfig) -> _World:
         user_created_us=(first_day_us - rng.integers(1, 3 * 365 * DAY_US, n_users)).astype(np.int64),
         user_cat_affinity=1.5 * (user_taste @ centroids.T) / math.sqrt(d),
     )
+    content_rng = np.random.default_rng(np.random.SeedSequence([config.seed, 10]))
+    world.content = _Content.create(content_rng)
     # The initial corpus was created during the year before the first day.
-    world.add_pins(rng, config.pins, first_day_us - rng.integers(1, 365 * DAY_US, config.pins))
+    world.add_pins(rng, config.pins, first_day_us - rng.integers(1, 365 * DAY_US, config.pins), content_rng)
     return world
 
 
@@ -440,6 +532,8 @@ def _strings(index: np.ndarray, values: Sequence[str]) -> pa.Array:
 
 def _pins_table(world: _World) -> pa.Table:
     ids = np.arange(len(world.pin_pop))
+    content = world.content
+    assert content is not None
     embedding = pa.FixedSizeListArray.from_arrays(pa.array(world.pin_embedding[ids].ravel()), contracts.EMBEDDING_DIM)
     return pa.Table.from_arrays(
         [
@@ -448,9 +542,50 @@ def _pins_table(world: _World) -> pa.Table:
             pa.array(world.pin_category[ids].astype(np.int32), pa.int32()),
             pa.array(world.pin_creator[ids] + 1, pa.int64()),
             pa.array(world.pin_created_us[ids], contracts.TS),
+            pa.FixedSizeListArray.from_arrays(pa.array(content.image[ids].ravel()), contracts.IMAGE_DIM),
+            pa.ListArray.from_arrays(
+                pa.array(np.arange(0, (len(ids) + 1) * TOKENS_PER_PIN, TOKENS_PER_PIN, dtype=np.int32)),
+                pa.array(content.tokens[ids].ravel(), pa.int32()),
+            ),
         ],
         schema=contracts.PINS_SCHEMA,
     )
+
+
+def _review_tables(world: _World, config: WorldConfig, ds: str, day_index: int) -> tuple[pa.Table, pa.Table]:
+    """The day's human review sample (``raw/pin_labels``) and the truth of every pin (``truth_pins``)."""
+    content = world.content
+    assert content is not None
+    rng = np.random.default_rng(np.random.SeedSequence([config.seed, 12, day_index]))
+    n = len(world.pin_pop)
+    reviewed = np.sort(rng.choice(n, size=max(1, round(config.review_rate * n)), replace=False))
+    true_topic = content.topic[reviewed]
+    other = (true_topic + rng.integers(1, contracts.TOPICS, len(reviewed))) % contracts.TOPICS
+    topic = np.where(rng.random(len(reviewed)) < REVIEW_AGREEMENT, true_topic, other)
+    unsafe = (rng.random(len(reviewed)) < content.p_unsafe[reviewed]).astype(np.int8)
+    day_start = _day_start_us(ds)
+    reviewed_at = np.sort(day_start + rng.integers(0, DAY_US, len(reviewed)))
+    base = (storage.parse_ds(ds) - dt.date(1970, 1, 1)).days * EVENT_ID_DAY_STRIDE
+    labels = pa.Table.from_arrays(
+        [
+            pa.array(base + np.arange(len(reviewed), dtype=np.int64), pa.int64()),
+            pa.array(reviewed + 1, pa.int64()),
+            pa.array(unsafe, pa.int8()),
+            pa.array(topic.astype(np.int32), pa.int32()),
+            pa.array(reviewed_at, contracts.TS),
+        ],
+        schema=contracts.PIN_LABELS_SCHEMA,
+    )
+    ids = np.arange(n)
+    truth = pa.Table.from_arrays(
+        [
+            pa.array(ids + 1, pa.int64()),
+            pa.array(content.p_unsafe[ids], pa.float64()),
+            pa.FixedSizeListArray.from_arrays(pa.array(content.review_probs(ids).ravel()), contracts.TOPICS),
+        ],
+        schema=contracts.TRUTH_PINS_SCHEMA,
+    )
+    return labels, truth
 
 
 def _users_table(world: _World) -> pa.Table:
@@ -486,7 +621,8 @@ def generate_world(root: str | os.PathLike[str], config: WorldConfig) -> dict[st
             # New pins are created at the start of their day, before any impression of that day.
             new_rng = np.random.default_rng(np.random.SeedSequence([config.seed, 2, day_index]))
             count = round(NEW_PIN_RATE * config.pins)
-            world.add_pins(new_rng, count, np.full(count, _day_start_us(ds), dtype=np.int64))
+            content_rng = np.random.default_rng(np.random.SeedSequence([config.seed, 11, day_index]))
+            world.add_pins(new_rng, count, np.full(count, _day_start_us(ds), dtype=np.int64), content_rng)
         rng = np.random.default_rng(np.random.SeedSequence([config.seed, 1, day_index + BURN_IN_DAYS]))
         # Passing interests: a new hidden interest in a random category for some users.
         shocked = np.flatnonzero(rng.random(config.users) < SHOCK_RATE)
@@ -507,6 +643,9 @@ def generate_world(root: str | os.PathLike[str], config: WorldConfig) -> dict[st
         storage.write_table(root, contracts.RAW_USERS, ds, users, {**meta, "rows": users.num_rows})
         truth_meta = {**meta, "rows": truth.num_rows, "intercepts": {k: round(v, 6) for k, v in bases.items()}}
         storage.write_table(root, contracts.TRUTH, ds, truth, truth_meta)
+        labels, truth_pins = _review_tables(world, config, ds, day_index)
+        storage.write_table(root, contracts.RAW_PIN_LABELS, ds, labels, {**meta, "rows": labels.num_rows})
+        storage.write_table(root, contracts.TRUTH_PINS, ds, truth_pins, {**meta, "rows": truth_pins.num_rows})
         events_total += events.num_rows
         totals["impressions"] += len(day.user)
         for action, (src, _) in day.labels.items():

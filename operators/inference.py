@@ -9,16 +9,20 @@ from core.contracts import INFERENCE, RAW_PINS
 from core.failures import DataError
 
 
-def plan_inference(model_version: str, ds: str | None, shards: int) -> list[dict[str, Any]]:
-    """One work item per shard: which model version scores which slice of which corpus snapshot, where to.
+def plan_inference(model: str, model_version: str, ds: str | None, shards: int) -> list[dict[str, Any]]:
+    """One work item per shard: which version of which family's model scores which slice of which corpus
+    snapshot, where to.
 
-    An unknown version or alias is a USER error; a registry that does not answer is INFRA (retried).
+    An unknown family, version or alias is a USER error; a registry that does not answer is INFRA (retried).
     """
     from core import storage
+    from core.failures import ConfigError
     from operators import registry
 
     cfg = config.load()
-    name = cfg.mlflow.model_name
+    if model not in cfg.families:
+        raise ConfigError(f"unknown model family {model!r} (param model): configured are {', '.join(sorted(cfg.families))}")
+    name = cfg.families[model].model_name or model
     mv = registry.model_version(registry.client(cfg.mlflow), name, model_version)
     days = storage.complete_days(cfg.storage_root, RAW_PINS)
     ds = ds or (days[-1] if days else None)
@@ -26,6 +30,7 @@ def plan_inference(model_version: str, ds: str | None, shards: int) -> list[dict
         raise DataError(f"pin corpus snapshot {RAW_PINS} ds={ds} is missing or incomplete under {cfg.storage_root}")
     out_dir = storage.partition(cfg.storage_root, f"{INFERENCE}/{name}/{mv.version}", ds)
     plan = {
+        "model": model,
         "model_name": name,
         "model_version": str(mv.version),
         "model_uri": f"models:/{name}/{mv.version}",
@@ -59,6 +64,8 @@ def score_shard(plan: dict[str, Any]) -> dict[str, Any]:
         ],
         env={"OMP_NUM_THREADS": "1"},
         timeout_s=3600,
+        # Scoring is one CPU process per shard: not the team's (GPU) training node.
+        instance_type=cfg.inference.instance_type,
     )
     job_id = backend.find(name) or backend.submit(spec)
     wait_for_job(backend, job_id, poll_seconds=1.0, what=f"scoring job for shard {shard}")

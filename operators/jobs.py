@@ -1,7 +1,15 @@
-"""Watch a submitted job to its end: progress from heartbeats, stall detection, typed failure."""
+"""Watch a submitted job to its end: queue wait, progress from heartbeats, stall detection, typed failure.
+
+A job is first queued (PENDING: waiting for capacity in a Batch queue or for Kueue's admission, instances
+booting, images pulling), then RUNNING. Waiting is not stalling: the heartbeat clock starts only when the
+backend reports the job RUNNING (and starts over if it goes back to the queue, as a Batch retry does). A
+separate queue timeout (``training.queue_timeout_seconds``) cancels a job that never starts, with its own
+message. :class:`JobWatch` holds both clocks for the trigger and for the operator's synchronous path.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -13,6 +21,15 @@ from typing import Any
 from core import storage
 from core.failures import ADVICE, ERROR_FOR_CLASS, FailureClass, InfraError
 from operators.backends.base import Backend, JobState, JobStatus
+
+# What a watcher decided and did (it cancelled the job): the trigger's event states besides the job's own end.
+STALLED = "STALLED"
+QUEUE_TIMEOUT = "QUEUE_TIMEOUT"
+WATCHER_STATES = (STALLED, QUEUE_TIMEOUT)
+
+
+class QueueTimeoutError(InfraError):
+    """A job waited in its queue longer than the queue timeout and was cancelled (INFRA: a retry resubmits)."""
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +57,8 @@ class HeartbeatWatch:
     """Progress from the ranks' heartbeats; a stall is no change for ``stall_seconds``.
 
     The ``progress`` counters also move during the final evaluation and checkpointing, so a long
-    evaluation is not a stall. The clock starts when the watch is made (a job that never writes a
-    heartbeat stalls too).
+    evaluation is not a stall. The clock starts when the watch is made or :meth:`restart` ed (a running job
+    that never writes a heartbeat stalls too).
     """
 
     def __init__(self, stall_seconds: float, clock: Any = time.monotonic) -> None:
@@ -49,6 +66,9 @@ class HeartbeatWatch:
         self.clock = clock
         self.last_progress = clock()
         self.last_steps: tuple[int, ...] = ()
+
+    def restart(self) -> None:
+        self.last_progress = self.clock()
 
     def observe(self, beats: list[dict[str, Any]]) -> bool:
         """Record the heartbeats; True if the job has stalled."""
@@ -62,6 +82,80 @@ class HeartbeatWatch:
             f"{what} {job_id} made no progress for {self.stall_seconds:.0f}s (heartbeat steps "
             f"{list(self.last_steps)}); cancelled it — retrying from the last checkpoint"
         )
+
+
+class JobWatch:
+    """The queue clock and the stall clock of one job, fed with each status (and heartbeats while it runs).
+
+    While the job is queued only the queue timeout applies (0: none), counted from the backend's own
+    submission time when it reports one (so a restarted trigger keeps counting), else from the first look,
+    and from the moment it went back to the queue after running. When the job runs, the stall clock starts.
+    The start time (the backend's, else when the watch first saw it running) and the time spent queued are
+    kept for the job history (:meth:`times`).
+    """
+
+    def __init__(
+        self, stall_seconds: float, queue_timeout_seconds: float = 0.0, *, what: str = "job",
+        clock: Any = time.monotonic, wall: Any = time.time,
+    ) -> None:
+        self.what = what
+        self.heartbeats = HeartbeatWatch(stall_seconds, clock)
+        self.queue_timeout_seconds = float(queue_timeout_seconds or 0.0)
+        self.clock = clock
+        self.wall = wall
+        self.created_at: float | None = None
+        self.started_at: float | None = None
+        self.queued_s: float = 0.0  # every queued spell so far
+        self._queued_since: float | None = None  # wall time the current queued spell began
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def observe(self, status: JobStatus) -> tuple[str, str] | None:
+        """Record a status; ``(QUEUE_TIMEOUT, message)`` if the job has waited too long, else None."""
+        now = self.wall()
+        if self.created_at is None:
+            self.created_at = status.created_at or now
+        if status.state is JobState.RUNNING:
+            if not self._running:
+                started = status.started_at if status.started_at and not self.started_at else now
+                self.started_at = self.started_at or started
+                self.queued_s += max(0.0, started - (self._queued_since or self.created_at))
+                self._queued_since = None
+                self._running = True
+                self.heartbeats.restart()  # the stall clock starts now, not at submission
+            return None
+        if status.state is JobState.PENDING:
+            if self._running or self._queued_since is None:
+                self._queued_since = self.created_at if not self._running and not self.started_at else now
+            self._running = False
+            waited = now - self._queued_since
+            if self.queue_timeout_seconds and waited > self.queue_timeout_seconds:
+                return QUEUE_TIMEOUT, waited_message(status, waited, self.queue_timeout_seconds, self.what)
+        return None
+
+    def stalled(self, beats: list[dict[str, Any]]) -> bool:
+        """Record heartbeats of the running job; True if it has made no progress for the stall timeout."""
+        return self._running and self.heartbeats.observe(beats)
+
+    def times(self, status: JobStatus | None = None) -> dict[str, float | None]:
+        """``created_at``, ``started_at`` (epoch s) and ``queued_s`` for the job history."""
+        started = (status.started_at if status else None) or self.started_at
+        created = (status.created_at if status else None) or self.created_at
+        queued = self.queued_s if self.started_at else None
+        if status is not None and status.queued_s is not None and queued is None:
+            queued = status.queued_s
+        return {"created_at": created, "started_at": started, "queued_s": queued}
+
+
+def waited_message(status: JobStatus, waited: float, timeout: float, what: str = "job") -> str:
+    return (
+        f"{what} {status.job_id} waited {waited:.0f}s queued ({status.reason or status.state.value}) without "
+        f"starting, longer than the queue timeout of {timeout:.0f}s (training.queue_timeout_seconds); cancelled "
+        "it — no capacity for it yet: the retry submits it again (raise the timeout, or pick another instance type)"
+    )
 
 
 def describe_beats(beats: list[dict[str, Any]]) -> str:
@@ -97,25 +191,38 @@ def wait_for_job(
     output_dir: str | Path | None = None,
     poll_seconds: float = 5.0,
     stall_seconds: float = 300.0,
+    queue_timeout_seconds: float = 0.0,
     what: str = "job",
+    sleep: Any = time.sleep,
 ) -> JobStatus:
-    """Poll until the job ends; raise the failure class's error, or InfraError after a stall.
+    """Poll until the job ends; raise the failure class's error, or InfraError after a stall or a queue timeout.
 
-    A stall (see :class:`HeartbeatWatch`) cancels the job first, so a retry does not race it.
+    Heartbeats are watched only while the job runs (:class:`JobWatch`); a stall or a queue timeout cancels
+    the job first, so a retry does not race it. The returned status carries the job's start and queue times.
     """
-    watch = HeartbeatWatch(stall_seconds)
+    watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
     last_log = 0.0
+    was_running = False
     while True:
         status = backend.status(job_id)
         if status.state.terminal:
             break
-        if output_dir is not None:
+        verdict = watch.observe(status)
+        if verdict is not None:
+            backend.cancel(job_id)
+            raise QueueTimeoutError(verdict[1])
+        if watch.running and not was_running:
+            log.info("%s %s is running after %.0fs queued", what, job_id, watch.queued_s)
+        was_running = watch.running
+        if output_dir is not None and watch.running:
             beats = read_heartbeats(output_dir)
             if beats and time.monotonic() - last_log > 30:
                 last_log = time.monotonic()
                 log.info("%s %s: %s", what, job_id, describe_beats(beats))
-            if watch.observe(beats):
+            if watch.stalled(beats):
                 backend.cancel(job_id)
-                raise InfraError(watch.stall_message(what, job_id))
-        time.sleep(poll_seconds)
+                raise InfraError(watch.heartbeats.stall_message(what, job_id))
+        sleep(poll_seconds)
+    times = watch.times(status)
+    status = dataclasses.replace(status, created_at=times["created_at"], started_at=times["started_at"])
     return raise_for_status(backend, status, what=what)

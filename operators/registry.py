@@ -28,7 +28,9 @@ def client(mlflow: MlflowConfig) -> MlflowClient:
 
 
 def is_not_found(err: BaseException) -> bool:
-    return type(err).__name__ == "MlflowException" and getattr(err, "error_code", "") in NOT_FOUND
+    # An MlflowException, or its RestException subclass from a tracking server (what the production stack raises).
+    is_mlflow = any(cls.__name__ == "MlflowException" for cls in type(err).__mro__)
+    return is_mlflow and getattr(err, "error_code", "") in NOT_FOUND
 
 
 def model_version(registry: MlflowClient, name: str, version: str) -> Any:

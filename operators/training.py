@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context, ResumableJobMixin
 
 from core import config
-from core.failures import DataError, InfraError, PinflowError, UserError, as_typed
+from core.failures import ConfigError, DataError, InfraError, PinflowError, UserError, as_typed
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
@@ -19,26 +19,37 @@ TUNABLE = (
 )
 
 
-def plan_training_days(end_ds: str | None, train_days: int) -> dict[str, Any]:
-    """Evaluation day and training days from the complete ``examples`` partitions.
+def plan_training_days(model: str, end_ds: str | None, train_days: int) -> dict[str, Any]:
+    """Evaluation day and training days from the complete partitions of the family's dataset.
 
     The evaluation day is ``end_ds`` (default: the newest complete day); training uses up to
-    ``train_days`` days before it.
+    ``train_days`` days before it. An unknown family is a USER error.
     """
-    from core.contracts import EXAMPLES
     from core.storage import complete_days  # a local root or s3://...
 
-    root = config.load().storage_root
-    days = complete_days(root, EXAMPLES)
+    cfg = config.load()
+    dataset = family_dataset(model)
+    root = cfg.storage_root
+    days = complete_days(root, dataset)
     if not days:
-        raise DataError(f"no complete {EXAMPLES} partition under {root}: run pin_daily_features first")
+        raise DataError(f"no complete {dataset} partition under {root} for model {model}: build or land it first")
     eval_ds = end_ds or days[-1]
     if eval_ds not in days:
-        raise DataError(f"examples partition ds={eval_ds} is missing or incomplete: run pin_daily_features for it")
+        raise DataError(f"{dataset} partition ds={eval_ds} is missing or incomplete under {root}")
     train = [d for d in days if d < eval_ds][-train_days:]
     if not train:
-        raise DataError(f"no examples partition before the evaluation day {eval_ds}: build earlier days first")
-    return {"train_days": train, "eval_ds": eval_ds}
+        raise DataError(f"no {dataset} partition before the evaluation day {eval_ds}: build earlier days first")
+    return {"model": model, "dataset": dataset, "train_days": train, "eval_ds": eval_ds}
+
+
+def family_dataset(model: str) -> str:
+    """The dataset whose rows a family trains on (imports the family's module: not at DAG parse time)."""
+    from training.sdk import load_family
+
+    cfg = config.load()
+    if model not in cfg.families:
+        raise ConfigError(f"unknown model family {model!r} (param model): configured are {', '.join(sorted(cfg.families))}")
+    return load_family(model, cfg.families[model].module, dict(cfg.families[model].params)).dataset
 
 
 class JobConsoleLink(BaseOperatorLink):
@@ -60,7 +71,7 @@ class MlflowRunLink(BaseOperatorLink):
 
 
 class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
-    """Train the ranker as a distributed job on a compute backend.
+    """Train a model family (``training.sdk``) as a distributed job on a compute backend.
 
     Preflight (the spec is valid for the platform config, the inputs exist, the backend answers; on the
     nodes, ``training.preflight`` runs as the job's first step) → submit,
@@ -76,17 +87,20 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     failed try stopped. ``on_kill`` cancels the job on both paths.
 
     :param plan: ``{"train_days": [...], "eval_ds": ...}`` (templated).
+    :param model: the model family, a key of ``families:`` (templated; default: ``training.model``).
     :param backend: ``local``, ``batch`` or ``kubernetes`` (templated).
     :param overrides: RunConfig fields from the trigger form, e.g. epochs, lr (templated).
     :param nodes: nodes of the job (templated; default: ``training.nodes``).
     :param procs_per_node: processes per node (templated; default: ``training.procs_per_node``).
     :param team: a team under ``teams:`` in the platform config: its queue, fair share and priority
         (default: ``training.team``).
+    :param instance_type: the nodes' type, a key of ``instance_types:`` (templated; default: the team's, else
+        ``training.instance_type``); the nodes' requests and limits derive from it (``operators.backends.resources``).
     :param deferrable: wait in the triggerer instead of on a worker slot.
     :param poll_seconds: seconds between status checks (default: ``training.poll_seconds``).
     """
 
-    template_fields: Sequence[str] = ("plan", "backend", "overrides", "nodes", "procs_per_node")
+    template_fields: Sequence[str] = ("plan", "model", "backend", "overrides", "nodes", "procs_per_node", "instance_type")
     ui_color = "#d6e4ff"
     operator_extra_links = (JobConsoleLink(), MlflowRunLink())
     external_id_key = "training_job"
@@ -95,22 +109,26 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         self,
         *,
         plan: Any,
+        model: str | None = None,
         backend: str = "local",
         overrides: dict[str, Any] | None = None,
         nodes: int | str | None = None,
         procs_per_node: int | str | None = None,
         team: str | None = None,
+        instance_type: str | None = None,
         deferrable: bool = True,
         poll_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.plan = plan
+        self.model = model
         self.backend = backend
         self.overrides = overrides or {}
         self.nodes = nodes
         self.procs_per_node = procs_per_node
         self.team = team
+        self.instance_type = instance_type
         self.deferrable = deferrable
         self.poll_seconds = poll_seconds
         self._job: dict[str, Any] | None = None
@@ -124,6 +142,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "cfg": cfg,
             "poll": float(self.poll_seconds or training.poll_seconds),
             "stall": float(training.heartbeat_timeout_seconds),
+            "queue_timeout": float(training.queue_timeout_seconds),
         }
 
     def _job_name(self, context: Context, try_number: int) -> str:
@@ -146,6 +165,13 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         ti = context["ti"]
         name = self._job_name(context, ti.try_number)
         run_key = job_name("run", ti.dag_id, ti.run_id)
+        family_name = str(self.model or training.model)
+        if family_name not in cfg.families:
+            raise ConfigError(
+                f"unknown model family {family_name!r} (param model): configured are {', '.join(sorted(cfg.families))}"
+            )
+        family = cfg.families[family_name]
+        model_name = family.model_name or family_name
         # The local backend's job writes under PINFLOW_HOME; remote jobs write to the shared storage root.
         output_dir = storage.join(cfg.home if backend_name == "local" else cfg.storage_root, RUNS, name)
         run_config = {
@@ -154,27 +180,34 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "eval_ds": self.plan["eval_ds"],
             "output_dir": output_dir,
             # Shared by every try of this DAG run: a retry resumes from the last checkpoint.
-            "checkpoint_dir": storage.join(cfg.storage_root, MODELS, cfg.mlflow.model_name, run_key, "checkpoints"),
+            "checkpoint_dir": storage.join(cfg.storage_root, MODELS, model_name, run_key, "checkpoints"),
             "mlflow_tracking_uri": cfg.mlflow.tracking_uri,
             "mlflow_artifact_location": cfg.mlflow.artifact_root,
-            "experiment": cfg.mlflow.experiment,
-            "model_name": cfg.mlflow.model_name,
+            "family": family_name,
+            "family_module": family.module,
+            "params": dict(family.params),
+            "experiment": family.experiment or family_name,
+            "model_name": model_name,
             "register": True,
             "run_name": f"{ti.run_id}-try{ti.try_number}",
-            "sequence_length": cfg.features.sequence_length,
-            "epochs": training.epochs,
-            "batch_size": training.batch_size,
-            "lr": training.lr,
+            # The family's own training defaults, else the platform's; a form value wins below.
+            "epochs": family.epochs or training.epochs,
+            "batch_size": family.batch_size or training.batch_size,
+            "lr": family.lr or training.lr,
             "strategy": training.strategy,
+            "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
+                     "job": name, "team": str(self.team or training.team), "family": family_name},
         }
         run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
-        # The job's own model checks RUN.json here, before anything is submitted (a bad value: USER, now).
-        RunConfig.from_dict(run_config, source=f"RUN.json of {name} (platform config and the run's params)")
+        # The job's own models check RUN.json here, before anything is submitted (a bad value: USER, now).
+        source = f"RUN.json of {name} (platform config and the run's params)"
+        RunConfig.from_dict(run_config, source=source).family_instance()
         backend = get_backend(backend_name, cfg)
         spec = JobSpec(
             name=name,
             command=["-m", "training.train", "--config", storage.join(output_dir, "RUN.json")],
             team=self.team or training.team,
+            instance_type=self.instance_type or "",
             image=training.image,
             distributed=True,
             nodes=training.nodes if self.nodes in (None, "") else int(self.nodes),
@@ -263,6 +296,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             wait_for_job(
                 get_backend(job["backend"]), job["job_id"], output_dir=job["output_dir"], what="training job",
                 poll_seconds=settings["poll"], stall_seconds=settings["stall"],
+                queue_timeout_seconds=settings["queue_timeout"],
             )
         except PinflowError:
             self._forget(context)
@@ -321,6 +355,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             trigger=ComputeJobTrigger(
                 backend=job["backend"], job_id=job["job_id"], output_dir=job["output_dir"],
                 poll_seconds=settings["poll"], stall_seconds=settings["stall"],
+                queue_timeout_seconds=settings["queue_timeout"],
             ),
             method_name="execute_complete",
         )
@@ -328,7 +363,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
         """Re-check the job through its backend (the event is only a hint) and classify the outcome."""
         from operators.backends import get_backend
-        from operators.jobs import raise_for_status
+        from operators.jobs import WATCHER_STATES, raise_for_status
 
         if not event or not event.get("job_id"):
             # Resumed without the trigger's event (its triggerer died with it): decide again from the store.
@@ -338,7 +373,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         backend = get_backend(job["backend"])
         self._remember(context, job)
         try:
-            if event.get("state") == "STALLED":
+            if event.get("state") in WATCHER_STATES:  # stalled or queued too long: the trigger cancelled it
                 raise InfraError(str(event.get("reason")))
             raise_for_status(backend, backend.status(job["job_id"]), what="training job")
         except PinflowError:
@@ -359,10 +394,11 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         from core.contracts import EXAMPLES
         from core.storage import is_complete
 
+        dataset = str(self.plan.get("dataset", EXAMPLES))
         missing = [d for d in [*self.plan["train_days"], self.plan["eval_ds"]]
-                   if not is_complete(config.load().storage_root, EXAMPLES, d)]
+                   if not is_complete(config.load().storage_root, dataset, d)]
         if missing:
-            raise DataError(f"examples partitions missing or incomplete: {missing}; run pin_daily_features for them")
+            raise DataError(f"{dataset} partitions missing or incomplete: {missing}; build or land them first")
         try:
             backend.ping()
         except Exception as err:
@@ -397,15 +433,25 @@ def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any
             promote, why = True, "no champion yet"
         else:
             champ_run = client.get_run(str(champion.run_id))
-            champ_auc = float(champ_run.data.metrics.get("eval_mean_auc", float("nan")))
+            champ_metrics = champ_run.data.metrics
+            champ_auc = float(champ_metrics.get("eval_mean_auc", float("nan")))
             same_day = champ_run.data.params.get("eval_ds") == result.get("eval_ds")
-            decision.update(champion_version=champion.version, champion_auc=champ_auc)
+            heads = {
+                head: {"new": value, "champion": champ_metrics.get(f"eval_auc_{head}")}
+                for head, value in (result["metrics"].get("auc") or {}).items()
+            }
+            decision.update(champion_version=str(champion.version), champion_auc=champ_auc, heads=heads)
             if not same_day:
                 promote, why = True, "champion was evaluated on another day; the newer model wins"
             elif new_auc + tolerance >= champ_auc:
                 promote, why = True, f"mean AUC {new_auc:.4f} >= champion {champ_auc:.4f} - {tolerance}"
             else:
                 promote, why = False, f"mean AUC {new_auc:.4f} < champion {champ_auc:.4f} - {tolerance}"
+        per_head = ", ".join(
+            f"{head} {v['new']:.4f} vs {v['champion']:.4f}" for head, v in decision.get("heads", {}).items()
+            if v["new"] is not None and v["champion"] is not None
+        )
+        why += f" (AUC per head, new vs champion: {per_head})" if per_head else ""
         client.set_model_version_tag(name, version, "promotion", ("promoted: " if promote else "rejected: ") + why)
         if promote:
             client.set_registered_model_alias(name, registry.CHAMPION, version)

@@ -11,13 +11,16 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 
 class ComputeJobTrigger(BaseTrigger):
-    """Poll a job on a compute backend until it ends or its heartbeats stall.
+    """Poll a job on a compute backend until it ends, its heartbeats stall, or it waits too long in its queue.
 
-    Serialises only ids and settings (the backend's name, the job id, the heartbeat folder, the poll and
-    stall times); the backend is rebuilt from the platform config in the triggerer. Fires one event:
-    ``{"backend", "job_id", "output_dir", "state", "failure_class", "reason"}`` with state ``SUCCEEDED``, ``FAILED`` or ``STALLED``
-    (a stalled job has been cancelled). The operator's ``execute_complete`` re-checks through the backend.
-    Killing the task (``on_kill``) cancels the job.
+    Serialises only ids and settings (the backend's name, the job id, the heartbeat folder, the poll, stall and
+    queue times); the backend is rebuilt from the platform config in the triggerer. A queued job is not a
+    stalled one: heartbeats count only once the backend reports the job RUNNING (:class:`~operators.jobs.JobWatch`).
+    Fires one event: ``{"backend", "job_id", "output_dir", "state", "failure_class", "reason", "created_at",
+    "started_at", "queued_s"}`` with state ``SUCCEEDED``, ``FAILED``, ``STALLED`` or ``QUEUE_TIMEOUT`` (the
+    last two: the trigger has cancelled the job). The times (epoch seconds; ``queued_s`` the time spent queued)
+    are for the job history. The operator's ``execute_complete`` re-checks through the backend. Killing the task
+    (``on_kill``) cancels the job.
     """
 
     def __init__(
@@ -28,6 +31,7 @@ class ComputeJobTrigger(BaseTrigger):
         output_dir: str | None = None,
         poll_seconds: float = 10.0,
         stall_seconds: float = 300.0,
+        queue_timeout_seconds: float = 0.0,
         home: str | None = None,
     ) -> None:
         super().__init__()
@@ -36,6 +40,7 @@ class ComputeJobTrigger(BaseTrigger):
         self.output_dir = output_dir
         self.poll_seconds = float(poll_seconds)
         self.stall_seconds = float(stall_seconds)
+        self.queue_timeout_seconds = float(queue_timeout_seconds)
         self.home = home
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -47,6 +52,7 @@ class ComputeJobTrigger(BaseTrigger):
                 "output_dir": self.output_dir,
                 "poll_seconds": self.poll_seconds,
                 "stall_seconds": self.stall_seconds,
+                "queue_timeout_seconds": self.queue_timeout_seconds,
                 "home": self.home,
             },
         )
@@ -60,11 +66,12 @@ class ComputeJobTrigger(BaseTrigger):
         return get_backend(self.backend, home=self.home)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.jobs import HeartbeatWatch, describe_beats, read_heartbeats
+        from operators.jobs import STALLED, JobWatch, describe_beats, read_heartbeats
 
         backend = await asyncio.to_thread(self._backend)
-        watch = HeartbeatWatch(self.stall_seconds)
+        watch = JobWatch(self.stall_seconds, self.queue_timeout_seconds)
         last_log = 0.0
+        was_running = False
         while True:
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)
@@ -74,20 +81,31 @@ class ComputeJobTrigger(BaseTrigger):
                     "state": status.state.value,
                     "failure_class": status.failure_class.value if status.failure_class else None,
                     "reason": status.reason,
+                    **watch.times(status),
                 })
                 return
-            if self.output_dir:
+            verdict = watch.observe(status)
+            if verdict is not None:
+                await asyncio.to_thread(backend.cancel, self.job_id)
+                yield TriggerEvent({**self._job(), "state": verdict[0], "failure_class": "INFRA", "reason": verdict[1],
+                                    **watch.times()})
+                return
+            if watch.running and not was_running:
+                self.log.info("job %s is running after %.0fs queued", self.job_id, watch.queued_s)
+            was_running = watch.running
+            if self.output_dir and watch.running:
                 beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
                 if beats and time.monotonic() - last_log > 30:
                     last_log = time.monotonic()
                     self.log.info("job %s: %s", self.job_id, describe_beats(beats))
-                if watch.observe(beats):
+                if watch.stalled(beats):
                     await asyncio.to_thread(backend.cancel, self.job_id)
                     yield TriggerEvent({
                         **self._job(),
-                        "state": "STALLED",
+                        "state": STALLED,
                         "failure_class": "INFRA",
-                        "reason": watch.stall_message("job", self.job_id),
+                        "reason": watch.heartbeats.stall_message("job", self.job_id),
+                        **watch.times(),
                     })
                     return
             await asyncio.sleep(self.poll_seconds)

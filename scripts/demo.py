@@ -3,9 +3,12 @@
     make demo                      # what this runs: python scripts/demo.py
 
 Generates a seeded synthetic world under the storage root (skipped when the same world is there), runs
-``pin_daily_features`` for every day, ``pin_ranker_training`` on the days before the last (evaluated on
-the last), and ``pin_corpus_inference`` with the promoted model, each as a real Airflow DAG run
-(``dag.test()`` on the SQLite metadata database of ``make install``). Ends by printing one JSON summary,
+``pin_daily_features`` for every day, then for each model family (the ranker, the content model)
+``pin_ranker_training`` on the days before the last (evaluated on the last) and ``pin_corpus_inference``
+with the trained model over the whole corpus, each as a real Airflow DAG run
+(``dag.test()`` on the SQLite metadata database of ``make install``). Each run is named for the day it built
+(``demo__2026-11-01``; training and inference by the evaluation day) and starts when it started, so the UI shows
+which day a run built and how long it took; running the demo again replaces those runs. Ends by printing one JSON summary,
 also written to ``<storage root>/demo-summary.json``. Airflow's task logs go to ``<PINFLOW_HOME>/demo.log``.
 """
 
@@ -16,8 +19,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -58,9 +64,46 @@ class DemoFailed(Exception):
     pass
 
 
-def run_dag(dag: Any, log_file: Path, **kwargs: Any) -> Any:
-    """One DAG run through dag.test(); raises DemoFailed naming the failed tasks."""
-    dag_run = dag.test(**kwargs)
+RUN_PREFIX = "demo__"
+
+
+def run_id_for(ds: str, model: str | None = None) -> str:
+    """The run id of the demo's run that built day ``ds`` (for a training or inference run: of ``model``)."""
+    return f"{RUN_PREFIX}{ds}" + (f"__{model}" if model else "")
+
+
+@contextmanager
+def named_run(run_id: str) -> Iterator[None]:
+    """Within this block, the run that ``dag.test()`` creates is called ``run_id`` and starts now.
+
+    ``dag.test()`` names its run ``manual__<logical date>`` and gives it its logical date as start date, so the UI
+    showed a run of two minutes as lasting weeks and no run id said which day it built. An earlier run of the same
+    name (the demo run again) is replaced, as ``dag.test()`` replaces one of the same logical date.
+    """
+    from airflow.models import dagrun
+    from airflow.sdk import timezone
+    from sqlalchemy import select
+
+    create = dagrun.get_or_create_dagrun
+
+    def create_named(**kwargs: Any) -> Any:
+        session = kwargs["session"]
+        earlier = session.scalar(
+            select(dagrun.DagRun).where(dagrun.DagRun.dag_id == kwargs["dag"].dag_id, dagrun.DagRun.run_id == run_id)
+        )
+        if earlier is not None:
+            session.delete(earlier)
+            session.commit()
+        return create(**{**kwargs, "run_id": run_id, "start_date": timezone.utcnow()})
+
+    with mock.patch.object(dagrun, "get_or_create_dagrun", create_named):
+        yield
+
+
+def run_dag(dag: Any, log_file: Path, run_id: str, **kwargs: Any) -> Any:
+    """One DAG run through dag.test(), named ``run_id``; raises DemoFailed naming the failed tasks."""
+    with named_run(run_id):
+        dag_run = dag.test(**kwargs)
     if dag_run.state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if ti.state == "failed"]
         raise DemoFailed(f"{dag.dag_id} run {dag_run.run_id} ended {dag_run.state}; failed tasks {failed}; "
@@ -129,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
 ORACLE_RATIO_BAR = 0.9
 
 
+def content_quality_bar_met(metrics: dict[str, Any]) -> bool | None:
+    """The content model reaches the bar's share of the oracle's lift on safety and on topic (macro AUC)."""
+    ratios = metrics.get("oracle_ratio") or {}
+    if not ratios:
+        return None
+    return all(ratios.get(head) is not None and ratios[head] >= ORACLE_RATIO_BAR for head in ("safety", "topic"))
+
+
 def quality_bar_met(metrics: dict[str, Any]) -> bool | None:
     """Whether the model meets the quality bar; None without the truth or the ablation to judge by."""
     ratios, ablation = metrics.get("oracle_ratio") or {}, metrics.get("ablation_auc") or {}
@@ -147,38 +198,50 @@ def run_chain(
     from core.contracts import EXAMPLES, RAW_PINS, VALIDATION_REPORTS
 
     dags = load_dags()
+    features_started = time.monotonic()
     for ds in days:
         t0 = time.monotonic()
-        run_dag(dags["pin_daily_features"], log_file, logical_date=pendulum.parse(ds, tz="UTC"))
+        run_dag(dags["pin_daily_features"], log_file, run_id_for(ds), logical_date=pendulum.parse(ds, tz="UTC"))
         rows = storage.read_metadata(root, EXAMPLES, ds).get("rows")
         say(f"pin_daily_features ds={ds}: validated, features built, {rows} examples ({time.monotonic() - t0:.0f}s)")
 
-    t0 = time.monotonic()
+    stages: dict[str, float] = {"features": round(time.monotonic() - features_started, 1)}
     train_days = min(args.train_days, len(days) - 1)
-    say(f"pin_ranker_training: torchrun, 2 processes (DDP, gloo), {train_days} training days, evaluated on {days[-1]}")
-    train_run = run_dag(
-        dags["pin_ranker_training"], log_file,
-        run_conf={"end_ds": days[-1], "train_days": train_days,
-                  **({"epochs": args.epochs} if args.epochs else {})},
-    )
-    result = train_run.get_task_instance("train").xcom_pull(task_ids="train")
-    promotion = train_run.get_task_instance("promote").xcom_pull(task_ids="promote")
-    say(f"trained {result['model_name']} v{result['model_version']} in {time.monotonic() - t0:.0f}s: "
-        f"AUC {result['metrics']['auc']}, promoted: {bool(promotion)}")
+    trained: dict[str, Any] = {}
+    for family in ("pin_ranker", "pin_content"):
+        t0 = time.monotonic()
+        say(f"pin_ranker_training model={family}: torchrun, 2 processes (DDP, gloo), {train_days} training days, "
+            f"evaluated on {days[-1]}")
+        train_run = run_dag(
+            dags["pin_ranker_training"], log_file, run_id_for(days[-1], family),
+            run_conf={"model": family, "end_ds": days[-1], "train_days": train_days,
+                      **({"epochs": args.epochs} if args.epochs and family == "pin_ranker" else {})},
+        )
+        result = train_run.get_task_instance("train").xcom_pull(task_ids="train")
+        promotion = train_run.get_task_instance("promote").xcom_pull(task_ids="promote")
+        stages[f"{family}_training"] = round(time.monotonic() - t0, 1)
+        say(f"trained {result['model_name']} v{result['model_version']} in {stages[f'{family}_training']:.0f}s: "
+            f"AUC {result['metrics']['auc']}, promoted: {bool(promotion)}")
 
-    t0 = time.monotonic()
-    infer_run = run_dag(
-        dags["pin_corpus_inference"], log_file,
-        run_conf={"model_version": str(result["model_version"]), "ds": days[-1]},
-    )
-    manifest = infer_run.get_task_instance("publish").xcom_pull(task_ids="publish")
-    say(f"pin_corpus_inference: {manifest['rows']} pins scored ({time.monotonic() - t0:.0f}s)")
+        t0 = time.monotonic()
+        infer_run = run_dag(
+            dags["pin_corpus_inference"], log_file, run_id_for(days[-1], family),
+            run_conf={"model": family, "model_version": str(result["model_version"]), "ds": days[-1]},
+        )
+        manifest = infer_run.get_task_instance("publish").xcom_pull(task_ids="publish")
+        stages[f"{family}_inference"] = round(time.monotonic() - t0, 1)
+        say(f"pin_corpus_inference model={family}: {manifest['rows']} pins scored ({stages[f'{family}_inference']:.0f}s)")
+        trained[family] = {"result": result, "promotion": promotion, "manifest": manifest}
 
     examples = {ds: int(storage.read_metadata(root, EXAMPLES, ds).get("rows", 0))
                 for ds in storage.complete_days(root, EXAMPLES)}
     validated = [ds for ds in days
                  if storage.exists(storage.join(storage.partition(root, f"{VALIDATION_REPORTS}/events", ds), "result.json"))]
+    result, promotion, manifest = (trained["pin_ranker"][k] for k in ("result", "promotion", "manifest"))
     metrics = result["metrics"]
+    corpus_pins = storage.read_table(root, RAW_PINS, days[-1], columns=["pin_id"]).num_rows
+    content = trained["pin_content"]
+    content_metrics = content["result"]["metrics"]
     summary = {
         "days": len(days),
         "first_day": days[0],
@@ -196,19 +259,40 @@ def run_chain(
         "model_name": result["model_name"],
         "model_version": result["model_version"],
         "promoted": bool(promotion),
-        "corpus_pins": storage.read_table(root, RAW_PINS, days[-1], columns=["pin_id"]).num_rows,
+        "corpus_pins": corpus_pins,
         "pins_scored": int(manifest["rows"]),
         "inference_manifest": manifest["manifest"],
+        "content": {
+            "auc": content_metrics["auc"],
+            "oracle_auc": content_metrics.get("oracle_auc", {}),
+            "oracle_ratio": content_metrics.get("oracle_ratio", {}),
+            "pr_auc": content_metrics.get("pr_auc", {}),
+            "topic_accuracy": content_metrics.get("topic_accuracy"),
+            "topic_macro_f1": content_metrics.get("topic_macro_f1"),
+            "quality_bar_met": content_quality_bar_met(content_metrics),
+            "model_name": content["result"]["model_name"],
+            "model_version": content["result"]["model_version"],
+            "promoted": bool(content["promotion"]),
+            "corpus_pins": corpus_pins,
+            "pins_scored": int(content["manifest"]["rows"]),
+            "inference_manifest": content["manifest"]["manifest"],
+        },
+        "stage_seconds": stages,
         "seconds": round(time.monotonic() - started, 1),
     }
     storage.write_json(storage.join(root, "demo-summary.json"), summary)
     ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["oracle_ratio"].items()))
     say(f"share of the oracle's lift per head: {ratios} (bar {ORACLE_RATIO_BAR}); "
         f"quality bar met: {summary['quality_bar_met']}")
+    content_ratios = ", ".join(f"{k} {v:.3f}" for k, v in sorted(summary["content"]["oracle_ratio"].items()))
+    say(f"content model, share of the oracle's lift: {content_ratios}; quality bar met: "
+        f"{summary['content']['quality_bar_met']}")
     print(json.dumps(summary, indent=2), file=CONSOLE, flush=True)
     beats = all(metrics["auc"][k] > metrics["baseline_auc"][k] for k in metrics["auc"])
-    if summary["pins_scored"] != summary["corpus_pins"] or not (beats or args.no_quality_check):
-        say("the demo's checks failed: every pin must be scored and the model must beat the baseline on each head")
+    every_pin = summary["pins_scored"] == summary["content"]["pins_scored"] == corpus_pins
+    if not every_pin or not (beats or args.no_quality_check):
+        say("the demo's checks failed: every pin must be scored by both families and the ranker must beat the "
+            "baseline on each head")
         return 1
     return 0
 

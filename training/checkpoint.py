@@ -14,10 +14,20 @@ load), the LR scheduler's state, the loop position ``{"step", "epoch", "examples
 pipeline's position ``data`` and every rank's RNG states ``rng.rank<r>``; other trained parts (the
 ablation model) are saved alongside under their name as a prefix. ``checkpoint_dir`` must
 be visible to every node.
+
+Loading a DCP checkpoint unpickles its ``.metadata`` (``pickle.load``) and its non-tensor items
+(``torch.load(weights_only=False)``): a file crafted by anyone who can write under the storage root's
+``models/`` would run code in the training job. So the marker records the SHA-256 of every file of the
+checkpoint (rank 0 hashes them once every rank has written), and :func:`load` checks every file against it
+before DCP opens any of them: a checkpoint with a changed, missing or extra file, or a marker without
+checksums, is refused with a :class:`~core.failures.DataError` (DATA: the stored checkpoint is bad input;
+retrying cannot help and nothing may resume from it: delete that ``step-*`` folder, after looking at who
+wrote it, to start the run from its previous checkpoint or from scratch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,13 +43,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core import storage
-from core.failures import ExitCode, InfraError, exit_code_for
+from core.failures import DataError, ExitCode, InfraError, exit_code_for
 from training.runtime import now_iso
 
 log = logging.getLogger("training.checkpoint")
 
 MARKER = "COMPLETE.json"
 PREFIX = "step-"
+# Read in pieces of this size when hashing, so that a checkpoint file of any size fits in memory.
+_CHUNK = 8 * 1024 * 1024
 
 
 def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
@@ -73,6 +85,76 @@ def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint folder, its marker first: a deletion cut short never leaves a "complete" half."""
     storage.remove(storage.join(path, MARKER))
     storage.remove_tree(path)
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
+    """Names (relative, ``/``-separated) of every file of a checkpoint folder but its marker, sorted."""
+    path = os.fspath(path)
+    if storage.is_remote(path):
+        fs, key = storage.filesystem(path)
+        prefix = key.rstrip("/") + "/"
+        names = [found[len(prefix):] for found in fs.find(key) if found.startswith(prefix)]
+    else:
+        base = storage.local_path(path)
+        names = [p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()] if base.is_dir() else []
+    return sorted(name for name in names if name != MARKER)
+
+
+def file_sha256(location: str) -> str:
+    """The SHA-256 (hex) of a file, a local path or a URL, read in pieces."""
+    digest = hashlib.sha256()
+    if storage.is_remote(location):
+        fs, key = storage.filesystem(location)
+        opened = fs.open(key, "rb")
+    else:
+        opened = storage.local_path(location).open("rb")
+    with opened as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checksums(path: str | os.PathLike[str]) -> dict[str, str]:
+    """``{file name: SHA-256}`` of every file of a checkpoint folder but its marker."""
+    return {name: file_sha256(storage.join(path, name)) for name in checkpoint_files(path)}
+
+
+def verification_problems(path: str | os.PathLike[str], marker: dict[str, Any] | None = None) -> list[str]:
+    """Why the files of a checkpoint cannot be trusted (empty: every file is the one its marker recorded).
+
+    ``marker`` is the checkpoint's ``COMPLETE.json`` (read from ``path`` when not given). Reads every file.
+    """
+    path = os.fspath(path)
+    if marker is None:
+        try:
+            marker = json.loads(storage.read_text(storage.join(path, MARKER)))
+        except FileNotFoundError:
+            return [f"no {MARKER} marker: the checkpoint is incomplete"]
+        except ValueError as e:
+            return [f"unreadable {MARKER}: {e}"]
+    recorded = marker.get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        return [f"{MARKER} records no checksums of the checkpoint's files (written before checksums were recorded?)"]
+    present = set(checkpoint_files(path))
+    problems = [f"{name}: missing" for name in sorted(set(recorded) - present)]
+    problems += [f"{name}: not written by the save (not in {MARKER})" for name in sorted(present - set(recorded))]
+    for name in sorted(present & set(recorded)):
+        actual = file_sha256(storage.join(path, name))
+        if actual != recorded[name]:
+            problems.append(f"{name}: SHA-256 {actual[:16]}... differs from the recorded {str(recorded[name])[:16]}...")
+    return problems
+
+
+def verify(path: str | os.PathLike[str], marker: dict[str, Any] | None = None) -> None:
+    """Raise DataError unless every file of the checkpoint is the one its save recorded (before any unpickling)."""
+    problems = verification_problems(path, marker)
+    if problems:
+        raise DataError(
+            f"checkpoint {os.fspath(path)} refused: its files are not the ones pinflow wrote ({'; '.join(problems[:5])}"
+            f"{f'; and {len(problems) - 5} more' if len(problems) > 5 else ''}). Loading it could run code from a "
+            f"crafted file; if it was not tampered with, it is corrupt. Delete that folder to resume from the "
+            f"previous checkpoint (or from scratch), after finding out who wrote it."
+        )
 
 
 def _writer(path: str) -> dcp.StorageWriter:
@@ -110,6 +192,22 @@ def _failed(action: str, path: str, exc: CheckpointException) -> Exception:
         return isinstance(cause, OSError) and not isinstance(cause, PermissionError | FileNotFoundError)
 
     return InfraError(message) if any(transient(c) for c in causes) else RuntimeError(message)
+
+
+def _verified_on_every_rank(path: str) -> None:
+    """verify() on rank 0; every rank raises the same DataError if it failed (none waits in a collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        verify(path)
+        return
+    outcome: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            verify(path)
+        except DataError as e:
+            outcome[0] = str(e)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise DataError(outcome[0])
 
 
 def _barrier() -> None:
@@ -196,6 +294,8 @@ def save(
             "parts": sorted(parts),
             "time": now_iso(),
             **(extra or {}),
+            # Every rank's files are complete (barrier above): what load() verifies before unpickling anything.
+            "files": checksums(path),
         }
         storage.write_json(storage.join(path, MARKER), marker)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:
@@ -209,12 +309,17 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
 
     Returns ``{"step", "epoch", "examples_seen", "data"}``. The RNG states of this rank are restored when
     ``restore_rng`` (only meaningful with the world size the checkpoint was written with).
+
+    First every file is checked against the checksums in the marker (by rank 0, which tells the others):
+    a checkpoint whose files are not the ones its save wrote raises DataError on every rank, before DCP
+    unpickles anything.
     """
+    path = os.fspath(path)
+    _verified_on_every_rank(path)
     state = _state(parts)
     state["train"] = {"step": 0, "epoch": 0, "examples_seen": 0}
     if restore_rng:
         state["rng"] = {_rank_key(): rng_state()}
-    path = os.fspath(path)
     metadata = _reader(path).read_metadata()
     has_data = any(key.startswith("data.") or key == "data" for key in metadata.state_dict_metadata)
     if has_data:

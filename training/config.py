@@ -17,20 +17,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from core.config import FeaturesConfig, MlflowConfig, TrainingConfig
-from core.contracts import LABELS
+from core.config import TrainingConfig
 from core.failures import ConfigError
 from core.storage import parse_ds
 
 if typing.TYPE_CHECKING:
-    from training.model import ModelConfig
+    from training.sdk import ModelFamily
 
 _REQUIRED = object()
+T = typing.TypeVar("T")
 
 
-# Defaults shared with the platform configuration are taken from its typed models: defined once, in core.config.
+# Defaults shared with the platform configuration are taken from its typed model: defined once, in core.config.
 _TRAINING = TrainingConfig()
-_MLFLOW = MlflowConfig()
 
 
 def _f(help: str, default: Any = _REQUIRED, factory: Any = None) -> Any:
@@ -47,9 +46,9 @@ class RunConfig:
     """Settings of one training run (RUN.json). Required fields have no default."""
 
     # --- where things are -------------------------------------------------------------------------
-    root: str = _f("storage root (local path, file:// or s3:// URL) holding examples/, raw/pins/ and truth/")
-    train_days: list[str] = _f("days (YYYY-MM-DD) of the examples dataset to train on")
-    eval_ds: str = _f("day (YYYY-MM-DD) of the examples dataset to evaluate on, after training")
+    root: str = _f("storage root (local path, file:// or s3:// URL) holding the family's dataset, raw/pins/ and truth")
+    train_days: list[str] = _f("days (YYYY-MM-DD) of the family's dataset to train on")
+    eval_ds: str = _f("day (YYYY-MM-DD) of the family's dataset to evaluate on, after training")
     output_dir: str = _f("job folder: heartbeat-rank{r}.json, failure-rank{r}.json and result.json are written here")
     checkpoint_dir: str = _f(
         "checkpoints (torch.distributed.checkpoint) as step-XXXXXXXX/ folders; must be shared by all "
@@ -59,8 +58,14 @@ class RunConfig:
     mlflow_artifact_location: str | None = _f(
         "artifact location given to a newly created MLflow experiment (ignored if it exists)", None
     )
-    experiment: str = _f("MLflow experiment name", _MLFLOW.experiment)
-    model_name: str = _f("registered model name in the MLflow model registry", _MLFLOW.model_name)
+    family: str = _f("the model family (training.sdk): pin_ranker, pin_content or one under families:", _TRAINING.model)
+    family_module: str = _f("Python module of the family (empty: the built-in family of that name)", "")
+    params: dict[str, Any] = _f(
+        "the family's hyperparameters (its Params dataclass; unknown keys are refused)", factory=dict
+    )
+    experiment: str = _f("MLflow experiment name (default: the family's name)", "")
+    model_name: str = _f("registered model name in the MLflow model registry (default: the family's name)", "")
+    tags: dict[str, str] = _f("MLflow run tags (dag, run, try, backend, job, team, family)", factory=dict)
     register: bool = _f("register the logged model as a new version of model_name", True)
     run_name: str | None = _f("MLflow run name (default: MLflow's generated name)", None)
     # --- optimisation -----------------------------------------------------------------------------
@@ -71,17 +76,9 @@ class RunConfig:
     warmup_steps: int = _f("linear warmup steps, then cosine decay to min_lr_ratio x lr", 20)
     min_lr_ratio: float = _f("final learning rate of the cosine schedule, as a fraction of lr", 0.1)
     grad_clip: float = _f("clip the global gradient norm to this value (0 = no clipping)", 1.0)
-    loss_weights: dict[str, float] = _f(
-        f"weight of each head's BCE loss in the total loss; labels: {', '.join(LABELS)} (missing = 1.0)",
-        # hide is the rarest label (about 3%) and the one the sequence explains least: it gets more weight.
-        factory=lambda: {label: 3.0 if label == "hide" else 1.0 for label in LABELS},
-    )
     seed: int = _f("seed of the model initialisation and of the data order (with the epoch)", 0)
     max_steps: int = _f("stop after this many optimizer steps in total (0 = no cap)", 0)
     # --- data -------------------------------------------------------------------------------------
-    sequence_length: int = _f(
-        "user sequence length N the model reads (most recent actions first)", FeaturesConfig().sequence_length
-    )
     num_workers: int = _f(
         "DataLoader worker processes per rank (0 = read in the training process; raise it on GPU nodes)", 0
     )
@@ -104,25 +101,6 @@ class RunConfig:
     deterministic: bool = _f(
         "torch.use_deterministic_algorithms: a resumed run is bitwise equal to an uninterrupted one (CPU)", False
     )
-    ablation: bool = _f(
-        "also train, in lockstep on the same batches, the model without the action sequence and report "
-        "its evaluation (ablation_auc, sequence_lift)",
-        True,
-    )
-    # --- model size -------------------------------------------------------------------------------
-    d_model: int = _f("width of the sequence transformer", 32)
-    n_heads: int = _f("attention heads of the sequence transformer", 2)
-    n_layers: int = _f("layers of the sequence transformer", 1)
-    ff_dim: int = _f("feed-forward width of the sequence transformer", 64)
-    first_k: int = _f("the first K (most recent) transformer outputs are kept flattened", 4)
-    dropout: float = _f("dropout of the transformer and the MLP", 0.0)
-    sparse_dim: int = _f("width of the sparse id embeddings", 16)
-    pin_buckets: int = _f("hash buckets of the candidate pin id table", 20011)
-    user_buckets: int = _f("hash buckets of the user id table", 20011)
-    creator_buckets: int = _f("hash buckets of the creator id table", 5003)
-    category_buckets: int = _f("hash buckets of the category table", 1009)
-    cross_layers: int = _f("layers of the DCN-v2 cross network", 2)
-    mlp_hidden: list[int] = _f("hidden widths of the MLP after the cross network", factory=lambda: [64, 32])
     # --- debugging --------------------------------------------------------------------------------
     debug_step_sleep_s: float = _f(
         "debug: sleep this long after every step (widens the window of the kill-and-resume test)", 0.0
@@ -149,28 +127,12 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run config") -> RunConfig:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = [k for k in data if k not in fields]
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, list(fields), n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}; see `python -m training.train --help`")
-        missing = [
-            name
-            for name, f in fields.items()
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data
-        ]
-        if missing:
-            raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
-        types_ = typing.get_type_hints(cls)
-        values = {name: _check_type(f"{source}: {name}", value, types_[name]) for name, value in data.items()}
-        config = cls(**values)
+        config = dataclass_from_dict(cls, data, source, hint="see `python -m training.train --help`")
         config.validate(source)
         return config
 
     def validate(self, source: str = "run config") -> None:
+        """The platform's fields here; the family's ``params`` by the family's own Params (``family()``)."""
         problems = []
         if not self.train_days:
             problems.append("train_days is empty: give at least one day")
@@ -179,63 +141,69 @@ class RunConfig:
                 parse_ds(ds)
             except ValueError as e:
                 problems.append(str(e))
-        positive = (
-            "epochs batch_size sequence_length eval_batch_size d_model n_heads n_layers ff_dim first_k "
-            "sparse_dim pin_buckets user_buckets creator_buckets category_buckets log_every keep_checkpoints "
-            "dist_timeout_s"
-        ).split()
-        for name in positive:
+        for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s".split():
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in "max_steps checkpoint_every warmup_steps cross_layers num_workers num_threads".split():
+        for name in "max_steps checkpoint_every warmup_steps num_workers num_threads".split():
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.lr <= 0:
             problems.append(f"lr={self.lr} must be positive")
-        if self.d_model % self.n_heads:
-            problems.append(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if self.first_k > self.sequence_length:
-            problems.append(f"first_k={self.first_k} exceeds sequence_length={self.sequence_length}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.heartbeat_every_s <= 0:
             problems.append(f"heartbeat_every_s={self.heartbeat_every_s} must be positive")
-        for label, weight in self.loss_weights.items():
-            if label not in LABELS:
-                problems.append(f"loss_weights has unknown label {label!r}; labels are {', '.join(LABELS)}")
-            elif weight < 0:
-                problems.append(f"loss_weights[{label!r}]={weight} must not be negative")
-        if any(h <= 0 for h in self.mlp_hidden):
-            problems.append(f"mlp_hidden={self.mlp_hidden} must hold positive widths")
         if problems:
             raise ConfigError(f"{source} is invalid: " + "; ".join(problems))
 
     # ----------------------------------------------------------------------------------------------
-    def label_weights(self) -> dict[str, float]:
-        return {label: float(self.loss_weights.get(label, 1.0)) for label in LABELS}
+    def family_instance(self) -> ModelFamily:
+        """The run's model family with its params (a ConfigError names a bad one). Imports the family's module."""
+        from training.sdk import load_family
 
-    def model_config(self) -> ModelConfig:
-        from training.model import ModelConfig  # torch is imported only where a model is built
+        return load_family(self.family, self.family_module, self.params)
 
-        return ModelConfig(
-            sequence_length=self.sequence_length,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            n_layers=self.n_layers,
-            ff_dim=self.ff_dim,
-            first_k=self.first_k,
-            dropout=self.dropout,
-            sparse_dim=self.sparse_dim,
-            pin_buckets=self.pin_buckets,
-            user_buckets=self.user_buckets,
-            creator_buckets=self.creator_buckets,
-            category_buckets=self.category_buckets,
-            cross_layers=self.cross_layers,
-            mlp_hidden=tuple(self.mlp_hidden),
-        )
+    @property
+    def experiment_name(self) -> str:
+        return self.experiment or self.family
+
+    @property
+    def registered_model(self) -> str:
+        return self.model_name or self.family
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def dataclass_from_dict(cls: type[T], data: dict[str, Any], source: str, hint: str = "") -> T:
+    """An instance of the dataclass ``cls`` from a JSON object, every value checked against its field's type.
+
+    Raises ConfigError naming unknown keys (with the closest known one), missing required keys and values of
+    the wrong type.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}" + (f"; {hint}" if hint else ""))
+    missing = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data
+    ]
+    if missing:
+        raise ConfigError(f"{source}: missing required key(s) {', '.join(missing)}")
+    types_ = typing.get_type_hints(cls)
+    values = {name: _check_type(f"{source}: {name}", value, types_[name]) for name, value in data.items()}
+    for name in fields:  # tuples in a frozen dataclass arrive as JSON lists
+        if name in values and typing.get_origin(types_[name]) is tuple and isinstance(values[name], list):
+            values[name] = tuple(values[name])
+    return cls(**values)
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -254,8 +222,10 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
         if value not in args:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
-    if origin is list:
-        if not isinstance(value, list):
+    if hint is Any:
+        return value
+    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        if not isinstance(value, list | tuple):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_check_type(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if origin is dict:

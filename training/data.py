@@ -1,4 +1,4 @@
-"""Streaming training examples from the ``examples`` Parquet partitions into batches of tensors.
+"""Streaming a model family's training rows from Parquet partitions into batches of tensors.
 
 :class:`ExampleStream` never reads a whole day: its unit of work is a Parquet row group (or a slice of
 one, when there are too few row groups to spread over every rank and worker). From the Parquet footers
@@ -7,7 +7,9 @@ depends only on ``(seed, epoch)``. Because the plan is known up front, every ran
 batches each rank will produce and all stop at the same step (:meth:`ExampleStream.steps_per_epoch`):
 no rank waits in a collective for a rank that ran out of data.
 
-Pin content embeddings come from a :class:`PinEmbeddings` table built from one ``raw/pins`` snapshot.
+Which dataset and columns are read, and how rows become tensors, is the model family's (``training.sdk``):
+the stream hands each table of ``batch_size`` rows to the family's ``encode``. Pin content embeddings (for
+families that join the pin snapshot) come from a :class:`PinEmbeddings` table of one ``raw/pins`` snapshot.
 The storage root is a local path or a URL (``s3://bucket/prefix``, through ``core.storage``): on
 an object store a row group is read with ranged GETs of its column chunks, never the whole file.
 """
@@ -15,33 +17,17 @@ an object store a row group is read with ranged GETs of its column chunks, never
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from core.contracts import DENSE_FEATURES, EMBEDDING_DIM, EXAMPLES, LABELS, RAW_PINS, SURFACES
+from core.contracts import EMBEDDING_DIM, EXAMPLES, RAW_PINS
 from core.failures import DataError
 from core.storage import complete_days, data_files, ds_str, parquet_file
-
-EXAMPLE_COLUMNS: tuple[str, ...] = (
-    "impression_id",
-    "user_id",
-    "pin_id",
-    "category",
-    "creator_id",
-    "surface",
-    *DENSE_FEATURES,
-    "seq_pin_ids",
-    "seq_actions",
-    "seq_categories",
-    "seq_age_hours",
-    *LABELS,
-)
 
 
 def latest_complete_day(root: str | os.PathLike[str], dataset: str, ds: str) -> str | None:
@@ -104,59 +90,6 @@ class PinEmbeddings:
         return out
 
 
-# --- turning rows into tensors -------------------------------------------------------------------
-
-
-def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    flat = arr.values.to_numpy(zero_copy_only=False)
-    lengths = np.minimum(np.diff(offsets), steps)
-    pos = np.arange(steps)
-    mask = pos[None, :] < lengths[:, None]
-    if flat.size == 0:
-        return np.zeros(mask.shape, dtype=dtype), mask
-    idx = np.where(mask, offsets[:-1, None] + pos[None, :], 0)
-    return np.where(mask, flat[idx], 0).astype(dtype), mask
-
-
-def surface_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Index of each surface in ``SURFACES`` + 1; 0 for an unknown surface."""
-    idx = pc.index_in(column, value_set=pa.array(SURFACES))
-    return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
-
-
-def encode_batch(table: pa.Table, pins: PinEmbeddings, sequence_length: int) -> dict[str, torch.Tensor]:
-    """Rows of the ``examples`` schema → the model's input tensors (see ``training.model``) + labels."""
-
-    def col(name: str, dtype: type) -> np.ndarray:
-        return np.array(table.column(name).to_numpy(), dtype=dtype)
-
-    seq_pins, mask = _pad_lists(table.column("seq_pin_ids"), sequence_length, np.int64)
-    actions, _ = _pad_lists(table.column("seq_actions"), sequence_length, np.int64)
-    categories, _ = _pad_lists(table.column("seq_categories"), sequence_length, np.int64)
-    ages, _ = _pad_lists(table.column("seq_age_hours"), sequence_length, np.float32)
-    pin_ids = col("pin_id", np.int64)
-    arrays = {
-        "seq_pin_emb": pins.lookup(seq_pins) * mask[..., None],
-        "seq_actions": np.where(mask, actions + 1, 0),
-        "seq_categories": np.where(mask, categories, -1),
-        "seq_age_hours": np.where(mask, ages, 0.0).astype(np.float32),
-        "seq_mask": mask,
-        "cand_pin_emb": pins.lookup(pin_ids),
-        "pin_id": pin_ids,
-        "user_id": col("user_id", np.int64),
-        "category": col("category", np.int64),
-        "creator_id": col("creator_id", np.int64),
-        "surface": surface_ids(table.column("surface")),
-        "dense": np.stack([col(name, np.float32) for name in DENSE_FEATURES], axis=1),
-        "labels": np.stack([col(label, np.float32) for label in LABELS], axis=1),
-        "impression_id": col("impression_id", np.int64),
-    }
-    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
-
-
 # --- planning the work ---------------------------------------------------------------------------
 
 
@@ -174,8 +107,15 @@ class WorkUnit:
         return self.stop - self.start
 
 
-def example_units(root: str | os.PathLike[str], days: Sequence[str], min_units: int = 1) -> list[WorkUnit]:
-    """Work units of the ``examples`` partitions of ``days`` in a fixed order, read from the footers only.
+def example_units(
+    root: str | os.PathLike[str],
+    days: Sequence[str],
+    min_units: int = 1,
+    *,
+    dataset: str = EXAMPLES,
+    columns: Sequence[str] = (),
+) -> list[WorkUnit]:
+    """Work units of the ``dataset`` partitions of ``days`` in a fixed order, read from the footers only.
 
     Row groups are split into equal slices only when there are fewer than ``min_units`` of them, so that
     every rank and worker gets something to read.
@@ -183,17 +123,17 @@ def example_units(root: str | os.PathLike[str], days: Sequence[str], min_units: 
     groups: list[tuple[str, int, int]] = []
     for ds in days:
         try:
-            files = data_files(root, EXAMPLES, ds)
+            files = data_files(root, dataset, ds)
         except FileNotFoundError as e:
             raise DataError(str(e)) from None
         if not files:
-            raise DataError(f"{EXAMPLES} partition ds={ds} under {root} has a marker but no Parquet file")
+            raise DataError(f"{dataset} partition ds={ds} under {root} has a marker but no Parquet file")
         for path in files:
             with parquet_file(path) as parquet:
                 meta, names = parquet.metadata, parquet.schema_arrow.names
-            missing = [c for c in EXAMPLE_COLUMNS if c not in names]
+            missing = [c for c in columns if c not in names]
             if missing:
-                raise DataError(f"{path} lacks the examples column(s) {', '.join(missing)}")
+                raise DataError(f"{path} lacks the {dataset} column(s) {', '.join(missing)}")
             for rg in range(meta.num_row_groups):
                 rows = meta.row_group(rg).num_rows
                 if rows:
@@ -219,7 +159,7 @@ def balance(units: Sequence[WorkUnit], parts: int) -> list[list[WorkUnit]]:
 
 
 class ExampleStream(IterableDataset):
-    """Batches (dicts of tensors, see :func:`encode_batch`) of one rank's share of the examples of ``days``.
+    """Batches (dicts of tensors, from ``encode``) of one rank's share of the rows of ``dataset`` on ``days``.
 
     Use it with ``DataLoader(stream, batch_size=None, num_workers=stream.num_workers)``: the stream batches
     by itself, every worker reads its own units and yields full batches, the last one of each worker may be
@@ -231,10 +171,11 @@ class ExampleStream(IterableDataset):
         self,
         root: str | os.PathLike[str],
         days: Sequence[str],
-        pins: PinEmbeddings,
+        encode: Callable[[pa.Table], dict[str, torch.Tensor]],
         *,
         batch_size: int,
-        sequence_length: int,
+        dataset: str = EXAMPLES,
+        columns: Sequence[str] = (),
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 0,
@@ -246,9 +187,10 @@ class ExampleStream(IterableDataset):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.root = str(root)
         self.days = [ds_str(d) for d in days]
-        self.pins = pins
+        self.encode = encode
+        self.dataset = dataset
+        self.columns = list(columns)
         self.batch_size = batch_size
-        self.sequence_length = sequence_length
         self.rank = rank
         self.world_size = world_size
         self.num_workers = num_workers
@@ -256,7 +198,9 @@ class ExampleStream(IterableDataset):
         self.shuffle = shuffle
         self.epoch = 0
         self.skip = 0  # batches of this epoch already trained on (a resumed run starts after them)
-        self.units = example_units(root, self.days, min_units=4 * world_size * max(1, num_workers))
+        self.units = example_units(
+            root, self.days, min_units=4 * world_size * max(1, num_workers), dataset=dataset, columns=columns
+        )
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
 
     @property
@@ -349,7 +293,7 @@ class ExampleStream(IterableDataset):
     # ----------------------------------------------------------------------------------------------
     def _read(self, unit: WorkUnit, epoch: int) -> pa.Table:
         with parquet_file(unit.path) as parquet:
-            table = parquet.read_row_group(unit.row_group, columns=list(EXAMPLE_COLUMNS))
+            table = parquet.read_row_group(unit.row_group, columns=self.columns or None)
         table = table.slice(unit.start, unit.rows)
         if self.shuffle:
             key = self._unit_index[unit]
@@ -397,30 +341,4 @@ class ExampleStream(IterableDataset):
             workers, skips = [workers[info.id]], [skips[info.id]]
         for units, skip in zip(workers, skips, strict=True):
             for table in self.iter_tables(units, self.epoch, skip):
-                yield encode_batch(table, self.pins, self.sequence_length)
-
-
-def history_priors(root: str | os.PathLike[str], ds: str) -> dict[str, float]:
-    """The rate features the feature build gives a user or pin without history (its prior), as observed.
-
-    Read from the first row group of the ``examples`` partition of ``ds``: the median rate of the rows
-    with zero impressions (the median of all rows if there are none). Inference uses these for the
-    non-personalised context.
-    """
-    files = data_files(root, EXAMPLES, ds)
-    if not files:
-        raise DataError(f"{EXAMPLES} partition ds={ds} under {root} has no Parquet file")
-    rates = {
-        "u_ctr": "u_impressions",
-        "p_ctr": "p_impressions",
-        "p_repin_rate": "p_impressions",
-        "p_hide_rate": "p_impressions",
-    }
-    with parquet_file(files[0]) as parquet:
-        table = parquet.read_row_group(0, columns=sorted({*rates, *rates.values()}))
-    out = {}
-    for rate, count in rates.items():
-        values = table.column(rate).to_numpy()
-        fresh = values[table.column(count).to_numpy() == 0]
-        out[rate] = float(np.median(fresh if fresh.size else values)) if values.size else 0.0
-    return out
+                yield self.encode(table)

@@ -1,29 +1,14 @@
-"""Offline evaluation of a PinRanker on one day of examples.
-
-Per head: AUC (tie-aware), HIT@3 (per user), log loss and calibration of the model; the AUC and HIT@3 of
-the popularity baseline (the example's own pin rate feature); when the synthetic world's ``truth``
-partition of that day exists, the AUC of the true probabilities (the oracle: the best any model can do on
-these labels) and the model's share of the oracle's lift over chance, ``(auc - 0.5) / (oracle - 0.5)``;
-and, given the ablation model trained without the action sequence, its AUC and the sequence's lift.
+"""Offline evaluation metrics, shared by every model family: AUC (tie-aware), average precision, log loss,
+calibration, HIT@k per group, macro one-vs-rest AUC and macro F1 for multi-class heads, and the share of the
+oracle's lift over chance. A family's ``evaluate`` (``training.sdk``) computes its report with these.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
-
-from core.contracts import DENSE_FEATURES, LABELS, TRUTH
-from core.storage import data_files, is_complete, read_parquet
-from training.data import ExampleStream, PinEmbeddings
-
-# The popularity baseline of each head: the candidate pin's own smoothed rate.
-BASELINE_FEATURE = {"click": "p_ctr", "repin": "p_repin_rate", "hide": "p_hide_rate"}
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -82,144 +67,48 @@ def hit_at_k(scores: np.ndarray, labels: np.ndarray, groups: np.ndarray, k: int 
     return float(hit[has_pos].mean()) if has_pos.any() else math.nan
 
 
-def _finite(value: float) -> float | None:
+def finite(value: float) -> float | None:
+    """A metric for a report: None where it is undefined (NaN, infinite)."""
     return None if value is None or not math.isfinite(value) else float(value)
 
 
-def load_truth(root: str | os.PathLike[str], ds: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """Sorted impression ids and their true probabilities [n, len(LABELS)], or None without truth."""
-    if not is_complete(root, TRUTH, ds):
+def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the precision-recall curve (average precision; ties in score ordered by row). NaN without a positive."""
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(bool)
+    n_pos = int(labels.sum())
+    if n_pos == 0:
+        return math.nan
+    order = np.argsort(-scores, kind="mergesort")
+    hits = labels[order]
+    precision = np.cumsum(hits) / np.arange(1, hits.size + 1)
+    return float(precision[hits].sum() / n_pos)
+
+
+def macro_ovr_auc(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean one-vs-rest AUC over the classes present in ``labels`` (probs: [n, classes])."""
+    classes = [k for k in range(probs.shape[1]) if 0 < int((labels == k).sum()) < labels.size]
+    aucs = [auc(probs[:, k], labels == k) for k in classes]
+    return float(np.mean(aucs)) if aucs else math.nan
+
+
+def macro_f1(predicted: np.ndarray, labels: np.ndarray, classes: int) -> float:
+    """Mean F1 over the classes that occur in ``labels`` or ``predicted``."""
+    scores = []
+    for k in range(classes):
+        tp = int(((predicted == k) & (labels == k)).sum())
+        fp = int(((predicted == k) & (labels != k)).sum())
+        fn = int(((predicted != k) & (labels == k)).sum())
+        if tp + fp + fn:
+            scores.append(2 * tp / (2 * tp + fp + fn))
+    return float(np.mean(scores)) if scores else math.nan
+
+
+def oracle_ratio(model_auc: float | None, oracle_auc: float | None) -> float | None:
+    """The model's share of the oracle's lift over chance, (auc - 0.5) / (oracle - 0.5)."""
+    if model_auc is None or oracle_auc is None or oracle_auc <= 0.5:
         return None
-    ids, probs = [], []
-    for path in data_files(root, TRUTH, ds):
-        table = read_parquet(path, columns=["impression_id", *(f"p_{label}" for label in LABELS)])
-        ids.append(table.column("impression_id").to_numpy())
-        probs.append(np.stack([table.column(f"p_{label}").to_numpy() for label in LABELS], axis=1))
-    if not ids:
-        return None
-    all_ids = np.concatenate(ids)
-    order = np.argsort(all_ids, kind="stable")
-    return all_ids[order], np.concatenate(probs)[order]
-
-
-@torch.no_grad()
-def predict(
-    model: nn.Module,
-    stream: ExampleStream,
-    device: torch.device | str = "cpu",
-    on_batch: Callable[[int], None] | None = None,
-    ablation: nn.Module | None = None,
-) -> dict[str, np.ndarray]:
-    """Probabilities, labels, baseline features, user and impression ids of every example of ``stream``.
-
-    With ``ablation``, its probabilities too (``ablation_probs``), from the same pass over the data.
-    """
-    was_training = model.training
-    model.eval()
-    if ablation is not None:
-        ablation.eval()
-    probs: list[np.ndarray] = []
-    ablation_probs: list[np.ndarray] = []
-    users: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    dense: list[np.ndarray] = []
-    ids: list[np.ndarray] = []
-    try:
-        for i, batch in enumerate(stream):
-            inputs = {k: v.to(device) for k, v in batch.items()}
-            logits = model(inputs)
-            probs.append(torch.stack([torch.sigmoid(logits[lb].float()) for lb in LABELS], 1).cpu().numpy())
-            if ablation is not None:
-                other = ablation(inputs)
-                ablation_probs.append(torch.stack([torch.sigmoid(other[lb].float()) for lb in LABELS], 1).cpu().numpy())
-            users.append(batch["user_id"].numpy())
-            labels.append(batch["labels"].numpy())
-            dense.append(batch["dense"].numpy())
-            ids.append(batch["impression_id"].numpy())
-            if on_batch is not None:
-                on_batch(i)
-    finally:
-        model.train(was_training)
-    width = len(LABELS)
-    out = {
-        "probs": np.concatenate(probs) if probs else np.zeros((0, width)),
-        "user_id": np.concatenate(users) if users else np.zeros(0, dtype=np.int64),
-        "labels": np.concatenate(labels) if labels else np.zeros((0, width)),
-        "dense": np.concatenate(dense) if dense else np.zeros((0, len(DENSE_FEATURES))),
-        "impression_id": np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64),
-    }
-    if ablation is not None:
-        out["ablation_probs"] = np.concatenate(ablation_probs) if ablation_probs else np.zeros((0, width))
-    return out
-
-
-def evaluate(
-    model: nn.Module,
-    root: str | os.PathLike[str],
-    eval_ds: str,
-    *,
-    sequence_length: int,
-    batch_size: int = 1024,
-    pins: PinEmbeddings | None = None,
-    device: torch.device | str = "cpu",
-    on_batch: Callable[[int], None] | None = None,
-    ablation: nn.Module | None = None,
-) -> dict[str, Any]:
-    """Evaluate ``model`` (a PinRanker, not DDP-wrapped) on the examples of ``eval_ds``.
-
-    Returns ``{"auc", "hit3", "baseline_auc", "baseline_hit3", "oracle_auc", "oracle_ratio", "logloss",
-    "calibration": {label: float | None}, "examples": n}``, plus ``"ablation_auc"``, ``"ablation_hit3"``
-    and ``"sequence_lift"`` (auc - ablation_auc) given ``ablation``; a metric that is undefined (one
-    class only, no truth) is None. ``oracle_auc`` and ``oracle_ratio`` are ``{}`` without a ``truth``
-    partition for ``eval_ds``.
-    """
-    pins = pins or PinEmbeddings.from_snapshot(root, eval_ds)
-    stream = ExampleStream(root, [eval_ds], pins, batch_size=batch_size, sequence_length=sequence_length, shuffle=False)
-    out = predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)
-    probs, labels, dense, users = out["probs"], out["labels"], out["dense"], out["user_id"]
-    result: dict[str, Any] = {
-        "auc": {},
-        "hit3": {},
-        "baseline_auc": {},
-        "baseline_hit3": {},
-        "oracle_auc": {},
-        "oracle_ratio": {},
-        "logloss": {},
-        "calibration": {},
-        "examples": int(labels.shape[0]),
-    }
-    for i, label in enumerate(LABELS):
-        y = labels[:, i]
-        result["auc"][label] = _finite(auc(probs[:, i], y))
-        result["logloss"][label] = _finite(log_loss(probs[:, i], y))
-        result["calibration"][label] = _finite(calibration(probs[:, i], y))
-        baseline = dense[:, DENSE_FEATURES.index(BASELINE_FEATURE[label])]
-        result["baseline_auc"][label] = _finite(auc(baseline, y))
-        result["hit3"][label] = _finite(hit_at_k(probs[:, i], y, users))
-        result["baseline_hit3"][label] = _finite(hit_at_k(baseline, y, users))
-    if "ablation_probs" in out:
-        result["ablation_auc"], result["ablation_hit3"], result["sequence_lift"] = {}, {}, {}
-        for i, label in enumerate(LABELS):
-            y = labels[:, i]
-            result["ablation_auc"][label] = _finite(auc(out["ablation_probs"][:, i], y))
-            result["ablation_hit3"][label] = _finite(hit_at_k(out["ablation_probs"][:, i], y, users))
-            a, b = result["auc"][label], result["ablation_auc"][label]
-            result["sequence_lift"][label] = None if a is None or b is None else a - b
-
-    truth = load_truth(root, eval_ds)
-    if truth is not None:
-        truth_ids, truth_probs = truth
-        ids = out["impression_id"]
-        pos = np.minimum(np.searchsorted(truth_ids, ids), max(len(truth_ids) - 1, 0))
-        found = truth_ids[pos] == ids if len(truth_ids) else np.zeros(len(ids), dtype=bool)
-        result["oracle_coverage"] = float(found.mean()) if len(ids) else 0.0
-        for i, label in enumerate(LABELS):
-            oracle = _finite(auc(truth_probs[pos[found], i], labels[found, i]))
-            result["oracle_auc"][label] = oracle
-            model_auc = result["auc"][label]
-            if oracle is not None and model_auc is not None and oracle > 0.5:
-                result["oracle_ratio"][label] = (model_auc - 0.5) / (oracle - 0.5)
-    return result
+    return (model_auc - 0.5) / (oracle_auc - 0.5)
 
 
 def flat_metrics(result: dict[str, Any], prefix: str = "eval_") -> dict[str, float]:

@@ -1,22 +1,16 @@
 """Batch inference over the pin corpus, one shard per process: ``python -m training.inference``.
 
 Every pin of the ``raw/pins`` snapshot of ``ds`` with ``pin_id % num_shards == shard`` is scored by the
-registered model in a **non-personalised context**, so the scores are each pin's prior engagement
-probabilities, comparable across pins:
+registered model of any family that scores the corpus: the model's feature spec names its family, whose
+``score_corpus`` (``training.sdk``) turns a slice of the snapshot into rows of its ``corpus_schema`` (the
+ranker: each pin's prior engagement probabilities in a non-personalised context; the content model:
+``p_unsafe``, the topic distribution and the content embedding).
 
-- no user: an empty action sequence, user id absent (the model's zero "absent" embedding), the user
-  counts zero and the user rate at the prior the feature build gives users without history (recorded in
-  the model's feature spec);
-- the candidate is the pin itself: its content embedding, category and creator from the snapshot;
-- its own engagement counts and rates from ``features/pin_window`` of ``ds`` when that partition is
-  complete, else zero counts and the prior rates (a pin without history);
-- surface ``home_feed``.
-
-The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` (pin_id, p_click, p_repin, p_hide) in one
-atomic write (``core.storage``: a local temporary file and a rename, or one PUT on S3); a shard whose part
-exists is skipped, so a rerun only scores what is
-missing. One JSON line on stdout reports the shard. :func:`publish_manifest` (``--publish``) writes
-``_MANIFEST.json`` last, once every part is there. Exit codes as ``core.failures.ExitCode``.
+The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` in one atomic write (``core.storage``: a
+local temporary file and a rename, or one PUT on S3); a shard whose part exists is skipped, so a rerun
+only scores what is missing. One JSON line on stdout reports the shard. :func:`publish_manifest`
+(``--publish``) writes ``_MANIFEST.json`` last, once every part is there. Exit codes as
+``core.failures.ExitCode``.
 """
 
 from __future__ import annotations
@@ -36,18 +30,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core import storage
-from core.contracts import COUNT_COLUMNS, DENSE_FEATURES, EMBEDDING_DIM, LABELS, PIN_WINDOW, RAW_PINS, SURFACES
+from core.contracts import RAW_PINS
 from core.failures import DataError, ExitCode, exit_code_for
 from training.runtime import setup_logging
 
 log = logging.getLogger("training.inference")
 
 MANIFEST = "_MANIFEST.json"
-CONTEXT_SURFACE = "home_feed"
-OUTPUT_SCHEMA = pa.schema(
-    [pa.field("pin_id", pa.int64(), nullable=False)]
-    + [pa.field(f"p_{label}", pa.float32(), nullable=False) for label in LABELS]
-)
+# The columns of the pin snapshot a family's score_corpus may read.
+PIN_COLUMNS = ["pin_id", "embedding", "category", "creator_id", "image_embedding", "text_tokens"]
 
 
 def part_name(shard: int) -> str:
@@ -68,66 +59,16 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
     return mlflow.pytorch.load_model(model_uri), spec
 
 
-def _pin_window(root: str, ds: str) -> pa.Table | None:
-    if not storage.is_complete(root, PIN_WINDOW, ds):
-        log.info("no complete %s partition for ds=%s: every pin scored as a pin without history", PIN_WINDOW, ds)
-        return None
-    columns = ["pin_id", *COUNT_COLUMNS, "ctr", "repin_rate", "hide_rate"]
-    return storage.read_table(root, PIN_WINDOW, ds, columns=columns)
-
-
-def context_dense(pin_ids: np.ndarray, window: pa.Table | None, priors: dict[str, float]) -> np.ndarray:
-    """The dense features (DENSE_FEATURES order) of the non-personalised context for each pin."""
-    n = len(pin_ids)
-    values: dict[str, np.ndarray] = {name: np.zeros(n, dtype=np.float32) for name in DENSE_FEATURES}
-    values["u_ctr"][:] = priors.get("u_ctr", 0.0)
-    for rate in ("p_ctr", "p_repin_rate", "p_hide_rate"):
-        values[rate][:] = priors.get(rate, 0.0)
-    if window is not None and window.num_rows and n:
-        ids = window.column("pin_id").to_numpy()
-        order = np.argsort(ids, kind="stable")
-        ids = ids[order]
-        pos = np.minimum(np.searchsorted(ids, pin_ids), len(ids) - 1)
-        found = ids[pos] == pin_ids
-        rows = order[pos[found]]
-        for column in COUNT_COLUMNS:
-            values[f"p_{column}"][found] = window.column(column).to_numpy()[rows]
-        for column, name in (("ctr", "p_ctr"), ("repin_rate", "p_repin_rate"), ("hide_rate", "p_hide_rate")):
-            values[name][found] = window.column(column).to_numpy()[rows]
-    return np.stack([values[name] for name in DENSE_FEATURES], axis=1).astype(np.float32)
-
-
-def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The serving inputs (``spec["serving_inputs"]``) of a batch of pins in the non-personalised context."""
-    n, steps = pins.num_rows, int(spec["sequence_length"])
-    emb = pins.column("embedding").combine_chunks().flatten().to_numpy().reshape(n, EMBEDDING_DIM)
-    return {
-        "seq_pin_emb": np.zeros((n, steps, EMBEDDING_DIM), dtype=np.float32),
-        "seq_actions": np.zeros((n, steps), dtype=np.int64),
-        "seq_categories": np.full((n, steps), -1, dtype=np.int64),
-        "seq_age_hours": np.zeros((n, steps), dtype=np.float32),
-        "seq_mask": np.zeros((n, steps), dtype=bool),
-        "cand_pin_emb": emb.astype(np.float32),
-        "pin_id": pins.column("pin_id").to_numpy().astype(np.int64),
-        "user_id": np.full(n, -1, dtype=np.int64),  # absent: the model's zero embedding
-        "category": pins.column("category").to_numpy().astype(np.int64),
-        "creator_id": pins.column("creator_id").to_numpy().astype(np.int64),
-        "surface": np.full(n, SURFACES.index(CONTEXT_SURFACE) + 1, dtype=np.int64),
-        "dense": dense,
-    }
-
-
 def shard_pins(root: str, ds: str, shard: int, num_shards: int) -> Iterator[pa.Table]:
     """The pins of the shard, one row group of the snapshot at a time."""
     try:
         files = storage.data_files(root, RAW_PINS, ds)
     except FileNotFoundError as e:
         raise DataError(str(e)) from None
-    columns = ["pin_id", "embedding", "category", "creator_id"]
     for path in files:
         with storage.parquet_file(path) as parquet:
             for rg in range(parquet.num_row_groups):
-                table = parquet.read_row_group(rg, columns=columns)
+                table = parquet.read_row_group(rg, columns=[c for c in PIN_COLUMNS if c in parquet.schema_arrow.names])
                 keep = np.mod(table.column("pin_id").to_numpy(), num_shards) == shard
                 if keep.any():
                     yield table.filter(pa.array(keep))
@@ -154,29 +95,20 @@ def score_shard(
         with storage.parquet_file(final) as done:
             return {**summary, "rows": done.metadata.num_rows, "skipped": True, "seconds": 0.0}
 
-    import torch
+    from training.sdk import load_family
 
     module, spec = load_model(model_uri, tracking_uri)
-    window = _pin_window(root, ds)
-    priors = spec.get("priors", {})
-    names = spec["serving_inputs"]
-    ids: list[np.ndarray] = []
-    scores: list[np.ndarray] = []
-    with torch.no_grad():
-        for table in shard_pins(root, ds, shard, num_shards):
-            for start in range(0, table.num_rows, batch_size):
-                batch = table.slice(start, batch_size)
-                pin_ids = batch.column("pin_id").to_numpy()
-                inputs = context_inputs(batch, context_dense(pin_ids, window, priors), spec)
-                out_t = module(*(torch.from_numpy(inputs[name]) for name in names))
-                ids.append(pin_ids)
-                scores.append(np.stack([out_t[f"p_{label}"].float().numpy() for label in LABELS], axis=1))
-    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-    all_scores = np.concatenate(scores) if scores else np.zeros((0, len(LABELS)), dtype=np.float32)
-    result = pa.table(
-        {"pin_id": all_ids, **{f"p_{label}": all_scores[:, i].astype(np.float32) for i, label in enumerate(LABELS)}},
-        schema=OUTPUT_SCHEMA,
-    )
+    family = load_family(str(spec.get("family", "pin_ranker")), str(spec.get("family_module", "")),
+                         spec.get("params"))
+    schema = family.corpus_schema
+    if schema is None:
+        raise ValueError(f"model {model_uri} is of family {family.name}, which does not score the corpus")
+    parts = [
+        family.score_corpus(module, table.slice(start, batch_size), spec, root, ds)
+        for table in shard_pins(root, ds, shard, num_shards)
+        for start in range(0, table.num_rows, batch_size)
+    ]
+    result = pa.concat_tables(parts) if parts else schema.empty_table()
     buffer = pa.BufferOutputStream()
     pq.write_table(result, buffer)
     storage.write_bytes(final, buffer.getvalue().to_pybytes())
@@ -196,16 +128,18 @@ def publish_manifest(out_dir: str | os.PathLike[str], num_shards: int, model_uri
             "score those shards first"
         )
     parts = []
+    columns: list[str] = []
     for i in range(num_shards):
         with storage.parquet_file(storage.join(out_dir, part_name(i))) as part:
             parts.append({"file": part_name(i), "rows": part.metadata.num_rows})
+            columns = part.schema_arrow.names
     manifest = {
         "ds": ds,
         "model_uri": model_uri,
         "num_shards": num_shards,
         "parts": parts,
         "rows": sum(p["rows"] for p in parts),
-        "columns": OUTPUT_SCHEMA.names,
+        "columns": columns,
         "created": dt.datetime.now(dt.UTC).isoformat(),
     }
     storage.write_json(storage.join(out_dir, MANIFEST), manifest)
@@ -219,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(__doc__ or "").split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model-uri", required=True, help="MLflow model URI, e.g. models:/pin_ranker/3")
+    parser.add_argument("--model-uri", required=True, help="MLflow model URI, e.g. models:/pin_ranker/3 (any family)")
     parser.add_argument("--tracking-uri", help="MLflow tracking and registry URI (required unless --publish)")
     parser.add_argument("--root", help="storage root holding raw/pins (required unless --publish)")
     parser.add_argument("--ds", required=True, help="day of the raw/pins snapshot (YYYY-MM-DD)")

@@ -7,21 +7,70 @@ platform sets, runs ``torchrun`` for this node, and exits with the code of the f
 - local: ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint`` given by the local backend;
 - AWS Batch multi-node: ``AWS_BATCH_JOB_NUM_NODES``, ``AWS_BATCH_JOB_NODE_INDEX`` and
   ``AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS`` (the main node's own address is not set on it);
+- Kubeflow Trainer v2 TrainJob: ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``;
 - Kubeflow PyTorchJob: ``MASTER_ADDR``, ``MASTER_PORT``, and ``PET_NNODES`` / ``PET_NODE_RANK`` (set with
   ``nprocPerNode``) or else ``WORLD_SIZE`` (nodes) and ``RANK`` (node rank).
+
+Workers die with their agent: torchrun starts each worker in a session of its own, so a SIGKILL of the agent
+would leave them training (and registering a model) as orphans. Each worker is therefore started through
+``python -m training.launch --worker -- <command>``, which asks the kernel for SIGKILL when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``) and then execs the command; the agent itself gets SIGTERM when the process that
+started it dies (the local backend's node supervisor), which torchrun turns into stopping its workers.
+
+A worker killed by a signal is INFRA (exit 75), unless the kernel says it ran out of memory: the ``oom_kill``
+counter of this cgroup's ``memory.events`` (cgroup v2) rose while the workers ran, then the node exits 137 (OOM).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from core.failures import ExitCode
 
 DEFAULT_PORT = 29400
+AGENT_PID_ENV = "PINFLOW_AGENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def cgroup_oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The ``oom_kill`` counter of this process's cgroup v2 (``memory.events``, which counts descendants too).
+
+    None when there is no cgroup v2 memory controller to read (cgroup v1, macOS): then no kill can be called OOM.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+        path = next(line.split("::", 1)[1] for line in lines if line.startswith("0::"))
+        events = Path(root, path.lstrip("/"), "memory.events").read_text()
+    except (OSError, StopIteration, IndexError):
+        return None
+    for line in events.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return None
+
+
+def oom_killed_since(before: int | None) -> bool:
+    """True if the kernel's OOM killer killed a process of this cgroup since the counter read ``before``."""
+    after = cgroup_oom_kills()
+    return before is not None and after is not None and after > before
 
 
 def rendezvous_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
@@ -34,6 +83,13 @@ def rendezvous_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
             "nnodes": env["AWS_BATCH_JOB_NUM_NODES"],
             "node_rank": index,
             "endpoint": f"{main}:{env.get('PINFLOW_RDZV_PORT', DEFAULT_PORT)}",
+        }
+    if "PET_MASTER_ADDR" in env and "PET_NNODES" in env:
+        # Kubeflow Trainer v2 (the Torch ML policy): node count and rank, and the first node's address.
+        return {
+            "nnodes": env["PET_NNODES"],
+            "node_rank": env.get("PET_NODE_RANK", "0"),
+            "endpoint": f"{env['PET_MASTER_ADDR']}:{env.get('PET_MASTER_PORT', DEFAULT_PORT)}",
         }
     if "MASTER_ADDR" in env and ("PET_NNODES" in env or "WORLD_SIZE" in env):
         # With nprocPerNode set, the training operator sets PET_NNODES / PET_NODE_RANK (torchrun's view) and
@@ -67,7 +123,7 @@ def torchrun_args(
         if not endpoint:
             raise ValueError(
                 f"a job on {nnodes} nodes needs a rendezvous endpoint: pass --rdzv-endpoint or run where "
-                "AWS Batch or a PyTorchJob sets the main node's address"
+                "AWS Batch, a TrainJob or a PyTorchJob sets the main node's address"
             )
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     return [
@@ -76,21 +132,25 @@ def torchrun_args(
         f"--nproc-per-node={nproc_per_node}",
         "--max-restarts=0",
         *rdzv,
+        # Each worker through the shim that ties its life to the agent's (see the module's docstring).
+        "-m", "training.launch", "--worker", "--",
         *command,
     ]
 
 
-def exit_code_of_failures(exit_codes: Sequence[int]) -> int:
+def exit_code_of_failures(exit_codes: Sequence[int], *, oom_killed: bool = False) -> int:
     """One exit code for a node from its workers' codes.
 
     A class code a worker chose (DATA, INFRA, NaN, OOM) wins; then a worker killed by a signal other than
-    SIGTERM (killed from outside: lost node, OOM killer: INFRA); then a bare 1 (an uncaught exception:
-    USER); a SIGTERM alone last (INFRA). torchrun itself sends SIGTERM to the surviving workers once one
-    fails, so a SIGTERM is usually a consequence, not the cause.
+    SIGTERM (killed from outside: lost node: INFRA; OOM only if ``oom_killed``, the kernel's own count of its
+    OOM kills rose); then a bare 1 (an uncaught exception: USER); a SIGTERM alone last (INFRA). torchrun itself
+    sends SIGTERM to the surviving workers once one fails, so a SIGTERM is usually a consequence, not the cause.
     """
     for pick in (lambda c: c > 1, lambda c: c < 0 and c != -signal.SIGTERM, lambda c: c == 1, lambda c: c != 0):
         chosen = [c for c in exit_codes if pick(c)]
         if chosen:
+            if chosen[0] == -signal.SIGKILL and oom_killed:
+                return int(ExitCode.OOM)
             return int(ExitCode.INFRA) if chosen[0] < 0 else chosen[0]
     return int(ExitCode.OK)
 
@@ -111,11 +171,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="first run `-m training.preflight --config <the command's --config>` in the same world; "
         "if a check fails, exit with its code (65 DATA, 75 INFRA) without training",
     )
+    parser.add_argument(
+        "--worker", action="store_true",
+        help="(what torchrun runs for each worker) die with the agent (PR_SET_PDEATHSIG), then exec the command",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command, e.g. -m training.train")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --, e.g. -- -m training.train --config RUN.json")
+    if args.worker:
+        return become_worker(command)
+    # The agent stops (torchrun stops its workers on SIGTERM) when whoever started it dies.
+    set_parent_death_signal(signal.SIGTERM)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
 
     steps = [(command, args.rdzv_id)]
     if args.preflight:
@@ -138,7 +207,25 @@ def preflight_command(command: Sequence[str]) -> list[str]:
     raise ValueError(f"--preflight needs the worker command's --config RUN.json: {' '.join(items)}")
 
 
+def become_worker(command: Sequence[str]) -> int:
+    """Tie this worker's life to its agent's, then replace this process by ``python -u <command>``.
+
+    The parent-death signal survives ``exec``. If the agent is already gone (it died between starting this
+    process and the ``prctl``), exit as INFRA instead of training as an orphan.
+    """
+    agent = int(os.environ.get(AGENT_PID_ENV, "0") or 0)
+    set_parent_death_signal(signal.SIGKILL)
+    if agent and os.getppid() != agent:
+        print(f"pinflow launch: the agent (pid {agent}) is gone; not starting {' '.join(command[:2])}", file=sys.stderr)
+        return int(ExitCode.INFRA)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-u", *command])
+    return int(ExitCode.INFRA)  # not reached: execv replaces the process or raises
+
+
 def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -152,14 +239,23 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
             rdzv_id=rdzv_id,
         )
     )
+    oom_kills = cgroup_oom_kills()
     try:
         run(torch_args)
     except ChildFailedError as err:
         codes = [failure.exitcode for _, failure in sorted(err.failures.items())]
-        code = exit_code_of_failures(codes)
-        print(f"pinflow launch: {' '.join(command[:2])} workers failed with exit codes {codes}; node exits {code}",
+        oom = oom_killed_since(oom_kills)
+        code = exit_code_of_failures(codes, oom_killed=oom)
+        print(f"pinflow launch: {' '.join(command[:2])} workers failed with exit codes {codes}"
+              f"{' (the kernel OOM-killed a process: memory.events oom_kill rose)' if oom else ''}; node exits {code}",
               file=sys.stderr)
         return code
+    except SignalException as err:
+        # Stopped from outside (cancel, Batch timeout, pod deletion, the supervisor gone): torchrun has stopped
+        # the workers; the node was taken away, not failed by its code.
+        print(f"pinflow launch: stopped by {err.sigval.name}; workers stopped; node exits {int(ExitCode.INFRA)}",
+              file=sys.stderr)
+        return int(ExitCode.INFRA)
     return int(ExitCode.OK)
 
 

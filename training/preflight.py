@@ -113,18 +113,12 @@ def check_allreduce(device: Any, world_size: int, megabytes: float, min_bus_gbps
 
 
 def checkpoint_bytes(config: RunConfig) -> int:
-    """Bytes of one checkpoint of the configured model: fp32 parameters + two AdamW moments (+ ablation)."""
+    """Bytes of one checkpoint of the family's models: fp32 parameters + two AdamW moments, every variant."""
     import torch
 
-    from training.model import PinRanker
-
+    family = config.family_instance()
     with torch.device("meta"):
-        params = sum(p.numel() for p in PinRanker(config.model_config()).parameters())
-        if config.ablation:
-            import dataclasses
-
-            ablation = dataclasses.replace(config.model_config(), use_sequence=False)
-            params += sum(p.numel() for p in PinRanker(ablation).parameters())
+        params = sum(p.numel() for v in family.variants() for p in family.build_model(v).parameters())
     return params * 4 * 3
 
 
@@ -163,21 +157,25 @@ def check_object_store(url: str, env: DistEnv) -> dict[str, Any]:
 
 
 def check_data(config: RunConfig) -> dict[str, Any]:
-    from training.data import EXAMPLE_COLUMNS, PinEmbeddings, example_units
+    """The family's dataset has rows on the training and evaluation days, its columns, and encodes."""
+    from training.data import example_units
 
-    pins = PinEmbeddings.from_snapshot(config.root, max(config.train_days))
-    units = example_units(config.root, config.train_days)
-    eval_units = example_units(config.root, [config.eval_ds])
+    family = config.family_instance()
+    context = family.prepare(config.root, list(config.train_days), config.eval_ds)
+    units = example_units(config.root, config.train_days, dataset=family.dataset, columns=family.columns)
+    eval_units = example_units(config.root, [config.eval_ds], dataset=family.dataset, columns=family.columns)
     if not units or not eval_units:
         from core.failures import DataError
 
-        raise DataError(f"no rows in the examples of {'train_days' if not units else 'eval_ds'} under {config.root}")
+        which = "train_days" if not units else "eval_ds"
+        raise DataError(f"no rows in {family.dataset} of {which} under {config.root}")
     first = units[0]
     with storage.parquet_file(first.path) as parquet:
-        table = parquet.read_row_group(first.row_group, columns=list(EXAMPLE_COLUMNS))
+        table = parquet.read_row_group(first.row_group, columns=list(family.columns))
+    family.encode(table.slice(0, 8), context)  # the rows join what they need (pins of the snapshot)
     return {
-        "pins": len(pins),
-        "pins_snapshot_ds": pins.ds,
+        "dataset": family.dataset,
+        "snapshot_ds": getattr(context, "ds", None),
         "train_rows": sum(u.rows for u in units),
         "eval_rows": sum(u.rows for u in eval_units),
         "row_groups": len(units),

@@ -1,7 +1,9 @@
 """A tiny synthetic world in the storage layout, for tests and smoke runs of the training container.
 
 ``write_tiny_world`` writes complete ``examples``, ``raw/pins`` and ``truth`` partitions following
-``core.contracts``, with a learnable signal (user taste x pin content, pin popularity). It is not the
+``core.contracts``, with a learnable signal (user taste x pin content, pin popularity), and for the content
+family ``raw/pin_labels`` and ``truth_pins`` (a pin's topic shows in its image embedding and tokens, its
+unsafety along one direction of the image embedding). It is not the
 platform's demo data generator (that lives in ``features/``); it exists so that ``training/`` can be
 exercised on its own, in milliseconds, without the feature build.
 """
@@ -16,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core import contracts
-from core.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, SURFACES
+from core.contracts import ACTIONS, DENSE_FEATURES, EMBEDDING_DIM, IMAGE_DIM, SURFACES, TEXT_VOCAB, TOPICS
 from core.storage import DATA_FILE, join, open_output, write_partition
 
 
@@ -46,8 +48,17 @@ def write_tiny_world(
     taste = rng.normal(size=(users, EMBEDDING_DIM)).astype(np.float32)
     liked = np.argsort(-(taste @ pin_emb.T), axis=1)[:, : max(1, pins // 4)]
     created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    # Content (its own random stream, so that the examples above do not depend on it).
+    crng = np.random.default_rng(seed + 1_000)
+    topic = crng.integers(0, TOPICS, size=pins)
+    unsafe_dir = crng.normal(size=IMAGE_DIM) / np.sqrt(IMAGE_DIM)
+    z = crng.normal(size=pins)
+    image = (crng.normal(size=(TOPICS, IMAGE_DIM))[topic] * 2.0 + 3.0 * z[:, None] * unsafe_dir
+             + crng.normal(size=(pins, IMAGE_DIM))).astype(np.float32)
+    tokens = (topic[:, None] * 16 + crng.integers(0, 16, size=(pins, 6))).astype(np.int32) % TEXT_VOCAB
+    p_unsafe = _sigmoid(2.5 * z - 3.0)
     impression = 1
-    for ds in days:
+    for day_index, ds in enumerate(days):
         pins_table = pa.table(
             {
                 "pin_id": pin_ids,
@@ -55,11 +66,37 @@ def write_tiny_world(
                 "category": categories,
                 "creator_id": creators,
                 "created_at": pa.array([created] * pins, type=pa.timestamp("us", tz="UTC")),
+                "image_embedding": pa.FixedSizeListArray.from_arrays(pa.array(image.ravel()), IMAGE_DIM),
+                "text_tokens": pa.array(tokens.tolist(), pa.list_(pa.int32())),
             },
             schema=contracts.PINS_SCHEMA,
         )
         with write_partition(root, contracts.RAW_PINS, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
             pq.write_table(pins_table, f)
+        reviewed = crng.choice(pins, size=max(1, pins // 2), replace=False)
+        day_start = dt.datetime.fromisoformat(ds).replace(tzinfo=dt.UTC)
+        labels_table = pa.table(
+            {
+                "review_id": np.arange(len(reviewed), dtype=np.int64) + 1_000_000 * (day_index + 1),
+                "pin_id": pin_ids[reviewed],
+                "is_unsafe": (crng.random(len(reviewed)) < p_unsafe[reviewed]).astype(np.int8),
+                "topic": topic[reviewed].astype(np.int32),
+                "reviewed_at": pa.array([day_start] * len(reviewed), type=pa.timestamp("us", tz="UTC")),
+            },
+            schema=contracts.PIN_LABELS_SCHEMA,
+        )
+        with write_partition(root, contracts.RAW_PIN_LABELS, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(labels_table, f, row_group_size=row_group_size)
+        truth_pins = pa.table(
+            {
+                "pin_id": pin_ids,
+                "p_unsafe": p_unsafe,
+                "topic_probs": pa.FixedSizeListArray.from_arrays(pa.array(np.eye(TOPICS)[topic].ravel()), TOPICS),
+            },
+            schema=contracts.TRUTH_PINS_SCHEMA,
+        )
+        with write_partition(root, contracts.TRUTH_PINS, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
+            pq.write_table(truth_pins, f)
 
         n = rows_per_day
         u = rng.integers(0, users, size=n)

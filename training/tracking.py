@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from core import storage
-from core.contracts import LABELS
 from training.config import RunConfig
-from training.model import SERVING_INPUTS, PinRanker, ServingModule
+from training.sdk import ModelFamily
 
 log = logging.getLogger("training.tracking")
 
@@ -34,36 +33,18 @@ def torch_requirement() -> str:
     return f"torch=={torch.__version__.split('+')[0]}"
 
 
-def example_inputs(sequence_length: int, rows: int = 2) -> dict[str, np.ndarray]:
-    """A serving batch: row 0 has an empty sequence, the others a full one. Shapes match SERVING_INPUTS."""
-    from core.contracts import DENSE_FEATURES, EMBEDDING_DIM
-
-    n = sequence_length
-    mask = np.zeros((rows, n), dtype=bool)
-    mask[1:] = True
-    return {
-        "seq_pin_emb": np.zeros((rows, n, EMBEDDING_DIM), dtype=np.float32),
-        "seq_actions": np.where(mask, 2, 0).astype(np.int64),
-        "seq_categories": np.where(mask, 1, -1).astype(np.int64),
-        "seq_age_hours": np.where(mask, 1.0, 0.0).astype(np.float32),
-        "seq_mask": mask,
-        "cand_pin_emb": np.zeros((rows, EMBEDDING_DIM), dtype=np.float32),
-        "pin_id": np.arange(1, rows + 1, dtype=np.int64),
-        "user_id": np.arange(1, rows + 1, dtype=np.int64),
-        "category": np.ones(rows, dtype=np.int64),
-        "creator_id": np.ones(rows, dtype=np.int64),
-        "surface": np.ones(rows, dtype=np.int64),
-        "dense": np.zeros((rows, len(DENSE_FEATURES)), dtype=np.float32),
-    }
-
-
-def model_signature(sequence_length: int) -> Any:
+def model_signature(family: ModelFamily, serving: torch.nn.Module, example: dict[str, np.ndarray]) -> Any:
+    """The MLflow signature of a family's serving module: its inputs, and its outputs' shapes as it computes them."""
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    example = example_inputs(sequence_length)
-    inputs = Schema([TensorSpec(example[name].dtype, (-1, *example[name].shape[1:]), name) for name in SERVING_INPUTS])
-    outputs = Schema([TensorSpec(np.dtype(np.float32), (-1,), f"p_{label}") for label in LABELS])
+    names = family.serving_inputs
+    with torch.no_grad():
+        out = serving(*(torch.from_numpy(example[name]) for name in names))
+    inputs = Schema([TensorSpec(example[n].dtype, (-1, *example[n].shape[1:]), n) for n in names])
+    outputs = Schema([
+        TensorSpec(np.dtype(np.float32), (-1, *out[n].shape[1:]), n) for n in family.outputs
+    ])
     return ModelSignature(inputs=inputs, outputs=outputs)
 
 
@@ -95,7 +76,7 @@ class Tracker:
     def _experiment(self) -> str:
         from mlflow.exceptions import MlflowException
 
-        name = self.config.experiment
+        name = self.config.experiment_name
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             return str(experiment.experiment_id)
@@ -121,10 +102,11 @@ class Tracker:
             except MlflowException as e:
                 log.warning("MLflow run %s from %s is gone (%s): starting a new run", run_id, self.state_path, e)
             self.state = {}
-        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name)
+        tags = {"pinflow.family": self.config.family, **{f"pinflow.{k}": str(v) for k, v in self.config.tags.items()}}
+        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name, tags=tags)
         self.state = {"run_id": run.info.run_id, "experiment_id": self.experiment_id}
         storage.write_json(self.state_path, self.state)
-        log.info("MLflow run %s in experiment %s", run.info.run_id, self.config.experiment)
+        log.info("MLflow run %s in experiment %s", run.info.run_id, self.config.experiment_name)
         return str(run.info.run_id)
 
     # ----------------------------------------------------------------------------------------------
@@ -154,8 +136,8 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=chunk)
 
     # ----------------------------------------------------------------------------------------------
-    def log_model(self, model: PinRanker, feature_spec: dict[str, Any]) -> tuple[str, str | None]:
-        """Log the exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
+    def log_model(self, family: ModelFamily, model: torch.nn.Module, feature_spec: dict[str, Any]) -> tuple[str, str | None]:
+        """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
 
         Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned.
         """
@@ -167,21 +149,21 @@ class Tracker:
             )
             return str(self.state["model_uri"]), self.state.get("model_version")
         self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
-        serving = ServingModule(copy.deepcopy(model).cpu().float()).eval()
-        example = example_inputs(self.config.sequence_length)
+        serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
+        example = family.example_inputs()
         info = self.mlflow.pytorch.log_model(
             serving,
             name=MODEL_ARTIFACT,
             serialization_format="pt2",
-            input_example=tuple(example[name] for name in SERVING_INPUTS),
-            signature=model_signature(self.config.sequence_length),
+            input_example=tuple(example[name] for name in family.serving_inputs),
+            signature=model_signature(family, serving, example),
             pip_requirements=[torch_requirement()],  # explicit: inferring requirements is slow
-            registered_model_name=self.config.model_name if self.config.register else None,
+            registered_model_name=self.config.registered_model if self.config.register else None,
             metadata={"feature_spec": feature_spec},
         )
         version = info.registered_model_version
         version = str(version) if version is not None else None
-        model_uri = f"models:/{self.config.model_name}/{version}" if version else info.model_uri
+        model_uri = f"models:/{self.config.registered_model}/{version}" if version else info.model_uri
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
         storage.write_json(self.state_path, self.state)
         return model_uri, version

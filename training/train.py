@@ -1,10 +1,12 @@
-"""Distributed training of the PinRanker: ``python -m training.train --config RUN.json``.
+"""Distributed training of any model family: ``python -m training.train --config RUN.json``.
 
-Runs under ``torchrun`` (any number of nodes and processes; it reads RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT as torchrun sets them) or alone as a world of one. CPU: gloo; CUDA: nccl and
-bf16 autocast. ``strategy``: DDP, or FSDP2 (``fully_shard``: embedding tables and optimizer state sharded
-across ranks). AdamW, warmup + cosine LR, gradient clipping, weighted per-head BCE. With ``ablation``
-the model without the action sequence trains in lockstep on the same batches, for the evaluation.
+The platform half of the model SDK (``training.sdk``): RUN.json names the ``family`` (and its ``params``);
+the family supplies its input rows, ``encode``, models, loss, evaluation and serving form; everything here
+is the same for every family. Runs under ``torchrun`` (any number of nodes and processes; it reads RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them) or alone as a world of one. CPU:
+gloo; CUDA: nccl and bf16 autocast. ``strategy``: DDP, or FSDP2 (``fully_shard``: embedding tables and
+optimizer state sharded across ranks). AdamW, warmup + cosine LR, gradient clipping. A family's extra
+``variants`` (the ranker's ablation without the action sequence) train in lockstep on the same batches.
 
 Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, when it fails,
 ``<output_dir>/failure-rank{r}.json`` (exit code, failure class, message, traceback). Checkpoints go to
@@ -43,7 +45,7 @@ from training.runtime import DistEnv, Heartbeat, failure_path, setup_logging, wr
 if TYPE_CHECKING:  # torch is imported only when training starts
     from training.checkpoint import Part
     from training.checkpoint_manager import CheckpointManager
-    from training.data import ExampleStream, PinEmbeddings
+    from training.data import ExampleStream
 
 log = logging.getLogger("training.train")
 
@@ -127,17 +129,15 @@ def wrap(model: Any, strategy: str, device: Any) -> Any:
     return model
 
 
-def gather_full(module: Any, model_config: Any) -> Any:
-    """A plain CPU PinRanker with the full weights of a wrapped one on rank 0 (None elsewhere); a collective."""
+def gather_full(module: Any, build: Any) -> Any:
+    """A plain CPU model (``build()``) with the full weights of a wrapped one on rank 0 (None elsewhere); a collective."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from training.model import PinRanker
 
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return None
-    plain = PinRanker(model_config)
+    plain = build()
     plain.load_state_dict(state)
     return plain
 
@@ -168,15 +168,14 @@ class Trainer:
         self.tracker: Any = None
         self.started = time.monotonic()
         self.faults = FaultInjector(config, env)
-        self.label_weights = config.label_weights()
+        self.family = config.family_instance()
         # Set up by run():
         self.device: Any = None
-        self.pins: PinEmbeddings | None = None
+        self.context: Any = None  # what the family's encode joins the rows with (e.g. a pin snapshot)
         self.stream: ExampleStream | None = None
         self.steps_per_epoch: list[int] = []
         self.epoch_start: list[int] = []
         self.total_steps = 0
-        self.model_configs: dict[str, Any] = {}
         self.parts: dict[str, Part] = {}
         self.checkpoints: CheckpointManager | None = None
         # Advanced by train():
@@ -192,7 +191,8 @@ class Trainer:
         """Train, resuming from the newest complete checkpoint; return the result on rank 0 (None elsewhere)."""
         self.set_threads_and_seed()
         self.setup_distributed()
-        log.info("rank %d/%d on %s, strategy %s", self.env.rank, self.env.world_size, self.device, self.config.strategy)
+        log.info("rank %d/%d on %s, family %s, strategy %s", self.env.rank, self.env.world_size, self.device,
+                 self.family.name, self.config.strategy)
         self.plan_data()
         self.build_parts()
         self.seed_rank_stream()
@@ -243,16 +243,17 @@ class Trainer:
     def plan_data(self) -> None:
         """This rank's example stream, the steps of each epoch (the same on every rank) and the total."""
         from core.failures import DataError
-        from training.data import ExampleStream, PinEmbeddings
+        from training.data import ExampleStream
 
-        cfg, env = self.config, self.env
-        self.pins = PinEmbeddings.from_snapshot(cfg.root, max(cfg.train_days))
+        cfg, env, family = self.config, self.env, self.family
+        self.context = context = family.prepare(cfg.root, list(cfg.train_days), cfg.eval_ds)
         self.stream = stream = ExampleStream(
             cfg.root,
             cfg.train_days,
-            self.pins,
+            lambda table: family.encode(table, context),
             batch_size=cfg.batch_size,
-            sequence_length=cfg.sequence_length,
+            dataset=family.dataset,
+            columns=family.columns,
             rank=env.rank,
             world_size=env.world_size,
             num_workers=cfg.num_workers,
@@ -271,23 +272,18 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.max_steps)
 
     def build_parts(self) -> None:
-        """The trained parts, each (module, optimizer, LR scheduler), into ``parts`` (and ``model_configs``).
+        """The trained parts, each (module, optimizer, LR scheduler), into ``parts``.
 
-        ``model`` is the trained model; with ``ablation``, the model without the action sequence trains in
-        lockstep on the same batches. Every part starts from the same seed on every rank. The one place
-        that builds models.
+        One part per variant of the family: ``model`` is the trained (and registered) model, the others (the
+        ranker's ablation) train in lockstep on the same batches. Every part starts from the same seed on
+        every rank. The one place that builds models: the family's ``build_model``.
         """
         import torch
 
-        from training.model import PinRanker
-
         cfg, device = self.config, self.device
-        self.model_configs = {"model": cfg.model_config()}
-        if cfg.ablation:
-            self.model_configs["ablation"] = dataclasses.replace(self.model_configs["model"], use_sequence=False)
-        for name, model_config in self.model_configs.items():
+        for name in self.family.variants():
             torch.manual_seed(cfg.seed)  # the same initialisation on every rank
-            module = wrap(PinRanker(model_config).to(device), cfg.strategy, device)
+            module = wrap(self.family.build_model(name).to(device), cfg.strategy, device)
             optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(self.total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
@@ -306,18 +302,19 @@ class Trainer:
             return
         from training.tracking import Tracker
 
-        cfg, stream, pins = self.config, self.stream, self.pins
-        assert stream is not None and pins is not None
+        cfg, stream = self.config, self.stream
+        assert stream is not None
         self.tracker = Tracker(cfg)
         self.tracker.log_params(
             {
-                **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri",)},
+                **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri", "params", "tags")},
+                **{f"params.{k}": v for k, v in dataclasses.asdict(self.family.params).items()},
                 "world_size": self.env.world_size,
                 "device": str(self.device.type),
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "train_rows": stream.total_rows,
-                "pins_snapshot_ds": pins.ds,
+                "snapshot_ds": getattr(self.context, "ds", None),
                 "parameters": sum(p.numel() for p in self.parts["model"][0].parameters()),
             }
         )
@@ -413,18 +410,15 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from training.model import multitask_loss
-
         cfg, device = self.config, self.device
-        labels = batch.pop("labels").to(device, non_blocking=True)
-        batch.pop("impression_id")
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        examples = int(inputs["row_id"].shape[0])
         losses = []
         heads: dict[str, Any] = {}
         for name, (module, _, _) in self.parts.items():
             with self.autocast():
-                logits = module(inputs)
-            loss, per_head = multitask_loss(logits, labels, self.label_weights)
+                outputs = module(inputs)
+            loss, per_head = self.family.loss(outputs, inputs)
             if name == "model":
                 heads = per_head
             losses.append(loss)
@@ -451,10 +445,10 @@ class Trainer:
             scheduler.step()
         self.step += 1
         self.batches_in_epoch += 1
-        self.local_seen += labels.shape[0]
+        self.local_seen += examples
         self.last_loss = stats[0]
         return StepStats(
-            examples=labels.shape[0],
+            examples=examples,
             losses=dict(zip(self.parts, stats[: len(losses)], strict=True)),
             heads=dict(zip(heads, stats[len(losses) :], strict=True)),
             grad_norm=norms[0],
@@ -475,8 +469,7 @@ class Trainer:
         lr = self.parts["model"][2].get_last_lr()[0]
         metrics = {"train_loss": stats.losses["model"], "lr": lr, "grad_norm": stats.grad_norm}
         metrics.update({f"train_loss_{k}": v for k, v in stats.heads.items()})
-        if "ablation" in stats.losses:
-            metrics["train_loss_ablation"] = stats.losses["ablation"]
+        metrics.update({f"train_loss_{name}": v for name, v in stats.losses.items() if name != "model"})
         self.tracker.log_metrics(metrics, step=self.step, flush=True)
 
     def save(self) -> None:
@@ -499,39 +492,32 @@ class Trainer:
 
         total_seen = self.examples_seen()
         # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here.
-        full = {name: gather_full(module, self.model_configs[name]) for name, (module, _, _) in self.parts.items()}
+        full = {
+            name: gather_full(module, lambda name=name: self.family.build_model(name))
+            for name, (module, _, _) in self.parts.items()
+        }
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
         dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         if not self.env.is_main:
             return None
-        return self.finish(full["model"], total_seen, ablation=full.get("ablation"))
+        return self.finish(full, total_seen)
 
-    def finish(self, model: Any, examples_seen: int, ablation: Any = None) -> dict[str, Any]:
-        """Rank 0: evaluate (and the ablation without the sequence), log to MLflow, register, write result.json."""
-        from core.contracts import DENSE_FEATURES, LABELS, RAW_PINS
-        from training.data import PinEmbeddings, history_priors, latest_complete_day
-        from training.evaluate import evaluate, flat_metrics
-        from training.model import COUNT_FEATURES, SERVING_INPUTS
+    def finish(self, models: dict[str, Any], examples_seen: int) -> dict[str, Any]:
+        """Rank 0: the family evaluates every variant, then MLflow gets the metrics and the registered model,
+        and result.json is written."""
+        from training.evaluate import flat_metrics
 
-        cfg, hb, pins, device, step = self.config, self.heartbeat, self.pins, self.device, self.step
-        assert pins is not None
+        cfg, hb, device, step, family = self.config, self.heartbeat, self.device, self.step, self.family
         hb.update(progress=0, force=True, phase="evaluating")
-        same_snapshot = latest_complete_day(cfg.root, RAW_PINS, cfg.eval_ds) == pins.ds
-        eval_pins = pins if same_snapshot else PinEmbeddings.from_snapshot(cfg.root, cfg.eval_ds)
-        model = model.to(device)
-        metrics = evaluate(
-            model,
+        metrics = family.evaluate(
+            {name: model.to(device) for name, model in models.items()},
             cfg.root,
             cfg.eval_ds,
-            sequence_length=cfg.sequence_length,
-            batch_size=cfg.eval_batch_size,
-            pins=eval_pins,
+            self.context,
             device=device,
+            batch_size=cfg.eval_batch_size,
             on_batch=lambda _: hb.update(phase="evaluating"),
-            ablation=ablation.to(device) if ablation is not None else None,
         )
-        aucs = [v for v in metrics["auc"].values() if v is not None]
-        metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
         metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
 
@@ -544,28 +530,20 @@ class Trainer:
             flush=True,
         )
         feature_spec = {
-            "sequence_length": cfg.sequence_length,
-            "dense_features": list(DENSE_FEATURES),
-            "count_features": list(COUNT_FEATURES),
-            "labels": list(LABELS),
-            "serving_inputs": list(SERVING_INPUTS),
-            "outputs": [f"p_{label}" for label in LABELS],
-            "hash_buckets": {
-                "pin_id": cfg.pin_buckets,
-                "user_id": cfg.user_buckets,
-                "creator_id": cfg.creator_buckets,
-                "category": cfg.category_buckets,
-            },
-            "pins_snapshot_ds": pins.ds,
-            "priors": history_priors(cfg.root, cfg.train_days[-1]),
-            "model_config": cfg.model_config().to_dict(),
+            "family": family.name,
+            "family_module": cfg.family_module,
+            "params": dataclasses.asdict(family.params),
+            "serving_inputs": list(family.serving_inputs),
+            "outputs": list(family.outputs),
+            **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
         }
-        model_uri, version = tracker.log_model(model, feature_spec)
+        model_uri, version = tracker.log_model(family, models["model"], feature_spec)
         tracker.end("FINISHED")
         result = {
+            "family": family.name,
             "mlflow_run_id": tracker.run_id,
             "model_uri": model_uri,
-            "model_name": cfg.model_name,
+            "model_name": cfg.registered_model,
             "model_version": version,
             "eval_ds": cfg.eval_ds,
             "train_days": list(cfg.train_days),

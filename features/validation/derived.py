@@ -63,6 +63,12 @@ DERIVED: dict[str, tuple[DerivedCheck, ...]] = {
         ),
     ),
     "users": (),
+    "pin_labels": (
+        DerivedCheck(
+            "pin_id.in_pins_snapshot", "_check_pin_in_snapshot",
+            "a reviewed pin_id that is not in that day's raw/pins snapshot", "true", ("pin_id",), "pins", True,
+        ),
+    ),
 }
 
 

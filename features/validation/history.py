@@ -41,9 +41,12 @@ HISTORY_CHECKS: dict[str, tuple[str, ...]] = {
     "events": ("history.volume", "history.action_mix", "history.null_rate"),
     "pins": ("history.volume", "history.null_rate"),
     "users": ("history.volume", "history.null_rate"),
+    "pin_labels": ("history.volume", "history.null_rate"),
 }
 # Id columns whose distinct count and new-id rate a profile records, per dataset.
-_ID_COLUMNS: dict[str, tuple[str, ...]] = {"events": ("user_id", "pin_id"), "pins": ("pin_id",), "users": ("user_id",)}
+_ID_COLUMNS: dict[str, tuple[str, ...]] = {
+    "events": ("user_id", "pin_id"), "pins": ("pin_id",), "users": ("user_id",), "pin_labels": ("pin_id",),
+}
 _PSI_EPSILON = 1e-4  # floor of a bucket's share, so that an empty bucket gives a large, finite PSI
 
 

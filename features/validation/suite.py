@@ -34,21 +34,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Columns whose values must be unique in a partition, per dataset.
-UNIQUE: dict[str, tuple[str, ...]] = {"events": ("event_id",), "pins": ("pin_id",), "users": ("user_id",)}
+UNIQUE: dict[str, tuple[str, ...]] = {
+    "events": ("event_id",), "pins": ("pin_id",), "users": ("user_id",), "pin_labels": ("review_id",),
+}
 # Id columns that must be well formed (positive int64: upstream ids start at 1), per dataset.
 IDS: dict[str, tuple[str, ...]] = {
     "events": ("event_id", "impression_id", "user_id", "pin_id"),
     "pins": ("pin_id", "creator_id"),
     "users": ("user_id",),
+    "pin_labels": ("review_id", "pin_id"),
 }
 # Columns whose values must come from a closed set, per dataset.
-IN_SET: dict[str, dict[str, tuple[str, ...]]] = {
+IN_SET: dict[str, dict[str, tuple[Any, ...]]] = {
     "events": {"action": contracts.ACTIONS, "surface": contracts.SURFACES},
+    "pin_labels": {"is_unsafe": (0, 1), "topic": tuple(range(contracts.TOPICS))},
 }
 # Columns that must match a regular expression, per dataset: column -> (regex, what it is).
 REGEX: dict[str, dict[str, tuple[str, str]]] = {"users": {"country": (r"^[A-Z]{2}$", "an ISO 3166 alpha-2 code")}}
 # Columns of timestamps that must lie inside the partition's UTC day, per dataset.
-IN_DAY: dict[str, tuple[str, ...]] = {"events": ("ts",)}
+IN_DAY: dict[str, tuple[str, ...]] = {"events": ("ts",), "pin_labels": ("reviewed_at",)}
 # Columns of timestamps that must not be after the partition's UTC day (a snapshot of ds knows no later row).
 NOT_AFTER_DAY: dict[str, tuple[str, ...]] = {"pins": ("created_at",), "users": ("created_at",)}
 
@@ -61,7 +65,7 @@ def build_suite(
     skip_columns: Sequence[str] = (),
     derived: Sequence[str] | None = None,
 ) -> gx.ExpectationSuite:
-    """The GX expectation suite of a raw dataset (``events``, ``pins`` or ``users``) for the partition ``ds``.
+    """The GX expectation suite of a raw dataset (``events``, ``pins``, ``users``, ``pin_labels``) for ``ds``.
 
     Every expectation carries its check name in ``meta["check"]`` and a phrase for its offending rows
     in ``meta["problem"]``. ``config``: the thresholds (``min_referential_integrity``). ``skip_columns``:

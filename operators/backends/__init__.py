@@ -33,13 +33,15 @@ def get_backend(name: str, cfg: PlatformConfig | None = None, home: str | None =
         from operators.backends.local import LocalBackend
 
         return LocalBackend(home or cfg.home)
+    from operators.backends.resources import Catalog
+
     if name == "batch":
         from operators.backends.batch import BatchBackend
 
-        return BatchBackend(cfg.batch, cfg.teams)
+        return BatchBackend(cfg.batch, cfg.teams, Catalog.from_config(cfg))
     from operators.backends.kubernetes import KubernetesBackend
 
-    return KubernetesBackend(cfg.kubernetes, cfg.teams)
+    return KubernetesBackend(cfg.kubernetes, cfg.teams, Catalog.from_config(cfg))
 
 
 __all__ = ["BACKENDS", "Backend", "JobSpec", "JobState", "JobStatus", "get_backend", "launch_command", "validate_for"]

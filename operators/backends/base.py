@@ -23,7 +23,9 @@ _IMAGE_RE = re.compile(
 class JobSpec:
     """What to run, where and with what resources; the same for every backend.
 
-    ``command`` is the container's argument list after the interpreter, e.g.
+    Resources per node come from the instance type (``operators.backends.resources``): left empty, the job gets
+    the type's image and the whole node; set, ``cpus_per_node`` / ``memory_gb_per_node`` / ``gpus_per_node`` ask
+    for part of it. ``command`` is the container's argument list after the interpreter, e.g.
     ``["-m", "training.train", "--config", "/jobs/x/RUN.json"]``. With ``distributed`` the backend starts it
     under ``torchrun`` with ``nodes`` × ``procs_per_node`` processes; otherwise it runs once.
     """
@@ -31,13 +33,15 @@ class JobSpec:
     name: str
     command: list[str]
     team: str
-    image: str = "pinflow-training:latest"
+    # Empty or None: from the instance type (``operators.backends.resources``): its image, the whole node.
+    image: str = ""
     distributed: bool = False
     nodes: int = 1
     procs_per_node: int = 1
-    cpus_per_node: int = 2
-    memory_gb_per_node: int = 8
-    gpus_per_node: int = 0
+    instance_type: str = ""  # a key of instance_types:; empty: the team's, else training.instance_type
+    cpus_per_node: int | None = None
+    memory_gb_per_node: float | None = None
+    gpus_per_node: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: int = 6 * 3600
     checkpoint_dir: str | None = None
@@ -57,14 +61,16 @@ class JobSpec:
             problems.append(f"procs_per_node={self.procs_per_node}: need at least 1 (training.procs_per_node)")
         if not self.distributed and self.nodes * self.procs_per_node != 1:
             problems.append("a job that is not distributed runs exactly one process: set distributed=True")
-        if self.gpus_per_node < 0:
-            problems.append(f"gpus_per_node={self.gpus_per_node} is negative")
+        for key in ("cpus_per_node", "memory_gb_per_node", "gpus_per_node"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                problems.append(f"{key}={value} is negative")
         if self.gpus_per_node and self.procs_per_node > self.gpus_per_node:
             problems.append(
                 f"procs_per_node={self.procs_per_node} > gpus_per_node={self.gpus_per_node}: run one process per GPU "
                 "(training.procs_per_node)"
             )
-        if not _IMAGE_RE.match(self.image):
+        if self.image and not _IMAGE_RE.match(self.image):
             problems.append(f"image {self.image!r} is not a container image reference (training.image)")
         if self.timeout_s <= 0:
             problems.append(f"timeout_s={self.timeout_s} must be positive")
@@ -87,24 +93,16 @@ def launch_command(spec: JobSpec, *, python: str = "python", rendezvous: Sequenc
     ]
 
 
-def validate_for(
-    spec: JobSpec, teams: Mapping[str, TeamConfig], *, max_gpus_per_node: int | None = None, backend: str = ""
-) -> None:
-    """``spec.validate()`` plus the checks against platform config: the team exists, the GPUs fit a node."""
+def validate_for(spec: JobSpec, teams: Mapping[str, TeamConfig], *, backend: str = "") -> None:
+    """``spec.validate()`` plus the checks against platform config: the team exists. (What fits on a node is
+    checked against its instance type when a backend resolves the spec: ``operators.backends.resources``.)"""
     spec.validate()
-    problems = []
     if spec.team not in teams:
-        problems.append(
-            f"team {spec.team!r} is not under teams: in config/platform.yaml (known: {', '.join(sorted(teams))}); "
-            "set the operator's team or add the team there"
+        raise ConfigError(
+            f"job spec {spec.name!r} cannot run on {backend or 'this backend'}: team {spec.team!r} is not under "
+            f"teams: in config/platform.yaml (known: {', '.join(sorted(teams))}); set the operator's team or add "
+            "the team there"
         )
-    if max_gpus_per_node is not None and spec.gpus_per_node > max_gpus_per_node:
-        problems.append(
-            f"gpus_per_node={spec.gpus_per_node}, but a {backend} node has at most {max_gpus_per_node} "
-            f"({backend}.max_gpus_per_node in config/platform.yaml)"
-        )
-    if problems:
-        raise ConfigError(f"job spec {spec.name!r} cannot run on {backend or 'this backend'}: " + "; ".join(problems))
 
 
 class JobState(enum.StrEnum):
@@ -120,11 +118,23 @@ class JobState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class JobStatus:
+    """A job's state as its backend reports it, with the times the backend knows (epoch seconds)."""
+
     job_id: str
     state: JobState
     failure_class: FailureClass | None = None
     reason: str = ""
     exit_codes: dict[str, int | None] = field(default_factory=dict)
+    created_at: float | None = None  # the backend accepted the job
+    started_at: float | None = None  # it began to run (None while queued, or when the backend does not say)
+    ended_at: float | None = None
+
+    @property
+    def queued_s(self) -> float | None:
+        """Seconds between submission and start (queue wait, instance boot, image pull); None if unknown."""
+        if self.created_at is None or self.started_at is None:
+            return None
+        return max(0.0, self.started_at - self.created_at)
 
 
 class Backend(Protocol):

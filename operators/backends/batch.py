@@ -2,12 +2,21 @@
 
 The request is built by a pure function (:meth:`BatchBackend.dry_run`): a job definition whose name carries
 a digest of its content (registered once, reused by every job with the same image and resources) and a
-``submit_job`` call with ``nodeOverrides`` (command, environment), the team's fair-share
-``shareIdentifier`` and priority, a timeout and tags. Every node runs ``python -m training.launch``,
-which reads the node index, node count and main-node address that Batch sets.
+``submit_job`` call with ``nodeOverrides`` (command, environment), a timeout and tags. Every node runs
+``python -m training.launch``, which reads the node index, node count and main-node address that Batch sets.
 
-NCCL over EFA needs, in the container properties: a large ``/dev/shm`` (``sharedMemorySize``), unlimited
-locked memory (``memlock`` ulimit) and the EFA devices (``/dev/infiniband/uverbsN``) passed through.
+Resources come from the job's instance type (``operators.backends.resources``): every vCPU and GPU of the
+node, its memory less the memory tax, the instance type named in the node properties. The container follows
+AWS's multi-node reference (aws-samples/awsome-distributed-training, ``1.architectures/3.aws-batch``):
+``/dev/shm`` (``sharedMemorySize``), ulimits ``memlock`` unlimited, ``stack`` 64 MiB, ``nofile`` 1024000, one
+``/dev/infiniband/uverbsN`` device per EFA interface, and the libfabric / NCCL environment
+(``FI_PROVIDER=efa``, ``FI_EFA_USE_DEVICE_RDMA=1`` where the type has GPUDirect RDMA, ``FI_EFA_FORK_SAFE=1``,
+``NCCL_SOCKET_IFNAME``; ``NCCL_PROTO`` left to the aws-ofi-nccl plugin).
+
+Fair share only where the queue has it: AWS rejects ``shareIdentifier`` / ``schedulingPriorityOverride`` on a
+FIFO queue and requires a share on a fair-share one. A team's ``scheduling`` says which (``fair_share``,
+``fifo``), or ``auto``: the queue's ``schedulingPolicyArn`` is read once with ``describe_job_queues``.
+
 Host and Spot loss are retried by Batch itself (``retryStrategy.evaluateOnExit``); the job resumes from
 its last checkpoint. Every other failure ends the job, and :func:`classify_job` turns the job and node
 descriptions into a failure class.
@@ -21,8 +30,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.config import BatchConfig, TeamConfig
-from core.failures import FailureClass, Finding, classify_exit_code, decide
+from core.failures import ConfigError, ExitCode, FailureClass, Finding, classify_exit_code, decide
 from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
+from operators.backends.resources import Catalog, NodeResources, efa_environment, resolve
 
 PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING")
 ACTIVE_STATES = (*PENDING_STATES, "RUNNING")
@@ -37,6 +47,14 @@ RETRY_ON_EXIT = [
     # ... and leaves everything else to the task's retry policy, which knows the failure class.
     {"onReason": "*", "action": "EXIT"},
 ]
+# AWS's reference: unlimited locked memory for NCCL's pinned buffers, 64 MiB stacks, many files and sockets.
+ULIMITS = [
+    {"name": "memlock", "softLimit": -1, "hardLimit": -1},
+    {"name": "stack", "softLimit": 67108864, "hardLimit": 67108864},
+    {"name": "nofile", "softLimit": 1024000, "hardLimit": 1024000},
+]
+# Reasons that say the container was stopped from outside: its SIGKILL (exit 137) is not an OOM.
+KILLED_REASONS = (CANCEL_REASON, "timeout", "Task stopped", "terminated by user", "TerminateJob")
 
 
 def _digest(obj: Any) -> str:
@@ -46,51 +64,58 @@ def _digest(obj: Any) -> str:
 class BatchBackend:
     name = "batch"
 
-    def __init__(self, options: BatchConfig | None = None, teams: Mapping[str, TeamConfig] | None = None) -> None:
+    def __init__(
+        self, options: BatchConfig | None = None, teams: Mapping[str, TeamConfig] | None = None,
+        catalog: Catalog | None = None,
+    ) -> None:
         self.options = options or BatchConfig()
         self.teams = dict(teams or {})
+        self.catalog = catalog or Catalog.default()
         self._hook: Any = None
         self._logs_hook: Any = None
+        self._fair_share: dict[str, bool] = {}
 
     # -- the request: pure ---------------------------------------------------------------------------------
     def job_queue(self, team: str) -> str:
         return self.teams[team].queue if team in self.teams else team
 
-    def _container(self, spec: JobSpec) -> dict[str, Any]:
+    def _container(self, spec: JobSpec, res: NodeResources) -> dict[str, Any]:
         opts = self.options
         resources = [
-            {"type": "VCPU", "value": str(spec.cpus_per_node)},
-            {"type": "MEMORY", "value": str(spec.memory_gb_per_node * 1024)},
+            {"type": "VCPU", "value": str(res.cpu_limit)},
+            {"type": "MEMORY", "value": str(res.memory_limit_mib)},
         ]
-        if spec.gpus_per_node:
-            resources.append({"type": "GPU", "value": str(spec.gpus_per_node)})
-        linux: dict[str, Any] = {"sharedMemorySize": int(opts.shm_size_mb)}
-        if opts.efa_devices:
+        if res.gpus:
+            resources.append({"type": "GPU", "value": str(res.gpus)})
+        # An init process as PID 1 (docker --init): the agent gets the stop signal and orphans are reaped.
+        linux: dict[str, Any] = {"initProcessEnabled": True, "sharedMemorySize": res.shm_mib}
+        if res.efa:
             linux["devices"] = [
                 {"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",
                  "permissions": ["READ", "WRITE", "MKNOD"]}
-                for i in range(int(opts.efa_devices))
+                for i in range(res.efa)
             ]
+        env = efa_environment(res, opts.nccl_socket_ifname) if spec.distributed else {}
         container: dict[str, Any] = {
-            "image": spec.image,
+            "image": res.image,
             "command": ["python", "-m", "training.launch", "--help"],  # overridden per job
             "resourceRequirements": resources,
             "linuxParameters": linux,
-            # NCCL pins its buffers (memlock) and opens many sockets and files per rank.
-            "ulimits": [
-                {"name": "memlock", "softLimit": -1, "hardLimit": -1},
-                {"name": "nofile", "softLimit": 65536, "hardLimit": 65536},
-                {"name": "stack", "softLimit": 67108864, "hardLimit": 67108864},
-            ],
+            "ulimits": ULIMITS,
             "logConfiguration": {"logDriver": "awslogs", "options": {"awslogs-group": opts.log_group}},
         }
+        if env:
+            container["environment"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
+        if spec.distributed:
+            # Every node of a multi-node job on the same instance type (Batch requires it of node groups).
+            container["instanceType"] = res.instance_type
         if opts.job_role_arn:
             container["jobRoleArn"] = opts.job_role_arn
         return container
 
-    def job_definition(self, spec: JobSpec) -> dict[str, Any]:
+    def job_definition(self, spec: JobSpec, res: NodeResources) -> dict[str, Any]:
         """The ``register_job_definition`` arguments; the name ends in a digest of the content."""
-        container = self._container(spec)
+        container = self._container(spec, res)
         body: dict[str, Any] = {
             "platformCapabilities": ["EC2"],
             "retryStrategy": {"attempts": int(self.options.attempts), "evaluateOnExit": RETRY_ON_EXIT},
@@ -109,29 +134,41 @@ class BatchBackend:
         return {"jobDefinitionName": f"pinflow-{spec.team}-{_digest(body)}", **body}
 
     def _environment(self, spec: JobSpec) -> list[dict[str, str]]:
-        env = {"PYTHONUNBUFFERED": "1", "PINFLOW_RDZV_PORT": str(self.options.rdzv_port), **spec.env}
-        if self.options.efa_devices:
-            env = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", **env}
+        env = {"PYTHONUNBUFFERED": "1", **spec.env}
+        if spec.distributed:
+            env.setdefault("PINFLOW_RDZV_PORT", str(self.options.rdzv_port))
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
         return [{"name": k, "value": v} for k, v in sorted(env.items())]
 
-    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
-        """``{"job_definition": register_job_definition kwargs, "submit": submit_job kwargs}``."""
-        validate_for(spec, self.teams, max_gpus_per_node=int(self.options.max_gpus_per_node), backend=self.name)
-        definition = self.job_definition(spec)
+    def configured_fair_share(self, team: str) -> bool | None:
+        """The team's queue policy as configured: True fair share, False FIFO, None ``auto`` (ask AWS)."""
+        return {"fair_share": True, "fifo": False}.get(self.teams[team].scheduling) if team in self.teams else None
+
+    def dry_run(self, spec: JobSpec, *, fair_share: bool | None = None) -> dict[str, Any]:
+        """``{"job_definition": register_job_definition kwargs, "submit": submit_job kwargs}``.
+
+        ``fair_share`` says whether the team's queue has a scheduling policy (default: as configured; with
+        ``scheduling: auto`` and no answer from AWS yet, the share fields are left out, as on a FIFO queue).
+        """
+        validate_for(spec, self.teams, backend=self.name)
+        spec, res = resolve(spec, self.teams, self.catalog)
+        definition = self.job_definition(spec, res)
         team = self.teams[spec.team]
         overrides = {"command": launch_command(spec), "environment": self._environment(spec)}
         submit: dict[str, Any] = {
             "jobName": spec.name,
             "jobQueue": self.job_queue(spec.team),
             "jobDefinition": definition["jobDefinitionName"],
-            "shareIdentifier": team.share,
-            "schedulingPriorityOverride": team.priority,
-            "timeout": {"attemptDurationSeconds": max(60, spec.timeout_s)},
-            "tags": {"pinflow:team": spec.team, "pinflow:job": spec.name},
-            "propagateTags": True,
         }
+        if fair_share if fair_share is not None else self.configured_fair_share(spec.team):
+            submit["shareIdentifier"] = team.share
+            submit["schedulingPriorityOverride"] = team.priority
+        submit.update({
+            "timeout": {"attemptDurationSeconds": max(60, spec.timeout_s)},
+            "tags": {"pinflow:team": spec.team, "pinflow:job": spec.name, "pinflow:instance-type": res.instance_type},
+            "propagateTags": True,
+        })
         if spec.distributed:
             submit["nodeOverrides"] = {
                 "numNodes": spec.nodes,
@@ -185,8 +222,24 @@ class BatchBackend:
                 return str(max(jobs, key=lambda j: j.get("createdAt", 0))["jobId"])
         return None
 
+    def fair_share(self, team: str) -> bool:
+        """Whether the team's queue has a fair-share scheduling policy: configured, or asked of AWS once."""
+        configured = self.configured_fair_share(team)
+        if configured is not None:
+            return configured
+        queue = self.job_queue(team)
+        if queue not in self._fair_share:
+            found = self.hook.client.describe_job_queues(jobQueues=[queue]).get("jobQueues", [])
+            if not found:
+                raise ConfigError(
+                    f"AWS Batch job queue {queue!r} does not exist in {self.options.region_name} "
+                    f"(teams.{team}.queue in config/platform.yaml)"
+                )
+            self._fair_share[queue] = bool(found[0].get("schedulingPolicyArn"))
+        return self._fair_share[queue]
+
     def submit(self, spec: JobSpec) -> str:
-        request = self.dry_run(spec)
+        request = self.dry_run(spec, fair_share=self.fair_share(spec.team))
         existing = self.find(spec.name, spec.team)
         if existing:
             return existing
@@ -225,21 +278,29 @@ class BatchBackend:
         return f"https://{region}.console.aws.amazon.com/batch/home?region={region}#jobs/detail/{job_id}"
 
 
+def _seconds(ms: Any) -> float | None:
+    return float(ms) / 1000 if ms else None
+
+
 def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None) -> JobStatus:
     """A ``describe_jobs`` entry (and its nodes' entries, ``<id>#<n>``) as a :class:`JobStatus`.
 
     Pure, so recorded responses of outcomes a test cannot produce (Spot reclaim, a failed node) can be
     fed to it. A lost host is INFRA whatever the exit codes; otherwise a node whose exit code names a class
-    beats nodes that only saw their peer go away (INFRA); a container the kernel killed for memory is OOM.
+    beats nodes that only saw their peer go away (INFRA). OOM where Batch says so (``OutOfMemoryError``), or
+    exit 137 the job chose itself; a 137 after a terminate or a timeout is the SIGKILL that stopped it: INFRA.
+    The times are Batch's own (``createdAt``, ``startedAt``, ``stoppedAt``).
     """
     job_id = str(job.get("jobId", "?"))
     state = str(job.get("status", ""))
+    created, started = _seconds(job.get("createdAt")), _seconds(job.get("startedAt"))
     if state in PENDING_STATES:
-        return JobStatus(job_id, JobState.PENDING, reason=state)
+        return JobStatus(job_id, JobState.PENDING, reason=state, created_at=created)
     if state == "RUNNING":
-        return JobStatus(job_id, JobState.RUNNING)
+        return JobStatus(job_id, JobState.RUNNING, created_at=created, started_at=started)
+    ended = _seconds(job.get("stoppedAt"))
     if state == "SUCCEEDED":
-        return JobStatus(job_id, JobState.SUCCEEDED)
+        return JobStatus(job_id, JobState.SUCCEEDED, created_at=created, started_at=started, ended_at=ended)
     if state != "FAILED":
         raise ValueError(f"AWS Batch job ({job_id}) has an unknown status {state!r}")
 
@@ -260,6 +321,9 @@ def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None)
             found.append(Finding(FailureClass.INFRA, f"{label}: {why} (host lost)", node_lost=True))
         elif "OutOfMemory" in why:
             found.append(Finding(FailureClass.OOM, f"{label}: {why}"))
+        elif code == ExitCode.OOM and any(k.lower() in f"{why} {reason}".lower() for k in KILLED_REASONS):
+            found.append(Finding(FailureClass.INFRA, f"{label} was killed (exit 137, SIGKILL) when stopped: "
+                                                     f"{why or reason}"))
         elif code not in (None, 0):
             klass = classify_exit_code(int(code)) or FailureClass.USER
             found.append(Finding(klass, f"{label} exited with code {code}" + (f": {why}" if why else "")))
@@ -276,4 +340,4 @@ def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None)
     detail = f"AWS Batch job ({job_id}) failed: {message}"
     if reason and reason not in message:
         detail += f" [{reason}]"
-    return JobStatus(job_id, JobState.FAILED, klass, detail, codes)
+    return JobStatus(job_id, JobState.FAILED, klass, detail, codes, created_at=created, started_at=started, ended_at=ended)

@@ -4,6 +4,12 @@ A distributed job starts one ``training.launch`` agent per node, the agents meet
 rendezvous on localhost (several agents stand for several nodes). Every job has a folder
 ``<home>/jobs/<name>/`` holding its request, each node's pid, log and exit code, so a restarted Airflow
 worker finds the job again and never starts it twice.
+
+Each node runs under a supervisor (``local_node.py``, in a session of its own) that records the node's end:
+its exit code, or the signal that killed it, and whether the kernel's OOM killer killed a process meanwhile.
+A node killed by a signal is INFRA (retried, resuming) unless the kernel says OOM; an exit code names its
+class (``core.failures``). The agent's workers die with the agent (``training.launch``), so nothing of a
+killed or cancelled job keeps running.
 """
 
 from __future__ import annotations
@@ -19,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from core import storage
-from core.failures import FailureClass, Finding, classify_exit_code, decide
+from core.failures import FailureClass, Finding, classify_exit_code, decide, signal_name
 from operators.backends.base import JobSpec, JobState, JobStatus, launch_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The node wrapper: run the command, then record its exit code atomically, even if the worker that
-# started it is gone by then.
-_WRAPPER = '"$@"; code=$?; echo $code > "$0.tmp" && mv "$0.tmp" "$0"; exit $code'
+# The node supervisor: runs the command, records how it ended even if the worker that started it is gone.
+NODE_SUPERVISOR = Path(__file__).with_name("local_node.py")
 
 
 class LocalBackend:
@@ -56,9 +61,12 @@ class LocalBackend:
             "job_dir": str(job_dir),
             "team": spec.team,
             "timeout_s": spec.timeout_s,
-            "env": {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **spec.env},
+            # The clone first, then the caller's path (where a team's model family module may live).
+            "env": {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                    "PYTHONUNBUFFERED": "1", **spec.env},
             "nodes": [
-                {"argv": argv, "log": str(job_dir / f"node-{rank}.log"), "exit_file": str(job_dir / f"node-{rank}.exit")}
+                {"argv": argv, "log": str(job_dir / f"node-{rank}.log"), "exit_file": str(job_dir / f"node-{rank}.exit"),
+                 "end_file": str(job_dir / f"node-{rank}.end.json")}
                 for rank, argv in enumerate(nodes)
             ],
         }
@@ -74,11 +82,13 @@ class LocalBackend:
         job_dir = self.job_dir(spec.name)
         job_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **request["env"]}
+        request["submitted_at"] = time.time()
         pids = []
         for node in request["nodes"]:
             with open(node["log"], "ab") as log:
+                # -P: the supervisor's folder (operators/backends) must not shadow modules on sys.path.
                 proc = subprocess.Popen(
-                    ["/bin/sh", "-c", _WRAPPER, node["exit_file"], *node["argv"]],
+                    [sys.executable, "-P", str(NODE_SUPERVISOR), node["exit_file"], node["end_file"], "--", *node["argv"]],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=env, cwd=REPO_ROOT, start_new_session=True,
                 )
@@ -96,29 +106,49 @@ class LocalBackend:
 
     def status(self, job_id: str) -> JobStatus:
         request = self._request(job_id)
+        decided_file = self.job_dir(job_id) / "failed.json"
         codes: dict[str, int | None] = {}
+        ends: dict[str, dict[str, Any]] = {}
         lost = []
         for rank, (node, pid) in enumerate(zip(request["nodes"], request["pids"], strict=True)):
             exit_file = Path(node["exit_file"])
             _reap(pid)
+            gone = not _alive(pid)  # before looking for the exit file, which a supervisor writes just before it ends
             if exit_file.exists():
                 codes[f"node-{rank}"] = int(exit_file.read_text().strip() or 1)
+                end_file = Path(node.get("end_file", ""))
+                if node.get("end_file") and end_file.exists():
+                    ends[f"node-{rank}"] = json.loads(end_file.read_text())
             else:
                 codes[f"node-{rank}"] = None
-                if not _alive(pid):
+                if gone:
                     lost.append(rank)
-        decided = decide(
-            Finding(classify_exit_code(code) or FailureClass.USER, f"{node} exited with code {code}")
-            for node, code in codes.items() if code not in (None, 0)
-        )
+        times = {"created_at": request.get("submitted_at"), "started_at": request.get("submitted_at")}
+        if decided_file.exists():  # decided once, and its other nodes stopped: the same answer ever after
+            failed = json.loads(decided_file.read_text())
+            return JobStatus(job_id, JobState.FAILED, FailureClass(failed["failure_class"]), failed["reason"], codes,
+                             **times, ended_at=failed["decided_at"])
+        findings = [
+            # Its supervisor is gone too: the whole node was taken away (a lost host), which wins over what the
+            # other nodes then report about their vanished peer.
+            *(Finding(FailureClass.INFRA, f"node(s) {lost} disappeared without an exit code (process killed or host "
+                                          "lost)", node_lost=True) for _ in lost[:1]),
+            *(node_finding(node, code, ends.get(node, {})) for node, code in codes.items() if code not in (None, 0)),
+        ]
+        decided = decide(findings)
+        ended = max((e["ended_at"] for e in ends.values() if "ended_at" in e), default=None)
         if decided is not None:
-            return JobStatus(job_id, JobState.FAILED, decided.failure_class, decided.message, codes)
-        if lost:
-            reason = f"node(s) {lost} disappeared without an exit code (process killed or host lost)"
-            return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA, reason, codes)
+            # As a Batch multi-node job or a JobSet ends with its first failed node, stop the others (they would
+            # wait for their vanished peer until a timeout) so that a retry never runs beside them; the decision
+            # is kept, so that their ends do not change it.
+            survivors = [pid for node, pid in zip(codes, request["pids"], strict=True) if codes[node] is None]
+            storage.write_json(str(decided_file), {"failure_class": decided.failure_class.value,
+                                                   "reason": decided.message, "decided_at": time.time()})
+            self._stop(request, survivors, signal.SIGKILL)
+            return JobStatus(job_id, JobState.FAILED, decided.failure_class, decided.message, codes, **times, ended_at=ended)
         if all(code == 0 for code in codes.values()):
-            return JobStatus(job_id, JobState.SUCCEEDED, None, "", codes)
-        return JobStatus(job_id, JobState.RUNNING, None, "", codes)
+            return JobStatus(job_id, JobState.SUCCEEDED, None, "", codes, **times, ended_at=ended)
+        return JobStatus(job_id, JobState.RUNNING, None, "", codes, **times)
 
     def logs(self, job_id: str, tail: int = 50) -> str:
         request = self._request(job_id)
@@ -135,16 +165,20 @@ class LocalBackend:
     def console_url(self, job_id: str) -> str:
         return self.job_dir(job_id).as_uri()
 
+    @staticmethod
+    def _stop(request: dict[str, Any], pids: list[int], sig: int) -> None:
+        """Signal the process groups (supervisor and agent) of these nodes; their workers die with the agents."""
+        _stop_groups([pid for pid in pids if pid in request["pids"]], sig)
+
     def cancel(self, job_id: str, grace_seconds: float = 20.0) -> None:
         """Stop every node (SIGTERM, then SIGKILL after ``grace_seconds``) and return once they are gone,
-        so a retry never finds the cancelled job still running."""
+        so a retry never finds the cancelled job still running.
+
+        Each node's process group holds its supervisor and its agent; the agent's workers (torchrun gives
+        them sessions of their own) stop with the agent."""
         request = self._request(job_id)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in request["pids"]:
-                try:
-                    os.killpg(pid, sig)
-                except ProcessLookupError:
-                    pass
+            self._stop(request, request["pids"], sig)
             deadline = time.monotonic() + grace_seconds
             while time.monotonic() < deadline:
                 for pid in request["pids"]:
@@ -152,6 +186,26 @@ class LocalBackend:
                 if not any(_alive(pid) for pid in request["pids"]):
                     return
                 time.sleep(0.1)
+
+
+def _stop_groups(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def node_finding(node: str, code: int, end: dict[str, Any]) -> Finding:
+    """What a node's end says: a signal is INFRA (killed from outside) unless the kernel OOM-killed meanwhile."""
+    if code < 0:
+        name = signal_name(code) or f"signal {-code}"
+        if end.get("oom_kill") and code == -signal.SIGKILL:
+            return Finding(FailureClass.OOM, f"{node} was killed by {name} from the kernel's OOM killer "
+                                             "(memory.events oom_kill rose)")
+        return Finding(FailureClass.INFRA, f"{node} was killed by {name} (killed from outside or host lost; "
+                                           "the kernel recorded no OOM kill)", node_lost=True)
+    return Finding(classify_exit_code(code) or FailureClass.USER, f"{node} exited with code {code}")
 
 
 def _alive(pid: int) -> bool:

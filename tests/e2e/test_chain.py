@@ -64,6 +64,28 @@ def test_model_registered_and_evaluated(demo_run):
 
 
 @pytest.mark.e2e
+def test_both_families_trained_registered_and_scored_every_pin(demo_run):
+    summary, root = demo_run
+    from mlflow import MlflowClient
+
+    from core import config
+
+    content = summary["content"]
+    uri = config.load().mlflow.tracking_uri
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert client.get_model_version("pin_content", str(content["model_version"])).status == "READY"
+    assert set(content["auc"]) == set(content["oracle_auc"]) == {"safety", "topic"}
+    assert content["pins_scored"] == content["corpus_pins"] == summary["corpus_pins"]
+    out = root / "inference/pin_content" / str(content["model_version"]) / "ds=2026-11-04"
+    scores = pq.read_table(sorted(out.glob("part-*.parquet")), partitioning=None)
+    assert scores.column_names == ["pin_id", "p_unsafe", "topic", "topic_probs", "embedding"]
+    assert sorted(scores.column("pin_id").to_pylist()) == sorted(
+        pq.read_table(root / "raw/pins/ds=2026-11-04").column("pin_id").to_pylist()
+    )
+    assert set(summary["stage_seconds"]) >= {"features", "pin_ranker_training", "pin_content_inference"}
+
+
+@pytest.mark.e2e
 def test_quality_ceiling_reads_the_demo_world(demo_run):
     _, root = demo_run
     proc = subprocess.run(
@@ -85,6 +107,25 @@ def test_whole_corpus_scored_once(demo_run):
     manifest = json.loads((out / "_MANIFEST.json").read_text())
     pins = pq.read_table(sorted(out.glob("part-*.parquet"))).column("pin_id").to_pylist()
     assert sorted(pins) == sorted(corpus) and manifest["rows"] == len(corpus)
+
+
+@pytest.mark.e2e
+def test_demo_runs_say_which_day_they_built_and_start_when_they_ran(demo_run, airflow_db):
+    import datetime as dt
+    import sqlite3
+
+    with sqlite3.connect(airflow_db) as con:
+        runs = con.execute("SELECT dag_id, run_id, start_date, end_date FROM dag_run").fetchall()
+    by_dag: dict[str, set[str]] = {}
+    for dag_id, run_id, start, end in runs:
+        by_dag.setdefault(dag_id, set()).add(run_id)
+        # Started when it ran (not at its logical date weeks earlier): it lasted minutes.
+        duration = dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)
+        assert dt.timedelta(0) <= duration < dt.timedelta(hours=1), (run_id, start, end)
+    assert by_dag["pin_daily_features"] == {f"demo__2026-11-0{day}" for day in range(1, 5)}
+    assert by_dag["pin_ranker_training"] == by_dag["pin_corpus_inference"] == {
+        "demo__2026-11-04__pin_ranker", "demo__2026-11-04__pin_content",
+    }
 
 
 @pytest.mark.e2e

@@ -37,8 +37,8 @@ DAYS = WORLD.day_list
 WINDOW = {"window_days": 2, "sequence_length": 6}
 SHARDS = 2
 TRAINING = {
-    "epochs": 1, "batch_size": 64, "deterministic": True, "num_threads": 1, "ablation": False,
-    "register": True, "sequence_length": WINDOW["sequence_length"], "checkpoint_every": 0, "heartbeat_every_s": 1.0,
+    "epochs": 1, "batch_size": 64, "deterministic": True, "num_threads": 1, "register": True, "checkpoint_every": 0,
+    "heartbeat_every_s": 1.0, "params": {"ablation": False, "sequence_length": WINDOW["sequence_length"]},
 }
 
 

@@ -34,7 +34,7 @@ COMMON = {
     "strategy": "ddp",
     "deterministic": True,
     "register": False,
-    "ablation": False,
+    "params": {"ablation": False},
     "epochs": 2,
     "batch_size": 16,
     "checkpoint_every": 4,

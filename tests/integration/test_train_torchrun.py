@@ -47,16 +47,20 @@ def run_config(tmp_path: Path, **overrides) -> Path:
         "heartbeat_every_s": 0.2,
         "log_every": 2,
         "num_workers": 0,
-        "sequence_length": 16,
-        "first_k": 2,
-        "d_model": 16,
-        "ff_dim": 32,
-        "pin_buckets": 503,
-        "user_buckets": 503,
-        "creator_buckets": 101,
-        "category_buckets": 31,
-        "mlp_hidden": [32],
         **overrides,
+        # The ranker's hyperparameters, small; ``params`` in the overrides add to them.
+        "params": {
+            "sequence_length": 16,
+            "first_k": 2,
+            "d_model": 16,
+            "ff_dim": 32,
+            "pin_buckets": 503,
+            "user_buckets": 503,
+            "creator_buckets": 101,
+            "category_buckets": 31,
+            "mlp_hidden": [32],
+            **overrides.get("params", {}),
+        },
     }
     path = tmp_path / "RUN.json"
     path.write_text(json.dumps(config, indent=2))
@@ -236,7 +240,7 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
         "batch_size": 16,
         "checkpoint_every": 3,
         "keep_checkpoints": 1,
-        "ablation": strategy == "ddp",
+        "params": {"ablation": strategy == "ddp"},
     }
     launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config"]
 

@@ -8,8 +8,9 @@ import pytest
 
 from core.failures import ExitCode, FailureClass, classify_exit_code
 from operators.backends import JobSpec, get_backend
+from operators.backends.local import node_finding
 from operators.jobs import job_name
-from training.launch import exit_code_of_failures, rendezvous_from_env, torchrun_args
+from training.launch import cgroup_oom_kills, exit_code_of_failures, rendezvous_from_env, torchrun_args
 
 
 def spec(**kw):
@@ -35,6 +36,7 @@ def test_local_dry_run_is_the_whole_request(tmp_path):
                          "--", "-m", "training.train", "--config", "/x/RUN.json"],
                 "log": str(tmp_path / "jobs" / "train-abc" / f"node-{rank}.log"),
                 "exit_file": str(tmp_path / "jobs" / "train-abc" / f"node-{rank}.exit"),
+                "end_file": str(tmp_path / "jobs" / "train-abc" / f"node-{rank}.end.json"),
             }
             for rank in range(2)
         ],
@@ -83,11 +85,16 @@ def test_rendezvous_from_platform_variables():
     assert rendezvous_from_env(batch_main)["endpoint"] == "127.0.0.1:29400"
     pytorchjob = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1"}
     assert rendezvous_from_env(pytorchjob) == {"nnodes": "3", "node_rank": "1", "endpoint": "job-master-0:23456"}
+    # Kubeflow Trainer v2's Torch policy (PET_MASTER_PORT is the Trainer's 29500).
+    trainjob = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "8",
+                "PET_MASTER_ADDR": "j-node-0-0.j", "PET_MASTER_PORT": "29500"}
+    assert rendezvous_from_env(trainjob) == {"nnodes": "2", "node_rank": "1", "endpoint": "j-node-0-0.j:29500"}
     assert rendezvous_from_env({}) is None
     args = torchrun_args(["-m", "training.train"], nproc_per_node=8, env=pytorchjob)
     assert args[:3] == ["--nnodes=3", "--node-rank=1", "--nproc-per-node=8"]
+    # Each worker through the shim that dies with the agent, then the command.
     assert args[4:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "job-master-0:23456", "--rdzv-id", "pinflow",
-                        "-m", "training.train"]
+                        "-m", "training.launch", "--worker", "--", "-m", "training.train"]
     assert torchrun_args(["x.py"], nproc_per_node=2, env={})[4] == "--standalone"
     with pytest.raises(ValueError, match="rendezvous endpoint"):
         torchrun_args(["x.py"], nproc_per_node=2, nnodes=2, env={})
@@ -108,6 +115,32 @@ def test_exit_codes_map_to_failure_classes():
     assert exit_code_of_failures([1, -9]) == ExitCode.INFRA
     assert exit_code_of_failures([1, 1]) == 1
     assert exit_code_of_failures([]) == 0
+    # A SIGKILLed worker is OOM only if the kernel's OOM killer says so.
+    assert exit_code_of_failures([-9, -15]) == ExitCode.INFRA
+    assert exit_code_of_failures([-9, -15], oom_killed=True) == ExitCode.OOM
+
+
+@pytest.mark.unit
+def test_a_killed_node_is_infra_unless_the_kernel_oom_killed():
+    killed = node_finding("node-0", -9, {"signal": "SIGKILL", "oom_kill": False})
+    assert killed.failure_class is FailureClass.INFRA and killed.node_lost and "SIGKILL" in killed.message
+    oom = node_finding("node-0", -9, {"signal": "SIGKILL", "oom_kill": True})
+    assert oom.failure_class is FailureClass.OOM and "OOM killer" in oom.message
+    assert node_finding("node-0", -15, {"oom_kill": True}).failure_class is FailureClass.INFRA
+    # 137 as an exit code is the job's own OOM code (torch.OutOfMemoryError), 75 its INFRA.
+    assert node_finding("node-0", 137, {}).failure_class is FailureClass.OOM
+    assert node_finding("node-0", 75, {}).failure_class is FailureClass.INFRA
+
+
+@pytest.mark.unit
+def test_cgroup_oom_kill_counter(tmp_path):
+    (tmp_path / "cgroup").write_text("0::/system.slice/job.scope\n")
+    events = tmp_path / "root" / "system.slice" / "job.scope"
+    events.mkdir(parents=True)
+    (events / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\noom_group_kill 0\n")
+    assert cgroup_oom_kills(str(tmp_path / "cgroup"), str(tmp_path / "root")) == 2
+    (tmp_path / "v1").write_text("12:memory:/docker/abc\n")  # cgroup v1: no evidence, so never OOM
+    assert cgroup_oom_kills(str(tmp_path / "v1"), str(tmp_path / "root")) is None
 
 
 @pytest.mark.unit

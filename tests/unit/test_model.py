@@ -15,8 +15,16 @@ from core.contracts import DENSE_FEATURES, EMBEDDING_DIM, LABELS
 from core.failures import ConfigError, DataError, ExitCode, NanLossError, exit_code_for
 from training.config import RunConfig, fields_help
 from training.data import ExampleStream, PinEmbeddings, balance, example_units
-from training.evaluate import auc, evaluate
-from training.model import ModelConfig, PinRanker, hash_ids, multitask_loss
+from training.evaluate import auc
+from training.models.pin_ranker import (
+    EXAMPLE_COLUMNS,
+    ModelConfig,
+    PinRanker,
+    encode_batch,
+    evaluate,
+    hash_ids,
+    multitask_loss,
+)
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.unit
@@ -179,8 +187,8 @@ def world(tmp_path: Path) -> Path:
 
 def stream(root: Path, rank: int = 0, world_size: int = 2, **kwargs) -> ExampleStream:
     pins = PinEmbeddings.from_snapshot(root, DAYS[-1])
-    options = {"batch_size": 16, "sequence_length": 8, "seed": 5, **kwargs}
-    return ExampleStream(root, DAYS, pins, rank=rank, world_size=world_size, **options)
+    options = {"batch_size": 16, "seed": 5, "columns": EXAMPLE_COLUMNS, **kwargs}
+    return ExampleStream(root, DAYS, lambda t: encode_batch(t, pins, 8), rank=rank, world_size=world_size, **options)
 
 
 def impression_ids(s: ExampleStream) -> list[int]:
@@ -287,9 +295,14 @@ def test_config_checks_types_and_values():
     with pytest.raises(ConfigError, match="missing required key.*eval_ds"):
         RunConfig.from_dict({k: v for k, v in REQUIRED.items() if k != "eval_ds"})
     with pytest.raises(ConfigError, match="unknown label 'like'"):
-        RunConfig.from_dict({**REQUIRED, "loss_weights": {"like": 1.0}})
+        RunConfig.from_dict({**REQUIRED, "params": {"loss_weights": {"like": 1.0}}}).family_instance()
+    with pytest.raises(ConfigError, match="params of model family pin_ranker: unknown key.*'dmodel' \\(did you mean 'd_model'"):
+        RunConfig.from_dict({**REQUIRED, "params": {"dmodel": 8}}).family_instance()
+    with pytest.raises(ConfigError, match="unknown model family 'pin_rnaker'"):
+        RunConfig.from_dict({**REQUIRED, "family": "pin_rnaker"}).family_instance()
     config = RunConfig.from_dict({**REQUIRED, "lr": 1})
-    assert config.lr == 1.0 and config.sequence_length == 50 and config.max_steps == 0
+    assert config.lr == 1.0 and config.family == "pin_ranker" and config.max_steps == 0
+    assert config.family_instance().params.sequence_length == 50
 
 
 def test_help_documents_every_field():
@@ -450,8 +463,7 @@ def test_preflight_alone_reports_missing_data_as_data(world: Path, tmp_path: Pat
         "output_dir": str(tmp_path / "out"),
         "checkpoint_dir": str(tmp_path / "ckpt"),
         "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
-        "ablation": False,
-        **TINY_RUN,
+        "params": {"ablation": False, **TINY_RUN},
     }
     path = tmp_path / "RUN.json"
     path.write_text(json.dumps(config))

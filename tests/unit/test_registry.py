@@ -42,7 +42,7 @@ def test_an_mlflow_outage_is_infra_and_promotes_nothing(use_mlflow):
         promote_if_better(RESULT, tolerance=0.0)
     assert err.value.failure_class is FailureClass.INFRA
     with pytest.raises(InfraError):
-        plan_inference("champion", None, 2)
+        plan_inference("pin_ranker", "champion", None, 2)
 
 
 def test_no_champion_yet_promotes_and_an_unknown_version_is_a_user_error(use_mlflow, tmp_path: Path):
@@ -61,4 +61,20 @@ def test_no_champion_yet_promotes_and_an_unknown_version_is_a_user_error(use_mlf
     assert str(registry.champion(client, "pin_ranker").version) == "1"
 
     with pytest.raises(UserError, match="no version or alias '7'"):
-        plan_inference("7", None, 2)
+        plan_inference("pin_ranker", "7", None, 2)
+
+
+def test_not_found_from_a_tracking_server_is_an_answer():
+    """A tracking server answers "not found" with a RestException (an MlflowException subclass): no champion yet."""
+    from mlflow.exceptions import RestException
+
+    class Registry:
+        tracking_uri = "http://mlflow:5000"
+
+        def get_model_version_by_alias(self, name: str, alias: str) -> None:
+            raise RestException({"error_code": "INVALID_PARAMETER_VALUE",
+                                 "message": f"Registered model alias {alias} not found."})
+
+    assert registry.champion(Registry(), "pin_ranker") is None  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="no version or alias 'champion'"):
+        registry.model_version(Registry(), "pin_ranker", "champion")  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import torch
 from core import storage
 from training import checkpoint
 from training.data import ExampleStream, PinEmbeddings
+from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.unit
@@ -90,7 +91,8 @@ def test_partitions_and_the_example_stream_read_the_same_from_a_url(tiny_world: 
 
         def batches(root: str) -> list[dict[str, torch.Tensor]]:
             pins = PinEmbeddings.from_snapshot(root, DAYS[0])
-            stream = ExampleStream(root, DAYS[:1], pins, batch_size=8, sequence_length=8, world_size=2, rank=1)
+            stream = ExampleStream(root, DAYS[:1], lambda t: encode_batch(t, pins, 8), batch_size=8,
+                                   columns=EXAMPLE_COLUMNS, world_size=2, rank=1)
             stream.set_epoch(1, skip=1)
             return list(stream)
 

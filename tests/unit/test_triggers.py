@@ -1,13 +1,19 @@
-"""The compute job trigger: a serialize() round trip, and its events on a scripted backend."""
+"""The compute job trigger: a serialize() round trip, and its events on a scripted backend.
+
+A queued job is not a stalled one: heartbeats count only once the job runs; a separate queue timeout cancels a
+job that never starts. Time is a fake clock that each status call moves on by a minute.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
 
 from core.failures import FailureClass
+from operators import jobs
 from operators.backends import JobState, JobStatus
 from operators.triggers import ComputeJobTrigger
 
@@ -27,20 +33,26 @@ def test_serialize_round_trip_holds_only_ids_and_settings():
     again = import_string(classpath)(**kwargs)
     assert again.serialize() == (classpath, kwargs)
     assert kwargs == {"backend": "batch", "job_id": "abc-123", "output_dir": "/tmp/x", "poll_seconds": 0.01,
-                      "stall_seconds": 5.0, "home": "/h"}
+                      "stall_seconds": 5.0, "queue_timeout_seconds": 0.0, "home": "/h"}
 
 
 class Scripted:
+    """A backend that answers a scripted list of states, the last one for ever; each call moves ``clock`` on."""
+
     name = "scripted"
 
-    def __init__(self, states):
+    def __init__(self, states, clock=None, step=60.0, created_at=None):
         self.states = list(states)
         self.cancelled = []
+        self.clock, self.step, self.created_at = clock, step, created_at
 
     def status(self, job_id):
+        if self.clock is not None:
+            self.clock.now += self.step
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
         klass = FailureClass.USER if state is JobState.FAILED else None
-        return JobStatus(job_id, state, klass, "node-0 exited with code 76" if klass else "")
+        return JobStatus(job_id, state, klass, "node-0 exited with code 76" if klass else
+                         ("RUNNABLE" if state is JobState.PENDING else ""), created_at=self.created_at)
 
     def cancel(self, job_id):
         self.cancelled.append(job_id)
@@ -56,13 +68,65 @@ def first_event(trigger, backend, monkeypatch):
     return asyncio.run(go())
 
 
+class Clock:
+    def __init__(self, now=1_000_000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The watch's monotonic and wall clocks, moved by the scripted backend (asyncio keeps the real one)."""
+    fake = Clock()
+    monkeypatch.setattr(jobs, "JobWatch", functools.partial(jobs.JobWatch, clock=fake, wall=fake))
+    return fake
+
+
 @pytest.mark.unit
-def test_fires_once_the_job_ends(monkeypatch, tmp_path):
-    backend = Scripted([JobState.PENDING, JobState.RUNNING, JobState.FAILED])
-    payload = first_event(make(output_dir=str(tmp_path)), backend, monkeypatch)
+def test_fires_once_the_job_ends_with_its_queue_wait(monkeypatch, tmp_path, clock):
+    backend = Scripted([JobState.PENDING, JobState.PENDING, JobState.RUNNING, JobState.FAILED], clock,
+                       created_at=clock.now)
+    payload = first_event(make(output_dir=str(tmp_path), poll_seconds=0), backend, monkeypatch)
     assert payload == {"backend": "batch", "job_id": "abc-123", "output_dir": str(tmp_path), "state": "FAILED",
-                       "failure_class": "USER", "reason": "node-0 exited with code 76"}
+                       "failure_class": "USER", "reason": "node-0 exited with code 76",
+                       "created_at": 1_000_000.0, "started_at": 1_000_180.0, "queued_s": 180.0}
     assert backend.cancelled == []
+
+
+@pytest.mark.unit
+def test_a_job_queued_longer_than_the_heartbeat_timeout_is_not_cancelled(monkeypatch, tmp_path, clock):
+    """Held RUNNABLE / by Kueue for an hour (heartbeat timeout 300 s, no heartbeat yet): it then runs and succeeds."""
+    (tmp_path / "heartbeat-rank0.json").write_text(json.dumps({"progress": 0, "step": 0}))
+    backend = Scripted([JobState.PENDING] * 60 + [JobState.RUNNING, JobState.SUCCEEDED], clock)
+    payload = first_event(make(output_dir=str(tmp_path), poll_seconds=0, stall_seconds=300,
+                               queue_timeout_seconds=86400), backend, monkeypatch)
+    assert payload["state"] == "SUCCEEDED" and backend.cancelled == []
+    assert payload["queued_s"] == 3600.0
+
+
+@pytest.mark.unit
+def test_the_stall_clock_starts_when_the_job_runs(monkeypatch, tmp_path, clock):
+    (tmp_path / "heartbeat-rank0.json").write_text(json.dumps({"progress": 3, "step": 3}))
+    backend = Scripted([JobState.PENDING] * 20 + [JobState.RUNNING], clock)
+    payload = first_event(make(output_dir=str(tmp_path), poll_seconds=0, stall_seconds=300), backend, monkeypatch)
+    # 20 minutes queued, then no progress: stalled 5 minutes after it started running, not at submission.
+    assert payload["state"] == "STALLED" and backend.cancelled == ["abc-123"]
+    assert payload["started_at"] == 1_000_000.0 + 21 * 60 and clock.now - payload["started_at"] > 300
+    assert clock.now - payload["started_at"] <= 300 + 2 * 60
+
+
+@pytest.mark.unit
+def test_the_queue_timeout_cancels_with_its_own_message(monkeypatch, tmp_path, clock):
+    backend = Scripted([JobState.PENDING], clock, created_at=clock.now)
+    payload = first_event(make(output_dir=str(tmp_path), poll_seconds=0, stall_seconds=300,
+                               queue_timeout_seconds=1800), backend, monkeypatch)
+    assert payload["state"] == "QUEUE_TIMEOUT" and payload["failure_class"] == "INFRA"
+    assert backend.cancelled == ["abc-123"]
+    assert payload["reason"].startswith("job abc-123 waited 1860s queued (RUNNABLE) without starting, longer than "
+                                        "the queue timeout of 1800s (training.queue_timeout_seconds); cancelled it")
+    assert payload["started_at"] is None and payload["queued_s"] is None
 
 
 @pytest.mark.unit

@@ -97,7 +97,9 @@ def test_first_try_submits_records_and_defers_with_ids_only(backend):
     kwargs, context = run(operator(), 1, store)
     assert backend.submitted == [kwargs["job_id"]] == [operator()._job_name(context, 1)]
     assert store["training_job"]["job_id"] == kwargs["job_id"]
-    assert set(kwargs) == {"backend", "job_id", "output_dir", "poll_seconds", "stall_seconds", "home"}
+    assert set(kwargs) == {"backend", "job_id", "output_dir", "poll_seconds", "stall_seconds", "queue_timeout_seconds",
+                           "home"}
+    assert kwargs["queue_timeout_seconds"] == 86400  # training.queue_timeout_seconds
     assert context["ti"].xcom["_link_JobConsoleLink"] == f"file:///jobs/{kwargs['job_id']}"
 
 
@@ -138,6 +140,25 @@ def test_events_are_rechecked_and_classified(backend):
     with pytest.raises(InfraError, match="no progress"):
         operator().execute_complete(context, {**event, "state": "STALLED", "reason": "made no progress for 300s"})
     assert "training_job" not in store
+    store.set("training_job", event)
+    with pytest.raises(InfraError, match="longer than the queue timeout"):
+        operator().execute_complete(context, {**event, "state": "QUEUE_TIMEOUT",
+                                              "reason": "job j waited 90000s queued (RUNNABLE) without starting, longer "
+                                                        "than the queue timeout of 86400s"})
+    assert "training_job" not in store
+
+
+@pytest.mark.unit
+def test_the_instance_type_param_reaches_the_job_spec(backend, monkeypatch):
+    """The operator sends no resources of its own: the backend derives them from the instance type."""
+    seen = []
+    monkeypatch.setattr(backend, "dry_run", lambda spec: seen.append(spec) or {})
+    op = operator()
+    op.instance_type = "p4d.24xlarge"
+    run(op, 1, Store())
+    spec = seen[-1]
+    assert (spec.instance_type, spec.cpus_per_node, spec.memory_gb_per_node, spec.gpus_per_node, spec.image) == (
+        "p4d.24xlarge", None, None, None, "")
 
 
 @pytest.mark.unit

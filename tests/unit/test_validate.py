@@ -54,6 +54,8 @@ def pins_table(n: int = N) -> pa.Table:
             "category": [i % 3 for i in range(n)],
             "creator_id": [1 + i % 2 for i in range(n)],
             "created_at": [START - dt.timedelta(days=i) for i in range(n)],
+            "image_embedding": [[float(i) / n] * contracts.IMAGE_DIM for i in range(n)],
+            "text_tokens": [[i % contracts.TEXT_VOCAB, 7] for i in range(n)],
         },
         schema=contracts.PINS_SCHEMA,
     )

@@ -1,0 +1,132 @@
+"""Checkpoints are verified before load: a file that is not the one the save wrote is refused, unread.
+
+DCP unpickles a checkpoint's ``.metadata`` (``pickle.load``) and its non-tensor items (``torch.load`` with
+``weights_only=False``), so a crafted file under ``models/`` would run code in the training job. The save
+records every file's SHA-256 in ``COMPLETE.json``; ``checkpoint.load`` checks them first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from core import storage
+from core.failures import DataError, ExitCode, FailureClass, exit_code_for
+from training import checkpoint
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP in one process
+]
+
+
+class RunsCode:
+    """What an attacker puts in a crafted file: unpickling it calls ``Path.touch`` on the sentinel."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.sentinel,))
+
+
+def _parts(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return {"model": (model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))}
+
+
+def _saved(base: Path) -> tuple[str, dict[str, Any]]:
+    parts = _parts(0)
+    model, opt, sched = parts["model"]
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    path = checkpoint.save(base, step=2, epoch=0, examples_seen=6, parts=parts, data={"batches": 2}, is_main=True)
+    return path, parts
+
+
+def test_the_marker_records_every_file_and_an_untouched_checkpoint_loads(tmp_path: Path):
+    path, parts = _saved(tmp_path)
+    marker = json.loads(storage.read_text(storage.join(path, checkpoint.MARKER)))
+    names = checkpoint.checkpoint_files(path)
+    assert ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    assert sorted(marker["files"]) == names
+    assert all(len(digest) == 64 for digest in marker["files"].values())
+    assert checkpoint.verification_problems(path) == []
+
+    fresh = _parts(1)
+    position = checkpoint.load(path, parts=fresh)
+    assert position["step"] == 2
+    assert torch.equal(fresh["model"][0].weight, parts["model"][0].weight)
+
+
+def test_a_crafted_metadata_file_is_refused_before_it_is_unpickled(tmp_path: Path):
+    path, _ = _saved(tmp_path)
+    metadata = Path(path) / ".metadata"
+    sentinel = tmp_path / "code-ran"
+    metadata.write_bytes(pickle.dumps(RunsCode(sentinel)))
+
+    # The threat is real: DCP's own reader runs the crafted file's code (then fails on what it returned).
+    with pytest.raises(AttributeError):
+        dcp.FileSystemReader(path).read_metadata()
+    assert sentinel.exists()
+    sentinel.unlink()
+
+    with pytest.raises(DataError, match=r"checkpoint .* refused: .*\.metadata: SHA-256 .* differs") as refused:
+        checkpoint.load(path, parts=_parts(1))
+    assert not sentinel.exists()
+    assert "Delete that folder" in str(refused.value)
+    # DATA: the job fails at once with exit code 65, no retry resumes from this checkpoint.
+    assert refused.value.failure_class is FailureClass.DATA and exit_code_for(refused.value) is ExitCode.DATA
+
+
+def test_a_changed_data_file_a_missing_one_an_extra_one_and_a_marker_without_checksums_are_refused(tmp_path: Path):
+    path, _ = _saved(tmp_path)
+    data_file = Path(path) / next(n for n in checkpoint.checkpoint_files(path) if n.endswith(".distcp"))
+    original = data_file.read_bytes()
+
+    data_file.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    assert any("differs" in p for p in checkpoint.verification_problems(path))
+
+    data_file.unlink()
+    assert checkpoint.verification_problems(path) == [f"{data_file.name}: missing"]
+
+    data_file.write_bytes(original)
+    (Path(path) / "__9_0.distcp").write_bytes(pickle.dumps(RunsCode(tmp_path / "code-ran")))
+    assert checkpoint.verification_problems(path) == ["__9_0.distcp: not written by the save (not in COMPLETE.json)"]
+    os.remove(Path(path) / "__9_0.distcp")
+    assert checkpoint.verification_problems(path) == []
+
+    marker_file = storage.join(path, checkpoint.MARKER)
+    marker = json.loads(storage.read_text(marker_file))
+    del marker["files"]
+    storage.write_json(marker_file, marker)
+    with pytest.raises(DataError, match="records no checksums"):
+        checkpoint.load(path, parts=_parts(1))
+
+
+def test_checksums_on_a_url_root(tmp_path: Path):
+    """The same on an fsspec URL (the in-memory filesystem stands for S3 here; moto in tests/integration)."""
+    import fsspec
+
+    url = f"memory://pinflow-{tmp_path.name}/checkpoints"
+    fs = fsspec.filesystem("memory")
+    try:
+        path, _ = _saved(url)  # type: ignore[arg-type]
+        assert storage.is_remote(path)
+        assert checkpoint.verification_problems(path) == []
+        key = fs._strip_protocol(storage.join(path, ".metadata"))
+        fs.pipe_file(key, pickle.dumps(RunsCode(tmp_path / "code-ran")))
+        with pytest.raises(DataError, match=r"\.metadata: SHA-256"):
+            checkpoint.load(path, parts=_parts(1))
+        assert not (tmp_path / "code-ran").exists()
+    finally:
+        fs.rm(fs._strip_protocol(url), recursive=True)

@@ -1,0 +1,1 @@
+"""The model families that ship with the platform, one file each (see ``training.sdk``)."""

@@ -1,0 +1,147 @@
+"""The model SDK: what a team owns in one file, and the small interface the platform drives.
+
+A **model family** is one Python module with a :class:`ModelFamily` subclass and a section in the platform
+configuration (``families:``). The family declares
+
+- ``Params``: a frozen dataclass of its hyperparameters, with defaults (RUN.json's ``params`` overrides them;
+  an unknown key or a wrong type is a USER error naming it);
+- its input: ``dataset`` (the partitioned dataset whose rows are its training examples, e.g. ``examples`` or
+  ``raw/pin_labels``) and ``columns`` (what it reads of them); ``prepare`` reads what it joins them with
+  (e.g. the pin snapshot) once per process; ``encode`` turns a table of rows into a batch of tensors with
+  a ``labels`` entry;
+- its model: ``build_model(variant)`` (``variants()`` lists models trained in lockstep on the same batches,
+  e.g. an ablation), its heads and ``loss``;
+- ``evaluate``: its metrics on the evaluation day; ``mean_auc`` is the one the promotion gate compares;
+- its serving signature: ``serving(model)`` (positional tensors in ``serving_inputs`` order → named outputs),
+  ``example_inputs()`` and ``feature_spec``;
+- optionally ``score_corpus``: how it scores a slice of the pin corpus (``corpus_schema`` the columns).
+
+The platform supplies everything else, the same for every family: the input pipeline with exact resume
+(``training.data.ExampleStream``), DDP / FSDP2, checkpoints, preflight, heartbeats, MLflow logging and
+registration (one registered model per family), the promotion gate, the backends and corpus inference.
+``README.md`` ("Add a model family") walks through writing one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from core.failures import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    import torch
+    from torch import nn
+
+# The families that ship with the platform; others are named by their module in the configuration.
+BUILTIN: dict[str, str] = {
+    "pin_ranker": "training.models.pin_ranker",
+    "pin_content": "training.models.pin_content",
+}
+
+
+class ModelFamily:
+    """Base class of a model family (see the module docstring). Subclasses set the class attributes."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type]  # a frozen dataclass of hyperparameters with defaults
+    dataset: ClassVar[str]  # the partitioned dataset of training rows
+    columns: ClassVar[tuple[str, ...]]  # the columns of it that encode() reads
+    serving_inputs: ClassVar[tuple[str, ...]]
+    outputs: ClassVar[tuple[str, ...]]
+    corpus_schema: ClassVar[pa.Schema | None] = None  # set by a family that scores the corpus
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+
+    # --- data -----------------------------------------------------------------------------------
+    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> Any:
+        """What ``encode`` needs besides the rows (read once per process, e.g. a snapshot); None by default."""
+        return None
+
+    def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
+        """Rows of ``dataset`` → the model's input tensors, with ``labels`` (and ``row_id``, a row's key)."""
+        raise NotImplementedError
+
+    # --- model ----------------------------------------------------------------------------------
+    def variants(self) -> tuple[str, ...]:
+        """Models trained in lockstep on the same batches; ``model`` (always first) is the one registered."""
+        return ("model",)
+
+    def build_model(self, variant: str = "model") -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The total loss to minimise and its parts per head (logged)."""
+        raise NotImplementedError
+
+    # --- evaluation -----------------------------------------------------------------------------
+    def evaluate(
+        self,
+        models: dict[str, nn.Module],
+        root: str,
+        eval_ds: str,
+        context: Any,
+        *,
+        device: Any,
+        batch_size: int,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Metrics on ``eval_ds`` (nested dicts of floats, None where undefined); include ``mean_auc``."""
+        raise NotImplementedError
+
+    # --- serving --------------------------------------------------------------------------------
+    def serving(self, model: nn.Module) -> nn.Module:
+        """The exported form: positional tensors in ``serving_inputs`` order → a dict of ``outputs``."""
+        raise NotImplementedError
+
+    def example_inputs(self) -> dict[str, np.ndarray]:
+        """A small serving batch, one array per name of ``serving_inputs`` (the MLflow signature's example)."""
+        raise NotImplementedError
+
+    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+        """What a serving caller needs to build the inputs (stored with the registered model)."""
+        return {}
+
+    # --- corpus scoring -------------------------------------------------------------------------
+    def score_corpus(self, module: Any, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> pa.Table:
+        """Score a slice of the ``raw/pins`` snapshot of ``ds`` with the exported ``module``: ``corpus_schema`` rows."""
+        raise NotImplementedError(f"model family {self.name} does not score the corpus")
+
+
+def load_family(name: str, module: str = "", params: dict[str, Any] | None = None) -> ModelFamily:
+    """The family ``name`` (from ``module``, default the built-in one of that name) with ``params`` applied.
+
+    Raises ConfigError (USER) naming what is wrong: an unknown family, a module without it, a bad param.
+    """
+    path = module or BUILTIN.get(name)
+    if not path:
+        raise ConfigError(
+            f"unknown model family {name!r}: built in are {', '.join(sorted(BUILTIN))}; add others under families: "
+            "in the platform configuration with the module that defines them"
+        )
+    try:
+        loaded = importlib.import_module(path)
+    except ImportError as err:
+        raise ConfigError(f"model family {name!r}: cannot import its module {path!r}: {err}") from err
+    found = [
+        value for value in vars(loaded).values()
+        if isinstance(value, type) and issubclass(value, ModelFamily) and getattr(value, "name", None) == name
+    ]
+    if not found:
+        raise ConfigError(f"module {path!r} defines no ModelFamily subclass with name = {name!r}")
+    family_cls = found[0]
+    return family_cls(build_params(family_cls.Params, params or {}, f"params of model family {name}"))
+
+
+def build_params(params_cls: type, values: dict[str, Any], source: str) -> Any:
+    """A family's ``Params`` from a JSON object: unknown keys and wrong types are ConfigErrors naming them."""
+    from training.config import dataclass_from_dict
+
+    if not dataclasses.is_dataclass(params_cls):
+        raise ConfigError(f"{source}: Params must be a dataclass")
+    return dataclass_from_dict(params_cls, values, source)
