@@ -29,17 +29,19 @@ export AIRFLOW__CORE__PARALLELISM := 4
 export GX_ANALYTICS_ENABLED := False
 export PATH := $(BIN):$(PATH)
 
-.PHONY: help install demo test lint airflow constraints clean print-env secrets dev-tools
+.PHONY: help install demo test lint airflow constraints clean print-env secrets dev-tools pools screenshots
 
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
 	@echo "make test     - install if needed, then ruff, mypy and pytest"
 	@echo "make airflow  - airflow standalone on http://localhost:$(PORT) with these DAGs (PORT=... moves it)"
 	@echo "make secrets  - write .env with generated secrets for docker-compose.yaml (kept if it exists)"
-	@echo "make install  - .venv with the pinned constraints, and an Airflow home on SQLite under $(PINFLOW_HOME)"
+	@echo "make install  - .venv with the pinned constraints, an Airflow home on SQLite under $(PINFLOW_HOME), the teams' pools"
+	@echo "make pools    - create or update each team's Airflow pool (team-<name>) from config/platform.yaml"
+	@echo "make screenshots - the pages' browser test, saving its screenshots as docs/*.png (the README shows them)"
 	@echo "make clean    - delete $(PINFLOW_HOME) (the demo's data, MLflow store and Airflow home)"
 
-install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db
+install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db $(AIRFLOW_HOME)/.pools-synced
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,24 +53,48 @@ $(AIRFLOW_HOME)/airflow.db: $(VENV)/.installed
 	mkdir -p $(AIRFLOW_HOME)
 	$(BIN)/airflow db migrate > $(AIRFLOW_HOME)/db-migrate.log 2>&1 || (tail -20 $(AIRFLOW_HOME)/db-migrate.log; exit 1)
 
+# Each team's Airflow pool (team-<name>, teams.<name>.quota.jobs slots, deferred tasks counted) from the
+# configuration; again whenever it changes (`make pools` forces it: after changing PINFLOW_CONFIG or PINFLOW_TEAMS__*).
+$(AIRFLOW_HOME)/.pools-synced: $(AIRFLOW_HOME)/airflow.db config/platform.yaml core/config.py
+	$(BIN)/python -m operators.quotas sync-pools
+	touch $@
+
+pools: $(AIRFLOW_HOME)/airflow.db
+	$(BIN)/python -m operators.quotas sync-pools
+	touch $(AIRFLOW_HOME)/.pools-synced
+
 demo: install
 	$(BIN)/python scripts/demo.py
+
+# The README's screenshots of the pages (docs/*.png), taken by the pages' browser test (Debian's chromium).
+screenshots: install dev-tools
+	PINFLOW_SCREENSHOTS=docs $(BIN)/python -m pytest -q tests/integration/test_ui_pages.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy core operators features training plugins dags scripts
 
+# Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole); each worker
+# has its own PINFLOW_HOME and Airflow home (tests/conftest.py). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: install dev-tools lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # Debian's docker-compose 1.x validates docker-compose.yaml without a Docker engine (tests/unit/test_compose.py
-# skips that check without it): installed here when this runs as root with apt-get, named otherwise.
+# skips that check without it), and Debian's chromium renders the pages in tests/integration/test_ui_pages.py
+# (Playwright drives it; its own browser download is not used): installed here when this runs as root with
+# apt-get, named otherwise.
 dev-tools:
 	@command -v docker-compose >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing Debian's docker-compose (validates docker-compose.yaml)"; \
 	    { apt-get install -y -qq docker-compose || { apt-get update -qq && apt-get install -y -qq docker-compose; }; } >/dev/null; \
 	  else echo "docker-compose not found: sudo apt-get install docker-compose (tests/unit/test_compose.py skips its check)"; fi; }
+	@test -x /usr/bin/chromium || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian's chromium (the pages' browser test)"; \
+	    { apt-get install -y -qq chromium || { apt-get update -qq && apt-get install -y -qq chromium; }; } >/dev/null; \
+	  else echo "chromium not found: sudo apt-get install chromium (tests/integration/test_ui_pages.py skips its browser part)"; fi; }
 
 # The secrets of docker-compose.yaml: .env from .env.example with generated values (never overwrites an .env).
 secrets:

@@ -15,6 +15,7 @@ layer reads the configuration once (:func:`load`) and passes sections down as ex
 
 from __future__ import annotations
 
+import datetime as dt
 import difflib
 import functools
 import os
@@ -75,12 +76,68 @@ class ValidationConfig(Section):
     quarantine: bool = Field(True, description="move a failed partition to quarantine/<dataset>/ds=.../<time>/")
     on_window_gap: Literal["fail", "proceed"] = Field("proceed", description="a quarantined or missing day in the window")
     data_docs: bool = Field(True, description="render the GX Data Docs HTML beside each report")
+    history_baseline: Literal["days", "weekday", "both"] = Field(
+        "both", description="compare with the trailing days, the same weekday of the trailing weeks, or either"
+    )
+    weekday_weeks: int = Field(4, ge=1, le=52, description="trailing weeks of the same weekday the weekday baseline uses")
+    holidays: list[str] = Field(
+        default_factory=list, description="days (YYYY-MM-DD) whose history checks only warn: holidays, known events"
+    )
+    embedding_dim: int = Field(32, ge=1, description="width of a pin's embedding in raw/pins")
+    surfaces: list[str] = Field(
+        default_factory=lambda: ["home_feed", "search", "related_pins"],
+        description="the surfaces an event may come from (empty: any)",
+    )
+    engagement_lookback_minutes: float = Field(
+        60, ge=0, description="an engagement may link to an impression of the previous day this close to midnight"
+    )
+    severity: dict[str, dict[str, Literal["fail", "warn", "off"]]] = Field(
+        default_factory=dict,
+        description="per dataset (or '*' for all): check name (or 'prefix.*') -> fail | warn | off; "
+        "a warn-level check that fails is reported and does not quarantine",
+    )
+    per_dataset: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per dataset: thresholds of this section that differ for it"
+    )
 
     @model_validator(mode="after")
     def _history(self) -> ValidationConfig:
         if self.min_history_days > self.history_days:
             raise ValueError(f"min_history_days={self.min_history_days} must be at most history_days={self.history_days}")
+        for day in self.holidays:
+            try:
+                dt.date.fromisoformat(day)
+            except ValueError:
+                raise ValueError(f"holidays: {day!r} is not a date YYYY-MM-DD") from None
+        for dataset, overrides in self.per_dataset.items():
+            if "per_dataset" in overrides:
+                raise ValueError(f"per_dataset.{dataset} cannot itself hold per_dataset")
+            self.for_dataset(dataset)  # every override is a known key with a valid value
         return self
+
+    def for_dataset(self, dataset: str) -> ValidationConfig:
+        """This section with the ``per_dataset`` thresholds of ``dataset`` applied (unknown keys are errors)."""
+        overrides = self.per_dataset.get(dataset)
+        if not overrides:
+            return self
+        try:
+            return ValidationConfig.model_validate({**self.model_dump(), **overrides, "per_dataset": {}})
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"per_dataset.{dataset}: {problems}") from None
+
+    def severity_of(self, dataset: str, check: str, ds: str) -> Literal["fail", "warn", "off"]:
+        """How much a failure of ``check`` on ``dataset`` counts: exact names beat ``prefix.*``, the dataset
+        beats ``*``; on a holiday the history checks only warn."""
+        level: Literal["fail", "warn", "off"] = "fail"
+        for scope in ("*", dataset):
+            rules = self.severity.get(scope, {})
+            for pattern in sorted(rules, key=lambda p: (not p.endswith(".*"), len(p))):
+                if pattern == check or (pattern.endswith(".*") and check.startswith(pattern[:-1])):
+                    level = rules[pattern]
+        if ds in self.holidays and check.startswith("history.") and level == "fail":
+            return "warn"
+        return level
 
 
 class TrainingConfig(Section):
@@ -93,6 +150,13 @@ class TrainingConfig(Section):
     procs_per_node: int = Field(2, ge=1, le=8, description="worker processes per node")
     train_days: int = Field(7, ge=1, le=30, description="days of examples before the evaluation day to train on")
     epochs: int = Field(1, ge=1, le=100, description="passes over the training days")
+    max_steps: int = Field(0, ge=0, description="stop after this many optimizer steps in total; 0: no cap")
+    target_examples: int = Field(
+        0, ge=0, description="train until this many examples were seen (as many epochs as that takes, up to 100); 0: by epochs"
+    )
+    min_steps: int = Field(
+        100, ge=0, description="a run that trains fewer optimizer steps than this (or than its warmup) warns in its summary"
+    )
     batch_size: int = Field(512, ge=8, le=65536, description="examples per rank per step")
     lr: float = Field(0.003, gt=0, le=1, description="peak learning rate (AdamW, warmup then cosine)")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: replicated model; fsdp: FSDP2, tables sharded across ranks")
@@ -106,6 +170,7 @@ class TrainingConfig(Section):
         86400, ge=0, description="a job queued (not yet running) this long is cancelled as INFRA (retried); 0: no limit"
     )
     preflight: bool = Field(True, description="run the nodes' health check (training.preflight) before training")
+    quota_poll_seconds: float = Field(30, gt=0, description="between checks of the team's quota while a job waits for room")
 
 
 class FamilyConfig(Section):
@@ -133,14 +198,62 @@ BUILTIN_FAMILIES: dict[str, FamilyConfig] = {
 
 
 class InferenceConfig(Section):
-    """Corpus inference."""
+    """Corpus inference: how the corpus is cut into shards and scored (operators.inference, training.inference)."""
 
-    shards: int = Field(4, ge=1, le=4096, description="shards of the corpus (the inference DAG's form default)")
+    shards: int | None = Field(None, ge=1, le=10000, description="a fixed shard count (the inference DAG's form default); empty: sized by the work")
     instance_type: str = Field("m5.2xlarge", description="node type of a scoring job (a key of instance_types:)")
+    engine: Literal["processes", "ray"] = Field("processes", description="processes: one scoring process per shard (an array job); ray: one Ray Data job, readers on CPU workers and an actor pool scoring")
+    target_shard_seconds: float = Field(600, gt=0, description="shards are sized to take about this long at the throughput measured by earlier runs")
+    assumed_pins_per_s: float = Field(2000, gt=0, description="pins/s of one scoring process while no earlier run of the model measured it")
+    min_pins_per_shard: int = Field(10000, ge=1, description="shards are not cut smaller than this to reach the parallelism")
+    max_shards: int = Field(1000, ge=1, le=10000, description="the most shards the planner makes (an AWS Batch array has at most 10,000 children)")
+    parallelism: int = Field(0, ge=0, description="shards scored at once (local processes; a Kubernetes Indexed Job's parallelism); 0: local, CPUs / threads; kubernetes, all")
+    threads: int = Field(1, ge=1, le=256, description="torch threads of a scoring process (and of a Ray scoring actor)")
+    batch_size: int = Field(4096, ge=1, le=1_000_000, description="pins per forward pass (part of the plan: scores depend on it)")
+    poll_seconds: float = Field(10, gt=0, description="between status checks of a scoring job by the trigger")
+    timeout_seconds: int = Field(21600, ge=60, description="a scoring job (each array child) running longer is stopped")
+    ray_cpus: int = Field(0, ge=0, description="CPUs of the local Ray cluster a ray job starts when it has no cluster to join; 0: the node's")
+    ray_actor_cpus: float = Field(1.0, gt=0, description="CPUs a Ray scoring actor reserves")
+    ray_reader_cpus: float = Field(0.5, gt=0, description="CPUs a Ray read-and-preprocess task reserves; the actor pool leaves room for one")
+    ray_actors: int = Field(0, ge=0, description="scoring actors of the pool; 0: as many as fit beside one reader")
+    ray_workers: int = Field(2, ge=0, le=1000, description="worker pods of the KubeRay RayJob's cluster (besides the head)")
+    ray_version: str = Field("2.60.0", description="rayVersion of the KubeRay RayJob (the image's Ray)")
+    ray_temp_dir: str = Field("", description="Ray's temporary folder (sockets, logs, spilled objects); empty: <system temp>/pinflow-ray; never under the storage root")
+
+
+class QuotaConfig(Section):
+    """What a team's jobs may hold at once (submitted or running); empty: no limit.
+
+    The training operator checks it before submitting and defers until there is room (``operators.quotas``);
+    ``jobs`` is also the slots of the team's Airflow pool (``python -m operators.quotas sync-pools``).
+    """
+
+    jobs: int | None = Field(None, ge=1, description="concurrent jobs (also the team pool's slots)")
+    nodes: int | None = Field(None, ge=1, description="nodes of all its jobs together")
+    gpus: int | None = Field(None, ge=0, description="GPUs of all its jobs together (nodes x the instance type's GPUs)")
+
+
+class HpoConfig(Section):
+    """Hyperparameter searches (the pinflow_hpo DAG): Optuna studies whose trials are training jobs."""
+
+    storage_url: str = Field("", description="Optuna RDB storage (e.g. postgresql+psycopg2://user:pw@host/optuna); empty: sqlite:///<PINFLOW_HOME>/hpo/optuna.db")
+    n_trials: int = Field(12, ge=1, le=1000, description="trials of a study (the form's default)")
+    parallel_trials: int = Field(2, ge=1, le=64, description="trials trained at once, one round (the form's default)")
+    max_rounds: int = Field(10, ge=1, le=100, description="rounds of ask, train, tell in the DAG (read when it is parsed): a study runs at most max_rounds x parallel_trials trials")
+    time_budget_minutes: float = Field(0, ge=0, description="no new round starts once the study's rounds took this long (the form's default); 0: no limit")
+    metric: str = Field("mean_auc", description="the evaluation metric a study optimises (the form's default)")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="of the metric (the form's default)")
+    tpe_startup_trials: int = Field(10, ge=0, description="random trials before TPE models the space (Optuna's n_startup_trials)")
+    pruner: Literal["median", "none"] = Field("median", description="median: stop a trial whose best intermediate value is worse than the median of completed trials at the same step")
+    prune_metric: str = Field("train_loss", description="the per-step MLflow metric of a trial (lower is better) its pruning compares")
+    prune_startup_trials: int = Field(2, ge=0, description="completed trials before any trial is pruned")
+    prune_warmup_steps: int = Field(100, ge=0, description="steps a trial runs before it may be pruned (the first steps' losses are alike and noisy)")
+    report_every_steps: int = Field(10, ge=1, description="a trial logs prune_metric every this many steps (its log_every): the steps at which trials are compared")
 
 
 class TeamConfig(Section):
-    """A team: its AWS Batch job queue and Kueue LocalQueue, Batch fair-share id and priority, pod PriorityClass."""
+    """A team: its AWS Batch job queue and Kueue LocalQueue, Batch fair-share id and priority, pod PriorityClass,
+    default instance type and quota."""
 
     queue: str
     share: str
@@ -150,6 +263,13 @@ class TeamConfig(Section):
     scheduling: Literal["auto", "fair_share", "fifo"] = Field(
         "auto", description="its Batch queue's policy; auto: read with describe_job_queues (schedulingPolicyArn)"
     )
+    quota: QuotaConfig = QuotaConfig()
+
+
+class JobHistoryConfig(Section):
+    """The job history database (``operators.job_history``): one row per job, written at each transition."""
+
+    url: str = Field("", description="SQLAlchemy URL (postgresql+psycopg2://... in production); empty: sqlite:///<PINFLOW_HOME>/jobdata/job_history.db")
 
 
 class InstanceTypeConfig(Section):
@@ -252,6 +372,7 @@ class PlatformConfig(Section):
     validation: ValidationConfig = ValidationConfig()
     training: TrainingConfig = TrainingConfig()
     inference: InferenceConfig = InferenceConfig()
+    hpo: HpoConfig = HpoConfig()
     families: dict[str, FamilyConfig] = Field(
         default_factory=dict, description="model families besides (or overriding) the built-in ones"
     )
@@ -260,6 +381,7 @@ class PlatformConfig(Section):
                                                        priority_class="pinflow-ranking")},
     )
     instance_types: dict[str, InstanceTypeConfig] = Field(default_factory=_default_instance_types)
+    job_history: JobHistoryConfig = JobHistoryConfig()
     images: ImagesConfig = ImagesConfig()
     resources: ResourcesConfig = ResourcesConfig()
     batch: BatchConfig = BatchConfig()
@@ -393,11 +515,13 @@ def read(file: Path | None = None, environ: dict[str, str] | None = None, home: 
     def resolve(value: str) -> str:
         return value if "://" in value or Path(value).is_absolute() else str(home / value)
 
+    history_url = config.job_history.url or f"sqlite:///{home / 'jobdata' / 'job_history.db'}"
     mlflow = config.mlflow.model_copy(update={
         "artifact_root": resolve(config.mlflow.artifact_root) if config.mlflow.artifact_root else "",
         "tracking_uri": config.mlflow.tracking_uri or f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     })
-    return config.model_copy(update={"home": str(home), "storage_root": resolve(config.storage_root), "mlflow": mlflow})
+    return config.model_copy(update={"home": str(home), "storage_root": resolve(config.storage_root), "mlflow": mlflow,
+                                     "job_history": config.job_history.model_copy(update={"url": history_url})})
 
 
 @functools.cache

@@ -1,7 +1,9 @@
 """Data contracts: the name and the pyarrow schema of every dataset under the storage root.
 
 Every dataset is Parquet, partitioned by day as ``<dataset>/ds=YYYY-MM-DD/``. Timestamps are microseconds in
-UTC. One name per thing: a dataset's name is its folder under the storage root (``EXAMPLES = "examples"``),
+UTC. A nullable field is optional: a raw partition may leave it out. List columns may be written as variable or
+fixed-size lists; widths and closed sets that differ between deployments (the embedding width, the surfaces)
+are settings of the validation (``validation:`` of the configuration), not of the schema. One name per thing: a dataset's name is its folder under the storage root (``EXAMPLES = "examples"``),
 its schema is ``<NAME>_SCHEMA``, and the Airflow asset that announces it lives in ``operators.assets`` as
 ``<NAME>_ASSET``. These are the single source of truth for writers, readers and validation.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+# The default width of a pin's content embedding (the synthetic world's): the contract takes any width, the
+# validation checks the configured one (validation.embedding_dim) and the models read it from the data.
 EMBEDDING_DIM = 32
 # Content features of a pin, for the content-understanding models: a visual embedding and a bag of text tokens.
 IMAGE_DIM = 64
@@ -42,11 +46,11 @@ EVENTS_SCHEMA = pa.schema(
 PINS_SCHEMA = pa.schema(
     [
         pa.field("pin_id", pa.int64(), nullable=False),
-        pa.field("embedding", pa.list_(pa.float32(), EMBEDDING_DIM), nullable=False),
+        pa.field("embedding", pa.list_(pa.float32()), nullable=False),  # a fixed-size list is accepted too
         pa.field("category", pa.int32(), nullable=False),
         pa.field("creator_id", pa.int64(), nullable=False),
-        pa.field("created_at", TS, nullable=False),
-        pa.field("image_embedding", pa.list_(pa.float32(), IMAGE_DIM), nullable=False),
+        pa.field("created_at", TS, nullable=True),  # optional: upstream may not know it
+        pa.field("image_embedding", pa.list_(pa.float32()), nullable=False),
         pa.field("text_tokens", pa.list_(pa.int32()), nullable=False),  # token ids in [0, TEXT_VOCAB)
     ]
 )
@@ -55,7 +59,7 @@ USERS_SCHEMA = pa.schema(
     [
         pa.field("user_id", pa.int64(), nullable=False),
         pa.field("country", pa.string(), nullable=False),
-        pa.field("created_at", TS, nullable=False),
+        pa.field("created_at", TS, nullable=True),  # optional: upstream may not know it
     ]
 )
 

@@ -386,3 +386,47 @@ def parquet_file(location: Location) -> Iterator[pq.ParquetFile]:
     fs, key = filesystem(location)
     with fs.open(key, "rb", cache_type="none") as f, pq.ParquetFile(f) as parquet:
         yield parquet
+
+
+# --- snapshots (raw/pins, raw/users) --------------------------------------------------------------------
+
+
+def snapshot_days(root: Location, dataset: str, ds: str | dt.date) -> list[str]:
+    """The partitions that make the view of a snapshot dataset as of ``ds``, oldest first.
+
+    A snapshot partition is full unless its ``_metadata.json`` says ``"snapshot": "incremental"`` (only the rows
+    that changed or appeared that day). The view as of ``ds`` is the newest full partition on or before ``ds``
+    and every incremental one after it; [] when there is none.
+    """
+    days = [d for d in complete_days(root, dataset) if d <= ds_str(ds)]
+    chosen: list[str] = []
+    for day in reversed(days):  # back to the newest full one (only increments: all of them are the view)
+        chosen.append(day)
+        if read_metadata(root, dataset, day).get("snapshot", "full") != "incremental":
+            break
+    return list(reversed(chosen))
+
+
+def read_snapshot(
+    root: Location, dataset: str, ds: str | dt.date, key: str, columns: list[str] | None = None
+) -> tuple[pa.Table, str | None]:
+    """The view of a snapshot dataset as of ``ds`` (see :func:`snapshot_days`): one row per ``key``, the newest
+    partition's row winning; and the newest partition's day (None and an empty table when there is none)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    days = snapshot_days(root, dataset, ds)
+    if not days:
+        return pa.table({}), None
+    wanted = None if columns is None else list(dict.fromkeys([key, *columns]))
+    tables = [read_table(root, dataset, day, columns=wanted) for day in days]
+    if len(tables) == 1:
+        return tables[0], days[-1]
+    order = pa.concat_tables([t.append_column("_rank", pa.array([i] * t.num_rows, pa.int32()))
+                              for i, t in enumerate(tables)], promote_options="permissive")
+    # The newest row per key: sort by key, then by partition (newest last), keep each key's last row.
+    order = order.sort_by([(key, "ascending"), ("_rank", "ascending")])
+    keys = order.column(key)
+    last = pc.not_equal(keys.slice(0, len(keys) - 1), keys.slice(1)) if len(keys) > 1 else pa.array([], pa.bool_())
+    keep = pa.concat_arrays([last.combine_chunks() if isinstance(last, pa.ChunkedArray) else last, pa.array([True])])
+    return order.filter(keep).drop_columns(["_rank"]), days[-1]

@@ -12,6 +12,7 @@ from core import config
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
 from operators.errors import retry_policy
+from operators.quotas import team_param
 from operators.training import DistributedTrainingOperator
 
 # The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*); epochs,
@@ -45,7 +46,11 @@ and its reason (AUC per head, new vs champion) are in the promote task's log and
 version. A promotion emits `pinflow_champion_model`, which starts corpus inference of that family.
 
 The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
-team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The task defers to
+team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The `team` param picks whose
+quota, Airflow pool (`team-<name>`), queue and default instance type the job uses: while the team's jobs hold its
+whole quota (jobs, nodes or GPUs), the task waits deferred, logging who holds it, and submits when there is room.
+The run's *Training progress* tab (and *Pinflow → Training runs*) shows the job live: step of total, %,
+examples/s, ETA, loss curve, each rank's heartbeat, the last checkpoint, the MLflow run and the promotion. The task defers to
 the triggerer while the job runs; a restarted or retried task reattaches to its running job instead of
 submitting another. Infrastructure failures (lost node, Spot reclaim, stall) are retried and resume from
 the last checkpoint; a bug, a NaN loss, missing data or OOM fail at once with the reason. The task's
@@ -65,10 +70,13 @@ extra links open the job's console page and the MLflow run.
     },
     params={
         "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to train (families: in the platform configuration)."),
+        "team": team_param(_cfg),
         "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
         "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on."),
         "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, description=f"Passes over the training days (empty: {_family_default('epochs')})."),
+        "max_steps": Param(_training.max_steps or None, type=["null", "integer"], minimum=1, description="Training length: a cap on optimizer steps over the epochs or target_examples (empty: no cap). The run's summary warns when it trained fewer steps than its warmup or than training.min_steps."),
+        "target_examples": Param(_training.target_examples or None, type=["null", "integer"], minimum=1, description="Training length as examples seen (all ranks), instead of epochs: as many passes as that takes, up to 100 (empty: by epochs)."),
         "lr": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1, description=f"Peak learning rate, AdamW with warmup then cosine (empty: {_family_default('lr')})."),
         "batch_size": Param(None, type=["null", "integer"], minimum=8, maximum=65536, description=f"Examples per rank per step (empty: {_family_default('batch_size')})."),
         "strategy": Param(_training.strategy, enum=["ddp", "fsdp"], description="ddp: replicated model; fsdp: FSDP2, embedding tables sharded across ranks."),
@@ -91,24 +99,29 @@ extra links open the job's console page and the MLflow run.
         plan="{{ ti.xcom_pull(task_ids='plan_run') }}",
         model="{{ params.model }}",
         backend="{{ params.backend }}",
+        team="{{ params.team }}",
         nodes="{{ params.nodes }}",
         procs_per_node="{{ params.procs_per_node }}",
         overrides={"epochs": "{{ params.epochs }}", "lr": "{{ params.lr }}", "batch_size": "{{ params.batch_size }}",
-                   "strategy": "{{ params.strategy }}"},
+                   "strategy": "{{ params.strategy }}", "max_steps": "{{ params.max_steps }}",
+                   "target_examples": "{{ params.target_examples }}"},
         execution_timeout=timedelta(hours=12),
         deferrable=True,
     )
 
     @task(outlets=[CHAMPION_MODEL_ASSET])
-    def promote(result: dict, params: dict | None = None, outlet_events: Any = None) -> dict:
+    def promote(result: dict, params: dict | None = None, outlet_events: Any = None, ti: Any = None) -> dict:
         import logging
 
         from airflow.sdk.exceptions import AirflowSkipException
 
+        from operators import job_history
         from operators.training import promote_if_better
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]))
+        if ti is not None:  # the Training progress page shows the decision and its reason
+            job_history.note(job_history.record_promotion, ti.dag_id, ti.run_id, decision)
         logging.getLogger(__name__).info(
             "%s version %s %s: %s", decision["model_name"], decision["model_version"],
             "promoted to champion" if decision["promoted"] else "not promoted", decision["reason"],

@@ -16,6 +16,6 @@ COPY features ./features
 COPY training ./training
 COPY config ./config
 # The DLC's CPU torch 2.13.0 satisfies the pin (constraints.txt); see training.Dockerfile for the Python note.
-RUN pip install --ignore-requires-python -c constraints.txt . \
- && python -c "import torch, training.launch, training.train; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+RUN pip install --ignore-requires-python -c constraints.txt ".[inference]" \
+ && python -c "import ray.data, torch, training.launch, training.train, training.ray_inference; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 WORKDIR /opt/pinflow

@@ -47,7 +47,6 @@ from core.contracts import (
     PIN_DAILY_SCHEMA,
     PIN_WINDOW,
     PIN_WINDOW_SCHEMA,
-    PINS_SCHEMA,
     RAW_EVENTS,
     RAW_PINS,
     USER_DAILY,
@@ -71,7 +70,9 @@ from core.storage import (
     open_output,
     partition,
     read_metadata,
+    read_snapshot,
     shift_ds,
+    snapshot_days,
     write_json,
     write_partition,
 )
@@ -286,7 +287,7 @@ SELECT e.user_id, e.pin_id,
        coalesce(p.category, $unknown)::INTEGER AS category,
        e.ts
 FROM read_parquet([{{events}}], hive_partitioning = false) AS e
-LEFT JOIN read_parquet([{{pins}}], hive_partitioning = false) AS p ON p.pin_id = e.pin_id
+LEFT JOIN {{pins}} AS p ON p.pin_id = e.pin_id
 WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end
 """
 
@@ -337,18 +338,33 @@ ORDER BY user_id
 """
 
 
-def _engagements_sql(root: str | os.PathLike[str], days: Sequence[str]) -> str:
+def _engagements_sql(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str]) -> str:
     """The engagements of ``days`` (raw events and pins of each day), as one UNION ALL query."""
-
-    def quoted(paths: Sequence[str]) -> str:
-        return ", ".join("'" + str(f).replace("'", "''") + "'" for f in paths)
-
     return "\nUNION ALL\n".join(
-        ENGAGEMENTS_OF_DAY_SQL.format(
-            events=quoted(data_files(root, RAW_EVENTS, day)), pins=quoted(data_files(root, RAW_PINS, day))
-        )
+        ENGAGEMENTS_OF_DAY_SQL.format(events=_quoted(data_files(root, RAW_EVENTS, day)), pins=_pins_source(con, root, day))
         for day in days
     )
+
+
+def _quoted(paths: Sequence[str]) -> str:
+    return ", ".join("'" + str(f).replace("'", "''") + "'" for f in paths)
+
+
+def _pins_source(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], day: str) -> str:
+    """A table expression of the pins snapshot as of ``day``: its Parquet files for a full snapshot, or the
+    view an incremental one resolves to (``core.storage.read_snapshot``), registered in ``con``."""
+    days = snapshot_days(root, RAW_PINS, day)
+    if days == [day]:
+        return f"read_parquet([{_quoted(data_files(root, RAW_PINS, day))}], hive_partitioning = false)"
+    table, _ = read_snapshot(root, RAW_PINS, day, "pin_id", ["category", "creator_id"])
+    name = f"pins_as_of_{day.replace('-', '_')}"
+    con.register(name, table)
+    return name
+
+
+def _pins_view(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], day: str) -> None:
+    """View ``pins``: the pins snapshot as of ``day`` (full or resolved from increments)."""
+    con.execute(f"CREATE OR REPLACE TEMP VIEW pins AS SELECT pin_id, category, creator_id FROM {_pins_source(con, root, day)}")
 
 
 # Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
@@ -586,12 +602,12 @@ def build_daily(
     """
     ds = ds_str(ds)
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
-    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     base: dict[str, Any] = {"step": "daily", "ds": ds, "inputs": [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)], "missing_days": []}
     summary: dict[str, Any] = {}
     with connect(engine, root) as con:
         _view(con, "events", events, EVENTS_SCHEMA)
-        _view(con, "pins", pins, PINS_SCHEMA)
+        _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         (events_rows,) = _row(con, "SELECT count(*) FROM events")
         base["events"] = int(events_rows)
@@ -635,7 +651,7 @@ def _daily_sources(
             parts.append(f"SELECT * FROM {name}_stored")
         for i, day in enumerate(computed):
             _view(con, "events", data_files(root, RAW_EVENTS, day), EVENTS_SCHEMA)
-            _view(con, "pins", data_files(root, RAW_PINS, day), PINS_SCHEMA)
+            _pins_view(con, root, day)
             _check_unique_pins(con, day)
             con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_raw_{i} AS {sql}", {"unknown": UNKNOWN_ID} if name == "user_daily" else None)
             parts.append(f"SELECT * FROM {name}_raw_{i}")
@@ -747,7 +763,7 @@ def build_sequences(
     window_start = shift_ds(ds, -(window_days - 1))
     days = day_range(window_start, ds)
     previous_ds = shift_ds(ds, -1)
-    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     _require(root, RAW_EVENTS, ds, _events_hint(ds))
 
     params = {"sequence_length": sequence_length, "window_days": window_days}
@@ -767,11 +783,11 @@ def build_sequences(
             reason = f"{_ref(USER_SEQUENCE, previous_ds)} was built with {previous_params}, not {params}"
 
     with connect(engine, root) as con:
-        _view(con, "pins", pins, PINS_SCHEMA)
+        _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         if mode == "incremental":
             _view(con, "previous_sequence", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
-            engagements = _engagements_sql(root, [ds])
+            engagements = _engagements_sql(con, root, [ds])
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
             carried = previous_meta.get("missing_days", [])
             missing_days = sorted(d for d in carried if d >= window_start)
@@ -779,7 +795,7 @@ def build_sequences(
             # A day needs its events and its pins snapshot (the categories of its actions).
             present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d) and is_complete(root, RAW_PINS, d)]
             _view(con, "previous_sequence", [], USER_SEQUENCE_SCHEMA)
-            engagements = _engagements_sql(root, [*present, ds])
+            engagements = _engagements_sql(con, root, [*present, ds])
             inputs = [_ref(raw, d) for d in [*present, ds] for raw in (RAW_EVENTS, RAW_PINS)]
             missing_days = sorted(set(days) - set(present) - {ds})
         if missing_days:
@@ -835,7 +851,7 @@ def build_examples(
         )
     features_ds = shift_ds(ds, -1)
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
-    pins = _require(root, RAW_PINS, ds, _pins_hint(ds))
+    _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     feature_inputs = (
         ("user_window", USER_WINDOW, USER_WINDOW_SCHEMA),
         ("pin_window", PIN_WINDOW, PIN_WINDOW_SCHEMA),
@@ -853,7 +869,7 @@ def build_examples(
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
         _view(con, "events", events, EVENTS_SCHEMA)
-        _view(con, "pins", pins, PINS_SCHEMA)
+        _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         for name, dataset, schema in feature_inputs:
             files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)

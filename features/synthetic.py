@@ -131,12 +131,17 @@ class WorldConfig:
     active_rate: float = 0.5
     recent_weight: float = 1.5
     review_rate: float = 0.3
+    embedding_dim: int = contracts.EMBEDDING_DIM
+    # raw/pins after the first day holds only that day's new pins (``"snapshot": "incremental"``), as a source
+    # that does not re-snapshot its whole corpus daily would write it.
+    incremental_pins: bool = False
 
     def __post_init__(self) -> None:
         storage.parse_ds(self.start)
         problems = [
             f"{name}={getattr(self, name)} must be >= {low}"
-            for name, low in (("days", 1), ("users", 1), ("pins", 1), ("categories", 1), ("impressions_per_user", 1))
+            for name, low in (("days", 1), ("users", 1), ("pins", 1), ("categories", 1), ("impressions_per_user", 1),
+                              ("embedding_dim", 1))
             if getattr(self, name) < low
         ]
         if not 0.0 < self.active_rate <= 1.0:
@@ -159,8 +164,8 @@ class _World:
 
     centroids: np.ndarray  # (K, D)
     creator_quality: np.ndarray  # (C,)
-    projection: np.ndarray  # (D, EMBEDDING_DIM)
-    category_vec: np.ndarray  # (K, EMBEDDING_DIM)
+    projection: np.ndarray  # (D, embedding_dim)
+    category_vec: np.ndarray  # (K, embedding_dim)
     user_taste: np.ndarray  # (U, D)
     user_bias: np.ndarray  # (U,)
     user_active_p: np.ndarray  # (U,)
@@ -188,7 +193,7 @@ class _World:
         creator = rng.integers(0, len(self.creator_quality), count)
         latent = 0.8 * self.centroids[category] + rng.normal(0.0, 0.6, (count, d))
         pop = self.creator_quality[creator] + rng.normal(0.0, 0.5, count)
-        noise = rng.normal(0.0, EMBEDDING_NOISE, (count, contracts.EMBEDDING_DIM))
+        noise = rng.normal(0.0, EMBEDDING_NOISE, (count, self.projection.shape[1]))
         embedding = (latent @ self.projection + self.category_vec[category] + noise).astype(np.float32)
         self.pin_category = np.concatenate([self.pin_category, category])
         self.pin_creator = np.concatenate([self.pin_creator, creator])
@@ -277,8 +282,8 @@ def _build_world(config: WorldConfig) -> _World:
     k, d, n_users = config.categories, LATENT_DIM, config.users
     centroids = rng.normal(0.0, 1.0, (k, d))
     creator_quality = rng.normal(0.0, 0.4, max(1, config.pins // 10))
-    projection = rng.normal(0.0, 1.0 / math.sqrt(d), (d, contracts.EMBEDDING_DIM))
-    category_vec = rng.normal(0.0, 0.5, (k, contracts.EMBEDDING_DIM))
+    projection = rng.normal(0.0, 1.0 / math.sqrt(d), (d, config.embedding_dim))
+    category_vec = rng.normal(0.0, 0.5, (k, config.embedding_dim))
 
     first_day_us = _day_start_us(config.start)
     favourites = np.stack([rng.integers(0, k, n_users), rng.integers(0, k, n_users)], axis=1)
@@ -293,6 +298,7 @@ def _build_world(config: WorldConfig) -> _World:
         creator_quality=creator_quality,
         projection=projection,
         category_vec=category_vec,
+        pin_embedding=np.zeros((0, config.embedding_dim), np.float32),
         user_taste=user_taste,
         user_bias=rng.normal(0.0, 0.3, n_users),
         user_active_p=user_active_p,
@@ -530,11 +536,14 @@ def _strings(index: np.ndarray, values: Sequence[str]) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(index.astype(np.int32)), pa.array(list(values))).cast(pa.string())
 
 
-def _pins_table(world: _World) -> pa.Table:
+def _pins_table(world: _World, since_us: int | None = None) -> pa.Table:
+    """The corpus; only the pins created at or after ``since_us`` when given (an incremental snapshot)."""
     ids = np.arange(len(world.pin_pop))
+    if since_us is not None:
+        ids = ids[world.pin_created_us >= since_us]
     content = world.content
     assert content is not None
-    embedding = pa.FixedSizeListArray.from_arrays(pa.array(world.pin_embedding[ids].ravel()), contracts.EMBEDDING_DIM)
+    embedding = pa.FixedSizeListArray.from_arrays(pa.array(world.pin_embedding[ids].ravel()), world.projection.shape[1])
     return pa.Table.from_arrays(
         [
             pa.array(ids + 1, pa.int64()),
@@ -637,9 +646,13 @@ def generate_world(root: str | os.PathLike[str], config: WorldConfig) -> dict[st
             continue
 
         events, truth = _day_tables(day, ds)
-        pins = _pins_table(world)
         storage.write_table(root, contracts.RAW_EVENTS, ds, events, {**meta, "rows": events.num_rows})
-        storage.write_table(root, contracts.RAW_PINS, ds, pins, {**meta, "rows": pins.num_rows})
+        if config.incremental_pins and day_index > 0:
+            pins = _pins_table(world, since_us=_day_start_us(ds))
+            storage.write_table(root, contracts.RAW_PINS, ds, pins, {**meta, "rows": pins.num_rows, "snapshot": "incremental"})
+        else:
+            pins = _pins_table(world)
+            storage.write_table(root, contracts.RAW_PINS, ds, pins, {**meta, "rows": pins.num_rows})
         storage.write_table(root, contracts.RAW_USERS, ds, users, {**meta, "rows": users.num_rows})
         truth_meta = {**meta, "rows": truth.num_rows, "intercepts": {k: round(v, 6) for k, v in bases.items()}}
         storage.write_table(root, contracts.TRUTH, ds, truth, truth_meta)

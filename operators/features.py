@@ -14,6 +14,13 @@ from airflow.sdk import BaseOperator, Context
 from core import config
 
 FEATURE_STEPS = ("daily", "window", "sequences", "examples")
+# The datasets each step writes (``core.contracts``; spelled out here so that parsing a DAG imports no pyarrow).
+STEP_OUTPUTS = {
+    "daily": ("features/user_daily", "features/pin_daily"),
+    "window": ("features/user_window", "features/pin_window"),
+    "sequences": ("features/user_sequence",),
+    "examples": ("examples",),
+}
 
 
 class FeatureBuildOperator(BaseOperator):
@@ -36,6 +43,7 @@ class FeatureBuildOperator(BaseOperator):
         self.step = step
         self.ds = ds
         self.overrides = overrides or {}
+        self._built: dict[str, Any] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
         from features import build
@@ -68,4 +76,23 @@ class FeatureBuildOperator(BaseOperator):
                     dataset, self.ds, meta.get("missing_days"), meta.get("computed_from_raw", []),
                 )
         self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
+        self._built = summary
         return summary
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and
+        wrote (``operators.lineage``); read back from the outputs' ``_metadata.json`` if this instance did not
+        build them."""
+        from core import storage
+        from operators.lineage import feature_lineage
+
+        root = config.load().storage_root
+        summary = self._built
+        if summary is None:
+            summary = {}
+            for dataset in STEP_OUTPUTS[self.step]:
+                try:
+                    summary[dataset] = storage.read_metadata(root, dataset, self.ds)
+                except (OSError, ValueError):
+                    summary[dataset] = {}
+        return feature_lineage(root, self.ds, summary)

@@ -159,11 +159,10 @@ def waited_message(status: JobStatus, waited: float, timeout: float, what: str =
 
 
 def describe_beats(beats: list[dict[str, Any]]) -> str:
-    b = beats[0]
-    return (
-        f"step {b.get('step')} epoch {b.get('epoch')} loss {float(b.get('loss', float('nan'))):.4f}, "
-        f"{float(b.get('examples_per_s', 0.0)):.0f} examples/s per rank ({len(beats)} ranks reporting)"
-    )
+    """step/total, %, epoch, loss (none before the first step), examples/s of all ranks, ETA."""
+    from training.runtime import progress_line
+
+    return progress_line(beats)
 
 
 

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
-    "epochs", "batch_size", "lr", "strategy", "seed", "max_steps", "checkpoint_every", "heartbeat_every_s", "fail_nan_at_step",
+    "epochs", "batch_size", "lr", "strategy", "seed", "max_steps", "target_examples", "checkpoint_every", "heartbeat_every_s",
+    "fail_nan_at_step", "debug_step_sleep_s",
 )
 
 
@@ -92,15 +93,19 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     :param overrides: RunConfig fields from the trigger form, e.g. epochs, lr (templated).
     :param nodes: nodes of the job (templated; default: ``training.nodes``).
     :param procs_per_node: processes per node (templated; default: ``training.procs_per_node``).
-    :param team: a team under ``teams:`` in the platform config: its queue, fair share and priority
-        (default: ``training.team``).
+    :param team: a team under ``teams:`` in the platform config: its queue, fair share, priority, default instance
+        type and quota (templated; default: ``training.team``). Before submitting, the task waits (deferred to
+        :class:`~operators.quotas.QuotaTrigger`) until the team's quota has room; every transition of the job is
+        written to the job history (``operators.job_history``).
     :param instance_type: the nodes' type, a key of ``instance_types:`` (templated; default: the team's, else
         ``training.instance_type``); the nodes' requests and limits derive from it (``operators.backends.resources``).
     :param deferrable: wait in the triggerer instead of on a worker slot.
     :param poll_seconds: seconds between status checks (default: ``training.poll_seconds``).
     """
 
-    template_fields: Sequence[str] = ("plan", "model", "backend", "overrides", "nodes", "procs_per_node", "instance_type")
+    template_fields: Sequence[str] = (
+        "plan", "model", "backend", "overrides", "nodes", "procs_per_node", "team", "instance_type",
+    )
     ui_color = "#d6e4ff"
     operator_extra_links = (JobConsoleLink(), MlflowRunLink())
     external_id_key = "training_job"
@@ -145,11 +150,16 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "queue_timeout": float(training.queue_timeout_seconds),
         }
 
+    def job_key(self, context: Context) -> tuple[str, ...]:
+        """What tells this task's jobs and checkpoints apart from other training tasks of the same DAG run
+        (none: one training task per run; an HPO trial returns its trial number)."""
+        return ()
+
     def _job_name(self, context: Context, try_number: int) -> str:
         from operators.jobs import job_name
 
         ti = context["ti"]
-        return job_name("train", ti.dag_id, ti.run_id, f"try{try_number}")
+        return job_name("train", ti.dag_id, ti.run_id, *self.job_key(context), f"try{try_number}")
 
     def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
         """The backend, the validated job spec, the run's RUN.json content and where it goes."""
@@ -164,7 +174,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         backend_name = str(self.backend)
         ti = context["ti"]
         name = self._job_name(context, ti.try_number)
-        run_key = job_name("run", ti.dag_id, ti.run_id)
+        run_key = job_name("run", ti.dag_id, ti.run_id, *self.job_key(context))
         family_name = str(self.model or training.model)
         if family_name not in cfg.families:
             raise ConfigError(
@@ -195,10 +205,15 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "batch_size": family.batch_size or training.batch_size,
             "lr": family.lr or training.lr,
             "strategy": training.strategy,
+            "max_steps": training.max_steps,
+            "target_examples": training.target_examples,
+            "min_steps": training.min_steps,
             "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
                      "job": name, "team": str(self.team or training.team), "family": family_name},
         }
         run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
+        if isinstance(self.overrides.get("params"), dict):  # family hyperparameters over the configured ones
+            run_config["params"] = {**run_config["params"], **self.overrides["params"]}
         # The job's own models check RUN.json here, before anything is submitted (a bad value: USER, now).
         source = f"RUN.json of {name} (platform config and the run's params)"
         RunConfig.from_dict(run_config, source=source).family_instance()
@@ -226,14 +241,22 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         from operators.backends import get_backend
 
         self._job = job
-        try:
-            url = get_backend(job["backend"]).console_url(job["job_id"])
+        from operators import job_history, links
+
+        ti = context["ti"]
+        try:  # http(s) only (the UI shows no other link): a local job's folder is the plugin's job page
+            url = links.console_url(job["backend"], job["job_id"], get_backend(job["backend"]).console_url(job["job_id"]))
         except Exception:  # noqa: BLE001 - a link is not worth failing a job for
             url = ""
         if url and self._links.get("job") != url:
             self._links["job"] = url
-            context["ti"].xcom_push(key=JobConsoleLink().xcom_key, value=url)
-            self.log.info("%s job %s: %s", job["backend"], job["job_id"], url)
+            ti.xcom_push(key=JobConsoleLink().xcom_key, value=url)
+            self.log.info("%s job %s: %s (progress: %s)", job["backend"], job["job_id"], url,
+                          links.run_page_url(ti.dag_id, ti.run_id))
+            job_history.note(job_history.update_job, job["backend"], job["job_id"], console_url=url)
+        if "mlflow" not in self._links:  # resolves to the job's MLflow run as soon as the job has created it
+            self._links["mlflow"] = links.mlflow_run_url(ti.dag_id, ti.run_id)
+            ti.xcom_push(key=MlflowRunLink().xcom_key, value=self._links["mlflow"])
 
     # ResumableJobMixin: the stored external id is the job's record, a dict.
     def submit_job(self, context: Context) -> dict[str, Any]:
@@ -256,9 +279,20 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             self.log.info("reattaching to job %s submitted earlier for this task try", job_id)
         else:
             from core import storage  # a local folder or s3://... (the job reads it the same way)
+            from operators import job_history, quotas
 
+            # Waits (deferred, or polling) until the team's quota has room; records the job in the history.
+            quotas.admit_job(self, context, spec, backend=backend.name, family=run_config["family"],
+                             output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
             storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
-            job_id = backend.submit(spec)
+            submitted_at = job_history.now()
+            try:
+                job_id = backend.submit(spec)
+            except Exception as err:
+                job_history.note(job_history.upsert, spec.name, state=job_history.FAILED, outcome=job_history.FAILED,
+                                 ended_at=job_history.now(), reason=f"submission failed: {err}")
+                raise
+            job_history.note(job_history.mark_submitted, spec.name, job_id, submitted_at)
             self.log.info(
                 "submitted %s job %s: %d node(s) × %d process(es), team %s, train %s, evaluate %s; output in %s",
                 backend.name, job_id, spec.nodes, spec.procs_per_node, spec.team,
@@ -292,17 +326,21 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         job = dict(external_id)  # type: ignore[arg-type]
         self._remember(context, job)
         settings = self._settings()
+        from operators import job_history
+
         try:
-            wait_for_job(
+            status = wait_for_job(
                 get_backend(job["backend"]), job["job_id"], output_dir=job["output_dir"], what="training job",
                 poll_seconds=settings["poll"], stall_seconds=settings["stall"],
                 queue_timeout_seconds=settings["queue_timeout"],
             )
-        except PinflowError:
+        except PinflowError as err:
+            job_history.job_ended(job, error=err)
             self._forget(context)
             raise
         finally:
             self._job = None
+        job_history.job_ended(job, status=status)
         # The mixin returns this when it reattached; otherwise it calls get_job_result itself.
         return self.get_job_result(job, context)
 
@@ -317,12 +355,33 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
                 f"training job {job['job_id']} succeeded but wrote no result.json in {job['output_dir']}: "
                 "the entry point must write it (training.train)"
             ) from err
+        from operators import job_history
+
+        job_history.note(job_history.record_result, job["backend"], job["job_id"], result)
         if result.get("mlflow_run_id"):
             base = config.load().mlflow.ui_url.rstrip("/")
             self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
+        for warning in result.get("warnings") or []:
+            self.log.warning("training summary: %s", warning)
+        self._result = result  # for get_openlineage_facets_on_complete
         return result
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage (the provider's listener): the partitions of the train and evaluation days in, the model
+        version the job registered out (``operators.lineage``)."""
+        from operators.lineage import training_lineage
+
+        result = getattr(self, "_result", None)
+        if result is None:  # another instance ran the job (e.g. resumed from the triggerer): its XCom
+            try:
+                result = task_instance.xcom_pull(task_ids=self.task_id)
+            except Exception:
+                result = None
+        cfg = config.load()
+        plan = self.plan if isinstance(self.plan, dict) else {}
+        return training_lineage(cfg.storage_root, cfg.mlflow.tracking_uri, plan, result if isinstance(result, dict) else None)
 
     # -- the task --------------------------------------------------------------------------------------------
     def execute(self, context: Context) -> Any:
@@ -372,16 +431,27 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         job = {k: event[k] for k in ("backend", "job_id", "output_dir")}
         backend = get_backend(job["backend"])
         self._remember(context, job)
+        from operators import job_history
+
         try:
             if event.get("state") in WATCHER_STATES:  # stalled or queued too long: the trigger cancelled it
                 raise InfraError(str(event.get("reason")))
-            raise_for_status(backend, backend.status(job["job_id"]), what="training job")
-        except PinflowError:
+            status = raise_for_status(backend, backend.status(job["job_id"]), what="training job")
+        except PinflowError as err:
+            job_history.job_ended(job, event, error=err)
             self._forget(context)
             raise
         finally:
             self._job = None
+        job_history.job_ended(job, event, status=status)
         return self.get_job_result(job, context)
+
+    def execute_after_quota(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+        """The team's quota has room (:class:`~operators.quotas.QuotaTrigger`): admit and submit, or wait again."""
+        if event:
+            self.log.info("team %s has room after %.0fs: admitting job %s", event.get("team"),
+                          float(event.get("waited_s") or 0), event.get("job_name"))
+        return self.execute(context)
 
     def _forget(self, context: Context) -> None:
         """The recorded job has ended badly: a retry must submit a new one, never reattach to it."""
@@ -407,10 +477,13 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     def on_kill(self) -> None:
         if self._job is not None:
+            from operators import job_history
             from operators.backends import get_backend
 
             self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
             get_backend(self._job["backend"]).cancel(self._job["job_id"])
+            job_history.note(job_history.mark_ended, self._job["backend"], self._job["job_id"], job_history.CANCELLED,
+                             reason="the task was killed")
 
 
 def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class ComputeJobTrigger(BaseTrigger):
         backend = await asyncio.to_thread(self._backend)
         watch = JobWatch(self.stall_seconds, self.queue_timeout_seconds)
         last_log = 0.0
+        last_phase: Any = None
         was_running = False
         while True:
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
@@ -91,12 +92,18 @@ class ComputeJobTrigger(BaseTrigger):
                                     **watch.times()})
                 return
             if watch.running and not was_running:
+                from operators import job_history
+
                 self.log.info("job %s is running after %.0fs queued", self.job_id, watch.queued_s)
+                await asyncio.to_thread(job_history.note, job_history.mark_running, self.backend, self.job_id,
+                                        watch.started_at, watch.queued_s)
             was_running = watch.running
             if self.output_dir and watch.running:
                 beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
-                if beats and time.monotonic() - last_log > 30:
-                    last_log = time.monotonic()
+                phase = min(beats, key=lambda b: int(b.get("rank", 0))).get("phase") if beats else None
+                # A progress line every 30 s, and whenever the job moves on (training, evaluating, done ...).
+                if beats and (time.monotonic() - last_log > 30 or phase != last_phase):
+                    last_log, last_phase = time.monotonic(), phase
                     self.log.info("job %s: %s", self.job_id, describe_beats(beats))
                 if watch.stalled(beats):
                     await asyncio.to_thread(backend.cancel, self.job_id)

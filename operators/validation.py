@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.types import TaskInstanceKey
 
-from core import config, storage
+from core import config
 from core.failures import DataError
 from operators.sensors import RawPartitionSensor, RawPartitionTrigger
 
@@ -29,12 +29,11 @@ __all__ = [
 
 
 def data_docs_url(root: str, dataset: str, ds: str) -> str:
-    """The URL of a partition's validation page: its GX Data Docs when rendered, else the report's HTML."""
-    from features.validation.report import DATA_DOCS_DIR, HTML_FILE, report_dir
+    """The http(s) URL of a partition's validation page (its GX Data Docs when rendered, else the report's HTML),
+    served by pinflow's plugin from the storage root (``operators.links``): the UI shows no ``file://`` link."""
+    from operators import links
 
-    out = report_dir(root, dataset, ds)
-    docs = storage.join(out, DATA_DOCS_DIR, HTML_FILE)
-    return storage.as_uri(docs if storage.exists(docs) else storage.join(out, HTML_FILE))
+    return links.data_docs_url(dataset, ds)
 
 
 class DataDocsLink(BaseOperatorLink):
@@ -76,6 +75,7 @@ class ValidatePartitionOperator(BaseOperator):
         self.dataset = dataset
         self.ds = ds
         self.data_docs_url: str | None = None
+        self._checks: list[tuple[str, bool]] = []
 
     def execute(self, context: Context) -> dict[str, Any]:
         from features.validate import validate_partition
@@ -90,7 +90,8 @@ class ValidatePartitionOperator(BaseOperator):
             data_docs=section.data_docs,
             quarantine=section.quarantine,
         )
-        self.data_docs_url = storage.as_uri(report.data_docs_path)
+        self.data_docs_url = data_docs_url(cfg.storage_root, self.dataset, self.ds)
+        self._checks = [(c.name, bool(c.success)) for c in report.checks if c.success is not None]
         summary = report.summary()
         context["ti"].xcom_push(key="validation", value=summary)
         for warning in report.warnings:
@@ -99,6 +100,13 @@ class ValidatePartitionOperator(BaseOperator):
         if not report.success:
             raise DataError(report.failure_message())
         return summary
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """OpenLineage (the provider's listener): the raw partition in, with the checks' outcomes as data-quality
+        assertions; its validation report out (``operators.lineage``)."""
+        from operators.lineage import validation_lineage
+
+        return validation_lineage(config.load().storage_root, self.dataset, self.ds, self._checks)
 
 
 DataDocsLink.operators = [ValidatePartitionOperator]

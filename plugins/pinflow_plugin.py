@@ -1,7 +1,12 @@
-"""pinflow's Airflow plugin: a listener that records job data for capacity planning, and extra links.
+"""pinflow's Airflow plugin: pages in the Airflow UI, a listener that records task data, and extra links.
 
-Every finished task instance of a pinflow DAG appends one JSON line (dag, task, run, try, state,
-duration, the failure's class and message) to ``<PINFLOW_HOME>/jobdata/task_runs.jsonl``.
+- Pages: a FastAPI app (``pinflow_ui.web``) mounted on the API server under ``/pinflow`` and shown in the UI's
+  navigation through ``external_views`` (menu *Pinflow*: Platform, Training runs, Data quality) and as a
+  *Training progress* tab of every DAG run. Its routes need an authenticated user as Airflow's own API does.
+- Every finished task instance of a pinflow DAG appends one JSON line (dag, task, run, try, state, duration, the
+  failure's class and message) to ``<PINFLOW_HOME>/jobdata/task_runs.jsonl`` (the Platform page's task outcomes);
+  the compute jobs themselves are in the job history database (``operators.job_history``).
+- The operators' extra links ("Data Docs", "Training job", "MLflow run"), all ``http(s)``: ``operators.links``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,46 @@ def _operator_extra_links() -> list[Any]:
     return [DataDocsLink(), JobConsoleLink(), MlflowRunLink()]
 
 
+class PagesApp:
+    """The pages' ASGI app, built on its first request: only the API server serves it, and every other Airflow
+    process that loads this plugin (scheduler, workers, triggerer) never imports the web code."""
+
+    def __init__(self) -> None:
+        self._app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self._app is None:
+            from pinflow_ui.web import create_app  # plugins/pinflow_ui, on sys.path as the plugins folder
+
+            self._app = create_app()
+        await self._app(scope, receive, send)
+
+
+URL_PREFIX = "/pinflow"  # operators.links.URL_PREFIX
+
+EXTERNAL_VIEWS = [
+    {"name": "Platform", "href": "pinflow/platform", "url_route": "pinflow-platform", "destination": "nav",
+     "category": "Pinflow"},
+    {"name": "Training runs", "href": "pinflow/runs", "url_route": "pinflow-runs", "destination": "nav",
+     "category": "Pinflow"},
+    {"name": "Data quality", "href": "pinflow/data-quality", "url_route": "pinflow-data-quality", "destination": "nav",
+     "category": "Pinflow"},
+    # A tab on every DAG run's page: the run's training job, live.
+    {"name": "Training progress", "href": "pinflow/runs/{DAG_ID}/{RUN_ID}", "url_route": "pinflow-run",
+     "destination": "dag_run"},
+]
+
+
+def _hpo_run_notes() -> Any:
+    """The listener that writes the HPO DAG's run note (operators/hpo_plugin.py)."""
+    from operators import hpo_plugin
+
+    return hpo_plugin
+
+
 class PinflowPlugin(AirflowPlugin):
     name = "pinflow"
-    listeners = [sys.modules[__name__]]
+    listeners = [sys.modules[__name__], _hpo_run_notes()]
     operator_extra_links = _operator_extra_links()
+    fastapi_apps = [{"app": PagesApp(), "url_prefix": URL_PREFIX, "name": "pinflow pages"}]
+    external_views = EXTERNAL_VIEWS

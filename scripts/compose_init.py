@@ -1,12 +1,13 @@
 """What the production stack needs before its services start: the init service of ``docker-compose.yaml``.
 
-    python scripts/compose_init.py && airflow db migrate      # the airflow-init service's command
+    python scripts/compose_init.py && airflow db migrate && python -m operators.quotas sync-pools   # airflow-init's
 
 Idempotent (every ``docker compose up`` runs it again), each step from the environment of the Airflow services:
 
 1. the bucket of the storage root (``PINFLOW_STORAGE_ROOT=s3://<bucket>/...``) on the S3 store (MinIO in the
    compose file; ``AWS_ENDPOINT_URL_S3``), which also holds MLflow's artifacts;
-2. MLflow's role and database on the PostgreSQL server of Airflow's metadata database (reached as its owner, from
+2. MLflow's role and database, and the job history's database (``PINFLOW_JOB_HISTORY__URL``, owned by its role),
+   on the PostgreSQL server of Airflow's metadata database (reached as its owner, from
    ``AIRFLOW__DATABASE__SQL_ALCHEMY_CONN``), the role's password set from ``MLFLOW_DB_PASSWORD`` on every run, so
    that a password changed in ``.env`` takes effect;
 3. the password file of Airflow's simple auth manager (``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE``,
@@ -93,6 +94,16 @@ def main() -> int:
     print(f"compose init: bucket {bucket} is there")
     ensure_database(require("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"), "mlflow", "mlflow", require("MLFLOW_DB_PASSWORD"))
     print("compose init: MLflow's database and role are there")
+    # The platform's own databases on the same server: the job history and the Optuna studies.
+    for what, variable in (("the job history", "PINFLOW_JOB_HISTORY__URL"), ("the HPO studies", "PINFLOW_HPO__STORAGE_URL")):
+        location = os.environ.get(variable, "")
+        if location.startswith("postgresql"):
+            from sqlalchemy.engine import make_url
+
+            url = make_url(location)
+            ensure_database(require("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"), str(url.database), str(url.username),
+                            str(url.password))
+            print(f"compose init: the database {url.database} of {what} is there")
     user = admin_username(require("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"))
     write_passwords_file(
         require("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"), {user: require("AIRFLOW_ADMIN_PASSWORD")}

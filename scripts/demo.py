@@ -26,7 +26,10 @@ from typing import Any
 from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+try:  # installed (make install: an editable install); a second copy of the tree on sys.path would list pinflow's
+    import core  # noqa: F401  # Airflow plugin entry points twice, and Airflow then drops the plugins after it
+except ImportError:
+    sys.path.insert(0, str(REPO))
 
 from core import config  # noqa: E402
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,3 +41,8 @@ def airflow_db(pinflow_home: Path) -> Path:
     if not db.exists():
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
     return db
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's homes go with it (each pytest-xdist worker has its own): tests leave no file behind."""
+    shutil.rmtree(_HOME, ignore_errors=True)

@@ -77,7 +77,15 @@ class RunConfig:
     min_lr_ratio: float = _f("final learning rate of the cosine schedule, as a fraction of lr", 0.1)
     grad_clip: float = _f("clip the global gradient norm to this value (0 = no clipping)", 1.0)
     seed: int = _f("seed of the model initialisation and of the data order (with the epoch)", 0)
-    max_steps: int = _f("stop after this many optimizer steps in total (0 = no cap)", 0)
+    max_steps: int = _f("stop after this many optimizer steps in total (0 = no cap)", _TRAINING.max_steps)
+    target_examples: int = _f(
+        "train until this many examples (all ranks) were seen, taking as many epochs as needed up to 100; "
+        "0 = train for `epochs`", _TRAINING.target_examples,
+    )
+    min_steps: int = _f(
+        "a run with fewer optimizer steps than this (or than warmup_steps) gets a warning in result.json",
+        _TRAINING.min_steps,
+    )
     # --- data -------------------------------------------------------------------------------------
     num_workers: int = _f(
         "DataLoader worker processes per rank (0 = read in the training process; raise it on GPU nodes)", 0
@@ -144,7 +152,7 @@ class RunConfig:
         for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s".split():
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in "max_steps checkpoint_every warmup_steps num_workers num_threads".split():
+        for name in "max_steps target_examples min_steps checkpoint_every warmup_steps num_workers num_threads".split():
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.lr <= 0:

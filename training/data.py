@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from core.contracts import EMBEDDING_DIM, EXAMPLES, RAW_PINS
+from core.contracts import EXAMPLES, RAW_PINS
 from core.failures import DataError
 from core.storage import complete_days, data_files, ds_str, parquet_file
 
@@ -36,37 +37,54 @@ def latest_complete_day(root: str | os.PathLike[str], dataset: str, ds: str) -> 
     return days[-1] if days else None
 
 
-class PinEmbeddings:
-    """Content embedding of every pin of one ``raw/pins`` snapshot: a float32 [n, 32] array + sorted ids.
+def snapshot(
+    root: str | os.PathLike[str], dataset: str, ds: str, key: str, columns: list[str]
+) -> tuple[pa.Table, str]:
+    """``core.storage.read_snapshot`` for a training job: a DataError naming the dataset when there is none."""
+    from core.storage import read_snapshot
 
-    ``lookup`` maps any array of pin ids to their embeddings (zeros for pins not in the snapshot) with a
-    vectorised binary search, so the table costs 8 + 128 bytes per pin and no Python dict.
+    table, day = read_snapshot(root, dataset, ds, key, columns)
+    if day is None or not table.num_rows:
+        raise DataError(f"no complete {dataset} snapshot on or before ds={ds} under {root}")
+    return table, day
+
+
+def fixed_width(column: pa.ChunkedArray, where: str) -> np.ndarray:
+    """A list column of equal-length float lists as a float32 [n, width] array; DataError naming ``where`` (the
+    dataset and column) if the widths differ."""
+    lists = column.combine_chunks()
+    if pa.types.is_fixed_size_list(lists.type):
+        return lists.flatten().to_numpy(zero_copy_only=False).reshape(len(lists), lists.type.list_size).astype(np.float32)
+    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
+    if len(lengths) and (lengths.min() != lengths.max()):
+        raise DataError(f"{where} has rows of widths {sorted(set(lengths.tolist()))[:5]}: every row must have "
+                        "the same width (validation.embedding_dim checks it)")
+    width = int(lengths[0]) if len(lengths) else 0
+    return lists.flatten().to_numpy(zero_copy_only=False).reshape(len(lists), width).astype(np.float32)
+
+
+class PinEmbeddings:
+    """Content embedding of every pin of the ``raw/pins`` snapshot as of a day: a float32 [n, dim] array + sorted ids.
+
+    ``dim`` is the data's (32 in the synthetic world). ``lookup`` maps any array of pin ids to their embeddings
+    (zeros for pins not in the snapshot) with a vectorised binary search: no Python dict.
     """
 
     def __init__(self, pin_ids: np.ndarray, vectors: np.ndarray, ds: str | None = None) -> None:
         order = np.argsort(pin_ids, kind="stable")
         self.pin_ids = np.ascontiguousarray(pin_ids[order], dtype=np.int64)
         self.vectors = np.ascontiguousarray(vectors[order], dtype=np.float32)
-        if self.vectors.shape != (len(self.pin_ids), EMBEDDING_DIM):
-            raise ValueError(f"pin embeddings must be [n, {EMBEDDING_DIM}], got {self.vectors.shape}")
+        if self.vectors.ndim != 2 or len(self.vectors) != len(self.pin_ids):
+            raise ValueError(f"pin embeddings must be [n, dim] for n={len(self.pin_ids)} ids, got {self.vectors.shape}")
+        self.dim = int(self.vectors.shape[1])
         self.ds = ds
 
     @classmethod
     def from_snapshot(cls, root: str | os.PathLike[str], ds: str) -> PinEmbeddings:
-        """The newest complete ``raw/pins`` snapshot on or before ``ds``; DataError if there is none."""
-        day = latest_complete_day(root, RAW_PINS, ds)
-        if day is None:
-            raise DataError(f"no complete {RAW_PINS} snapshot on or before ds={ds} under {root}")
-        ids, vectors = [], []
-        for path in data_files(root, RAW_PINS, day):
-            with parquet_file(path) as parquet:
-                table = parquet.read(columns=["pin_id", "embedding"])
-            ids.append(table.column("pin_id").to_numpy())
-            emb = table.column("embedding").combine_chunks()
-            vectors.append(emb.flatten().to_numpy().reshape(-1, EMBEDDING_DIM))
-        if not ids:
-            raise DataError(f"{RAW_PINS} snapshot ds={day} under {root} has no Parquet file")
-        return cls(np.concatenate(ids), np.concatenate(vectors), ds=day)
+        """The ``raw/pins`` snapshot as of ``ds`` (the newest full one, with any increments after it); DataError
+        if there is none, or when the embeddings are not all of one width."""
+        table, day = snapshot(root, RAW_PINS, ds, "pin_id", ["embedding"])
+        return cls(table.column("pin_id").to_numpy(), fixed_width(table.column("embedding"), f"{RAW_PINS}.embedding"), ds=day)
 
     def __len__(self) -> int:
         return len(self.pin_ids)
@@ -84,7 +102,7 @@ class PinEmbeddings:
         pin_ids = np.asarray(pin_ids, dtype=np.int64)
         rows = self.rows(pin_ids)
         if len(self.pin_ids) == 0:
-            return np.zeros((*pin_ids.shape, EMBEDDING_DIM), dtype=np.float32)
+            return np.zeros((*pin_ids.shape, self.dim), dtype=np.float32)
         out = self.vectors[np.maximum(rows, 0)]
         out[rows < 0] = 0.0
         return out

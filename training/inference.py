@@ -1,28 +1,48 @@
-"""Batch inference over the pin corpus, one shard per process: ``python -m training.inference``.
+"""Batch inference over the pin corpus, exact under any re-run: ``python -m training.inference``.
 
-Every pin of the ``raw/pins`` snapshot of ``ds`` with ``pin_id % num_shards == shard`` is scored by the
-registered model of any family that scores the corpus: the model's feature spec names its family, whose
-``score_corpus`` (``training.sdk``) turns a slice of the snapshot into rows of its ``corpus_schema`` (the
-ranker: each pin's prior engagement probabilities in a non-personalised context; the content model:
-``p_unsafe``, the topic distribution and the content embedding).
+A **plan** fixes what one run scores: a model version, the ``raw/pins`` snapshot of a day (its files, their
+row groups and a fingerprint of them) and its cut into ``num_shards`` contiguous row ranges (shard *i* holds
+the rows ``[start_i, stop_i)`` of the snapshot in file and row-group order, so that a shard reads only its
+own row groups). The plan's id digests all of that and the batch size (a model's floats depend on how rows
+are batched), and every part is written under it, ``<out-dir>/_plans/<plan_id>/part-NNNNN.parquet``: a part of
+another plan (another shard count, snapshot or model) is never taken for one of this plan. Each part is one
+atomic write (a local temporary file and a rename, or one PUT on S3) carrying its plan id, row count and a
+checksum of its pin ids in the Parquet footer; a shard whose part exists is skipped, so a retry scores only
+what is missing, and a shard killed half-way left nothing behind. An incremental snapshot (a day holding only
+the pins that changed, ``core.storage.snapshot_days``) is merged once into a view file under ``_plans/_views/``
+that the plan cuts instead (:func:`snapshot`).
 
-The shard is written to ``<out-dir>/part-{shard:05d}.parquet`` in one atomic write (``core.storage``: a
-local temporary file and a rename, or one PUT on S3); a shard whose part exists is skipped, so a rerun
-only scores what is missing. One JSON line on stdout reports the shard. :func:`publish_manifest`
-(``--publish``) writes ``_MANIFEST.json`` last, once every part is there. Exit codes as
+Scoring goes through the family's ``score_corpus`` (``training.sdk``): the ranker writes each pin's prior
+engagement probabilities in a non-personalised context; the content model ``p_unsafe``, the topic
+distribution and the content embedding. ``training.ray_inference`` scores the same plan with Ray Data and
+writes the same parts, row for row.
+
+:func:`publish_plan` (``--publish``) checks that every pin of the snapshot is in exactly one part (per part:
+the plan id, the row count and the pin-id checksum of its row range, recomputed from the snapshot), moves the
+parts to ``<out-dir>/part-NNNNN.parquet`` (replacing any earlier output) and writes ``_MANIFEST.json`` last,
+with the counts, checksums and the measured throughput. Readers use only manifested outputs. Exit codes as
 ``core.failures.ExitCode``.
+
+A job scores the shards named by ``--shards``; in an array job (an AWS Batch array job, a Kubernetes Indexed
+Job, the local backend's parallel processes) the array index (``PINFLOW_ARRAY_INDEX``,
+``AWS_BATCH_JOB_ARRAY_INDEX`` or ``JOB_COMPLETION_INDEX``) picks one of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,18 +51,289 @@ import pyarrow.parquet as pq
 
 from core import storage
 from core.contracts import RAW_PINS
-from core.failures import DataError, ExitCode, exit_code_for
+from core.failures import DataError, ExitCode, UserError, exit_code_for
 from training.runtime import setup_logging
 
 log = logging.getLogger("training.inference")
 
 MANIFEST = "_MANIFEST.json"
+PLANS_DIR = "_plans"  # readers skip names that start with "_" (pyarrow datasets, Spark, the manifest)
+PLAN_FILE = "_PLAN.json"
+VIEWS_DIR = "_views"  # under PLANS_DIR: merged incremental snapshots
+PART_METADATA_KEY = "pinflow.part"
+SHARDING = "rows-v1"  # contiguous row ranges of the snapshot in file and row-group order
+# The array index of this process in an array job: the local backend's, AWS Batch's, a Kubernetes Indexed Job's.
+ARRAY_INDEX_VARIABLES = ("PINFLOW_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX")
 # The columns of the pin snapshot a family's score_corpus may read.
 PIN_COLUMNS = ["pin_id", "embedding", "category", "creator_id", "image_embedding", "text_tokens"]
+ROW_GROUP_ROWS = 64 * 1024  # rows per row group of a part
+# Fault injection for tests (as training's debug_step_sleep_s): seconds to sleep after each scored batch, so that
+# a test can kill a scoring process half-way through its shard. Unset: no sleep.
+DEBUG_SLEEP_VARIABLE = "PINFLOW_INFERENCE_DEBUG_BATCH_SLEEP_S"
+
+
+class MissingPartsError(DataError, FileNotFoundError):
+    """Publishing found parts missing or wrong: score those shards (again) first."""
 
 
 def part_name(shard: int) -> str:
     return f"part-{shard:05d}.parquet"
+
+
+def _digest(obj: Any, length: int = 16) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
+# --- pin-id checksums ------------------------------------------------------------------------------------------
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(ids: np.ndarray) -> np.ndarray:
+    """splitmix64 of each id: a well-spread 64-bit hash (uint64 arithmetic wraps)."""
+    z = ids.astype(np.int64, copy=False).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def ids_checksum(ids: np.ndarray, start: int = 0) -> int:
+    """An order-independent checksum of pin ids: the sum of their splitmix64 hashes modulo 2**64.
+
+    With the count it tells a part holding exactly the pins of its row range from one with a pin missing,
+    duplicated or swapped. ``start`` continues a running checksum.
+    """
+    with np.errstate(over="ignore"):
+        total = int(_mix(np.asarray(ids)).sum(dtype=np.uint64)) if len(ids) else 0
+    return (start + total) & 0xFFFFFFFFFFFFFFFF
+
+
+def checksum_hex(value: int) -> str:
+    return f"{value:016x}"
+
+
+# --- the snapshot and the plan ---------------------------------------------------------------------------------
+
+
+def _version(path: str) -> str:
+    """What changes when a file is rewritten: its S3 ETag, or its local modification time."""
+    if storage.is_remote(path):
+        fs, key = storage.filesystem(path)
+        info = fs.info(key)
+        return str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+    return str(os.stat(storage.local_path(path)).st_mtime_ns)
+
+
+def _file_entries(paths: list[str]) -> list[dict[str, Any]]:
+    """Each file's name, version, rows per row group and the pin columns it has (from the Parquet footers)."""
+    files = []
+    for path in paths:
+        with storage.parquet_file(path) as parquet:
+            meta = parquet.metadata
+            row_groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            names = parquet.schema_arrow.names
+        if "pin_id" not in names:
+            raise DataError(f"{path} has no column pin_id: not a {RAW_PINS} file")
+        files.append({"file": storage.name_of(path), "version": _version(path), "row_groups": row_groups,
+                      "columns": [c for c in PIN_COLUMNS if c in names]})
+    return files
+
+
+def _day_files(root: str, day: str) -> list[str]:
+    try:
+        paths = storage.data_files(root, RAW_PINS, day)
+    except FileNotFoundError as e:
+        raise DataError(str(e)) from None
+    if not paths:
+        raise DataError(f"{RAW_PINS} partition ds={day} under {root} has a marker but no Parquet file")
+    return paths
+
+
+def snapshot(root: str, ds: str, views: str | None = None) -> dict[str, Any]:
+    """The ``raw/pins`` snapshot as of ``ds``: each file's name, size, version and rows per row group, the pin
+    count and a fingerprint of all of it (read from the Parquet footers; no data is read).
+
+    An incremental snapshot (``core.storage.snapshot_days``: the newest full partition and the increments after
+    it) is merged once (``core.storage.read_snapshot``, one row per pin, the newest winning, by pin id) into a
+    *view* file under ``views/<fingerprint>/``, which the plan then cuts like a full partition's files;
+    the fingerprint is that of every partition's files, so a re-landed increment makes another plan.
+    """
+    if not storage.is_complete(root, RAW_PINS, ds):
+        _day_files(root, ds)  # raises DataError naming the partition
+    days = storage.snapshot_days(root, RAW_PINS, ds)
+    if len(days) <= 1:
+        files = _file_entries(_day_files(root, ds))
+        pins = sum(sum(f["row_groups"]) for f in files)
+        return {"ds": ds, "files": files, "pins": pins, "fingerprint": _digest({"ds": ds, "files": files}, 24)}
+    sources = {day: _file_entries(_day_files(root, day)) for day in days}
+    fingerprint = _digest({"ds": ds, "days": sources}, 24)
+    if views is None:
+        raise UserError(f"{RAW_PINS} ds={ds} is an incremental snapshot (over {days[0]}..{days[-1]}): its merged view "
+                        "needs a folder (views)")
+    location = storage.join(views, fingerprint, "view.parquet")
+    if not storage.exists(location):
+        columns = [c for c in PIN_COLUMNS if all(c in f["columns"] for fs in sources.values() for f in fs)]
+        table, _ = storage.read_snapshot(root, RAW_PINS, ds, "pin_id", columns)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, row_group_size=ROW_GROUP_ROWS)
+        storage.write_bytes(location, sink.getvalue().to_pybytes())  # atomic: a concurrent planner writes the same
+        log.info("merged the incremental %s snapshot ds=%s (%s) into %s: %d pins", RAW_PINS, ds, ", ".join(days),
+                 location, table.num_rows)
+    view = _file_entries([location])[0]
+    view.update({"version": fingerprint, "path": location})  # the merge's content is the sources' fingerprint
+    return {"ds": ds, "files": [view], "pins": sum(view["row_groups"]), "fingerprint": fingerprint, "days": days}
+
+
+def file_location(plan: dict[str, Any], entry: dict[str, Any]) -> str:
+    """Where a file of the plan's snapshot is: a merged view's own path, else in the day's partition."""
+    return str(entry.get("path") or storage.join(storage.partition(plan["root"], RAW_PINS, plan["ds"]), entry["file"]))
+
+
+def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:
+    """``num_shards`` contiguous row ranges covering ``[0, total)``, their sizes differing by at most one."""
+    return [(i * total // num_shards, (i + 1) * total // num_shards) for i in range(num_shards)]
+
+
+def make_plan(
+    *,
+    model_uri: str,
+    tracking_uri: str,
+    root: str,
+    ds: str,
+    out_dir: str | os.PathLike[str],
+    num_shards: int,
+    batch_size: int = 4096,
+    threads: int = 1,
+    snap: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The plan of scoring the snapshot of ``ds`` with ``model_uri`` in ``num_shards`` shards (see the module doc).
+
+    Deterministic: the same model, snapshot, shard count and batch size give the same plan id. ``snap``: the
+    :func:`snapshot` already read for this output folder (else it is read now).
+    """
+    if num_shards < 1:
+        raise UserError(f"num_shards={num_shards}: need at least one shard")
+    if batch_size < 1:
+        raise UserError(f"batch_size={batch_size}: need at least one pin per batch")
+    out = os.fspath(out_dir)
+    snap = snap or snapshot(root, ds, views_dir(out))
+    key = {"model_uri": model_uri, "ds": ds, "snapshot": snap["fingerprint"], "num_shards": num_shards,
+           "sharding": SHARDING, "batch_size": batch_size}
+    plan_id = _digest(key)
+    return {
+        "plan_id": plan_id,
+        "model_uri": model_uri,
+        "tracking_uri": tracking_uri,
+        "root": root,
+        "ds": ds,
+        "out_dir": out,
+        "parts_dir": storage.join(out, PLANS_DIR, plan_id),
+        "num_shards": num_shards,
+        "batch_size": batch_size,
+        "threads": threads,
+        "sharding": SHARDING,
+        "pins": snap["pins"],
+        "snapshot": snap,
+        "shards": [{"shard": i, "start": a, "stop": b} for i, (a, b) in enumerate(split_rows(snap["pins"], num_shards))],
+    }
+
+
+def views_dir(out_dir: str | os.PathLike[str]) -> str:
+    """Where merged views of incremental snapshots go: beside the plans (removed with them once published)."""
+    return storage.join(os.fspath(out_dir), PLANS_DIR, VIEWS_DIR)
+
+
+def plan_location(plan: dict[str, Any]) -> str:
+    return storage.join(plan["parts_dir"], PLAN_FILE)
+
+
+def write_plan(plan: dict[str, Any]) -> str:
+    """Write the plan beside its parts (the jobs read it); return where."""
+    location = plan_location(plan)
+    storage.write_json(location, plan)
+    return location
+
+
+def read_plan(location: str) -> dict[str, Any]:
+    try:
+        plan = storage.read_json(location)
+    except FileNotFoundError:
+        raise MissingPartsError(
+            f"scoring plan {location} is gone (published or removed by a later run): plan the run again"
+        ) from None
+    return dict(plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of one row group of one snapshot file: a shard is a few of them."""
+
+    path: str
+    file_index: int
+    row_group: int
+    start: int
+    stop: int
+
+
+def shard_pieces(plan: dict[str, Any], shard: int) -> list[Piece]:
+    """The pieces of the snapshot that make up ``shard``, in order."""
+    if not 0 <= shard < plan["num_shards"]:
+        raise UserError(f"shard {shard} is not in [0, {plan['num_shards']}) of plan {plan['plan_id']}")
+    rows = plan["shards"][shard]
+    start, stop = int(rows["start"]), int(rows["stop"])
+    pieces, offset = [], 0
+    for index, f in enumerate(plan["snapshot"]["files"]):
+        path = file_location(plan, f)
+        for rg, n in enumerate(f["row_groups"]):
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                pieces.append(Piece(path, index, rg, lo - offset, hi - offset))
+            offset += n
+    return pieces
+
+
+def batch_bounds(piece: Piece, batch_size: int) -> list[tuple[int, int]]:
+    """The batches of a piece, as row offsets inside it: the same for every engine (floats depend on them)."""
+    n = piece.stop - piece.start
+    return [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+
+
+def read_piece(plan: dict[str, Any], piece: Piece, parquet: pq.ParquetFile | None = None) -> pa.Table:
+    """The snapshot's rows of ``piece`` (the columns a family may read), checked against the plan's footer."""
+    entry = plan["snapshot"]["files"][piece.file_index]
+
+    def read(pf: pq.ParquetFile) -> pa.Table:
+        counts = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+        if counts != entry["row_groups"]:
+            raise DataError(
+                f"{piece.path} changed since plan {plan['plan_id']} was made (row groups {counts}, planned "
+                f"{entry['row_groups']}): the snapshot ds={plan['ds']} was rewritten; plan the run again"
+            )
+        table = pf.read_row_group(piece.row_group, columns=entry["columns"])
+        return table.slice(piece.start, piece.stop - piece.start)
+
+    if parquet is not None:
+        return read(parquet)
+    with storage.parquet_file(piece.path) as pf:
+        return read(pf)
+
+
+def shard_batches(plan: dict[str, Any], shard: int) -> Iterator[pa.Table]:
+    """The shard's pins in batches of at most ``batch_size``, in plan order (one open file at a time)."""
+    pieces = shard_pieces(plan, shard)
+    batch_size = int(plan["batch_size"])
+    i = 0
+    while i < len(pieces):
+        path = pieces[i].path
+        with storage.parquet_file(path) as parquet:
+            while i < len(pieces) and pieces[i].path == path:
+                table = read_piece(plan, pieces[i], parquet)
+                for a, b in batch_bounds(pieces[i], batch_size):
+                    yield table.slice(a, b - a)
+                i += 1
+
+
+# --- scoring ---------------------------------------------------------------------------------------------------
 
 
 def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
@@ -59,19 +350,193 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
     return mlflow.pytorch.load_model(model_uri), spec
 
 
-def shard_pins(root: str, ds: str, shard: int, num_shards: int) -> Iterator[pa.Table]:
-    """The pins of the shard, one row group of the snapshot at a time."""
+@dataclasses.dataclass
+class Scorer:
+    """A loaded model and its family: scores batches of the snapshot into ``corpus_schema`` rows."""
+
+    family: Any
+    module: Any
+    spec: dict[str, Any]
+
+    @classmethod
+    def load(cls, model_uri: str, tracking_uri: str) -> Scorer:
+        from training.sdk import load_family
+
+        module, spec = load_model(model_uri, tracking_uri)
+        family = load_family(str(spec.get("family", "pin_ranker")), str(spec.get("family_module", "")), spec.get("params"))
+        if family.corpus_schema is None:
+            raise UserError(f"model {model_uri} is of family {family.name}, which does not score the corpus")
+        return cls(family, module, spec)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.family.corpus_schema  # type: ignore[no-any-return]
+
+    def score(self, pins: pa.Table, root: str, ds: str) -> pa.Table:
+        return self.family.score_corpus(self.module, pins, self.spec, root, ds)  # type: ignore[no-any-return]
+
+    @property
+    def splits(self) -> bool:
+        """Whether preprocessing (``corpus_inputs``) can run apart from the model (``score_inputs``)."""
+        return bool(getattr(self.family, "splits_corpus_scoring", False))
+
+    def scored_batches(self, batches: Iterator[pa.Table], root: str, ds: str, prefetch: int = 2) -> Iterator[pa.Table]:
+        """``score`` of each batch, in order. With a family that splits scoring, a reader thread reads and
+        preprocesses the next ``prefetch`` batches while the model scores this one (Arrow, NumPy and torch release
+        the GIL): the CPU work of a shard overlaps its forward passes, as Ray's readers and actors do across
+        processes. The same batches, rows and floats either way."""
+        if not self.splits or prefetch < 1:
+            for batch in batches:
+                yield self.score(batch, root, ds)
+            return
+        done = object()
+        ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        stop = threading.Event()
+
+        def read() -> None:
+            try:
+                for batch in batches:
+                    item = self.family.corpus_inputs(batch, self.spec, root, ds)
+                    while not stop.is_set():
+                        try:
+                            ready.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                ready.put(done)
+            except BaseException as exc:  # handed to the consumer, raised there
+                ready.put(exc)
+
+        reader = threading.Thread(target=read, name="inference-reader", daemon=True)
+        reader.start()
+        try:
+            while (item := ready.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield self.family.score_inputs(self.module, item, self.spec)
+        finally:
+            stop.set()
+            while reader.is_alive():  # unblock a reader waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    ready.get_nowait()
+                reader.join(timeout=0.05)
+
+
+class PartWriter:
+    """One part file in memory: scored batches in order, row groups of ``ROW_GROUP_ROWS``, and the footer
+    record (plan, shard, rows, pin-id checksum) that :func:`publish_plan` checks. The same bytes from every engine."""
+
+    def __init__(self, plan: dict[str, Any], shard: int, schema: pa.Schema) -> None:
+        self.plan, self.shard, self.schema = plan, shard, schema
+        self.sink = pa.BufferOutputStream()
+        self.writer = pq.ParquetWriter(self.sink, schema)
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.rows = 0
+        self.checksum = 0
+
+    def add(self, table: pa.Table) -> None:
+        if table.schema != self.schema:
+            table = table.cast(self.schema)
+        self.rows += table.num_rows
+        self.checksum = ids_checksum(table.column("pin_id").to_numpy(), self.checksum)
+        self.pending.append(table)
+        self.pending_rows += table.num_rows
+        if self.pending_rows >= ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.writer.write_table(pa.concat_tables(self.pending), row_group_size=max(self.pending_rows, 1))
+            self.pending, self.pending_rows = [], 0
+
+    def finish(self, **extra: Any) -> tuple[bytes, dict[str, Any]]:
+        """The part's bytes and its footer record (``extra``: how it was made, e.g. seconds and engine)."""
+        self._flush()
+        record = {"plan_id": self.plan["plan_id"], "shard": self.shard, "num_shards": self.plan["num_shards"],
+                  "rows": self.rows, "ids_checksum": checksum_hex(self.checksum), **extra}
+        self.writer.add_key_value_metadata({PART_METADATA_KEY: json.dumps(record, sort_keys=True)})
+        self.writer.close()
+        return self.sink.getvalue().to_pybytes(), record
+
+
+def staged_part(plan: dict[str, Any], shard: int) -> str:
+    return storage.join(plan["parts_dir"], part_name(shard))
+
+
+def published_part(plan: dict[str, Any], shard: int) -> str:
+    return storage.join(plan["out_dir"], part_name(shard))
+
+
+def part_record(location: str) -> dict[str, Any] | None:
+    """The footer record of a part file (None if it is not there or has none)."""
     try:
-        files = storage.data_files(root, RAW_PINS, ds)
-    except FileNotFoundError as e:
-        raise DataError(str(e)) from None
-    for path in files:
-        with storage.parquet_file(path) as parquet:
-            for rg in range(parquet.num_row_groups):
-                table = parquet.read_row_group(rg, columns=[c for c in PIN_COLUMNS if c in parquet.schema_arrow.names])
-                keep = np.mod(table.column("pin_id").to_numpy(), num_shards) == shard
-                if keep.any():
-                    yield table.filter(pa.array(keep))
+        with storage.parquet_file(location) as parquet:
+            raw = (parquet.metadata.metadata or {}).get(PART_METADATA_KEY.encode())
+    except (FileNotFoundError, OSError, pa.ArrowInvalid):
+        return None
+    return dict(json.loads(raw)) if raw else None
+
+
+def find_part(plan: dict[str, Any], shard: int, staged: set[str] | None = None) -> str | None:
+    """Where this plan's part of ``shard`` is: staged under the plan, or already published (its footer names
+    the plan). None if it has not been scored. ``staged``: the names under ``parts_dir`` if already listed."""
+    name = part_name(shard)
+    location = staged_part(plan, shard)
+    if (name in staged) if staged is not None else storage.exists(location):
+        return location
+    location = published_part(plan, shard)
+    record = part_record(location)
+    if record is not None and record.get("plan_id") == plan["plan_id"] and record.get("shard") == shard:
+        return location
+    return None
+
+
+def missing_shards(plan: dict[str, Any]) -> list[int]:
+    """The shards of the plan that have no part yet (staged or published), in order."""
+    staged = set(storage.list_names(plan["parts_dir"]))
+    published = set(storage.list_names(plan["out_dir"]))
+    missing = []
+    for shard in range(plan["num_shards"]):
+        name = part_name(shard)
+        if name in staged:
+            continue
+        if name in published and find_part(plan, shard, staged) is not None:
+            continue
+        missing.append(shard)
+    return missing
+
+
+def score_plan_shard(plan: dict[str, Any], shard: int, scorer: Scorer | None = None) -> dict[str, Any]:
+    """Score one shard of the plan into its part (skipped if this plan's part exists); a summary."""
+    started = time.monotonic()
+    summary: dict[str, Any] = {"plan_id": plan["plan_id"], "shard": shard, "num_shards": plan["num_shards"],
+                               "ds": plan["ds"], "path": staged_part(plan, shard)}
+    found = find_part(plan, shard)
+    if found is not None:
+        record = part_record(found) or {}
+        return {**summary, "path": found, "rows": record.get("rows"), "skipped": True, "seconds": 0.0}
+    pieces = shard_pieces(plan, shard)  # checks the shard number before the model is loaded
+    scorer = scorer or Scorer.load(plan["model_uri"], plan["tracking_uri"])
+    loaded = time.monotonic()
+    writer = PartWriter(plan, shard, scorer.schema)
+    expected = sum(p.stop - p.start for p in pieces)
+    sleep_s = float(os.environ.get(DEBUG_SLEEP_VARIABLE) or 0)
+    log.info("scoring shard %d of plan %s: %d pins in %d piece(s) (model ready after %.1fs)",
+             shard, plan["plan_id"], expected, len(pieces), loaded - started)
+    for scored in scorer.scored_batches(shard_batches(plan, shard), plan["root"], plan["ds"]):
+        writer.add(scored)
+        if sleep_s:
+            time.sleep(sleep_s)
+    if writer.rows != expected:
+        raise DataError(f"shard {shard} of plan {plan['plan_id']} scored {writer.rows} rows, its range has {expected}")
+    seconds = time.monotonic() - loaded
+    data, record = writer.finish(seconds=round(seconds, 3), engine="processes")
+    storage.write_bytes(summary["path"], data)
+    return {**summary, "rows": record["rows"], "ids_checksum": record["ids_checksum"], "skipped": False,
+            "seconds": round(time.monotonic() - started, 3), "score_seconds": round(seconds, 3)}
 
 
 def score_shard(
@@ -85,65 +550,232 @@ def score_shard(
     out_dir: str | os.PathLike[str],
     batch_size: int = 4096,
 ) -> dict[str, Any]:
-    """Score one shard into ``out_dir/part-{shard:05d}.parquet`` (skipped if it exists); return a summary."""
+    """Score one shard of the plan made from these arguments (see :func:`make_plan`); skipped if scored."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
-    started = time.monotonic()
-    final = storage.join(out_dir, part_name(shard))
-    summary: dict[str, Any] = {"shard": shard, "num_shards": num_shards, "ds": ds, "path": final}
-    if storage.exists(final):
-        with storage.parquet_file(final) as done:
-            return {**summary, "rows": done.metadata.num_rows, "skipped": True, "seconds": 0.0}
-
-    from training.sdk import load_family
-
-    module, spec = load_model(model_uri, tracking_uri)
-    family = load_family(str(spec.get("family", "pin_ranker")), str(spec.get("family_module", "")),
-                         spec.get("params"))
-    schema = family.corpus_schema
-    if schema is None:
-        raise ValueError(f"model {model_uri} is of family {family.name}, which does not score the corpus")
-    parts = [
-        family.score_corpus(module, table.slice(start, batch_size), spec, root, ds)
-        for table in shard_pins(root, ds, shard, num_shards)
-        for start in range(0, table.num_rows, batch_size)
-    ]
-    result = pa.concat_tables(parts) if parts else schema.empty_table()
-    buffer = pa.BufferOutputStream()
-    pq.write_table(result, buffer)
-    storage.write_bytes(final, buffer.getvalue().to_pybytes())
-    return {**summary, "rows": result.num_rows, "skipped": False, "seconds": round(time.monotonic() - started, 3)}
+    plan = make_plan(model_uri=model_uri, tracking_uri=tracking_uri, root=root, ds=ds, out_dir=out_dir,
+                     num_shards=num_shards, batch_size=batch_size)
+    if find_part(plan, shard) is None and not storage.exists(plan_location(plan)):
+        write_plan(plan)  # what publish_manifest finds the plan's root and batch size by
+    return score_plan_shard(plan, shard)
 
 
-def publish_manifest(out_dir: str | os.PathLike[str], num_shards: int, model_uri: str, ds: str) -> dict[str, Any]:
-    """Check that every part exists, count the rows, and write ``_MANIFEST.json`` last (atomically).
+# --- publishing ------------------------------------------------------------------------------------------------
 
-    Readers treat the output as present only once the manifest is there. Raises FileNotFoundError
-    naming the missing parts.
+
+def expected_parts(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows and pin-id checksum of each shard's range, recomputed from the snapshot (its ``pin_id`` column only)."""
+    counts = [0] * plan["num_shards"]
+    sums = [0] * plan["num_shards"]
+    bounds = [(int(s["start"]), int(s["stop"])) for s in plan["shards"]]
+    offset = 0
+    for f in plan["snapshot"]["files"]:
+        with storage.parquet_file(file_location(plan, f)) as parquet:
+            for rg, n in enumerate(f["row_groups"]):
+                ids = None
+                for shard, (start, stop) in enumerate(bounds):
+                    lo, hi = max(start, offset), min(stop, offset + n)
+                    if lo >= hi:
+                        continue
+                    if ids is None:
+                        ids = parquet.read_row_group(rg, columns=["pin_id"]).column("pin_id").to_numpy()
+                    counts[shard] += hi - lo
+                    sums[shard] = ids_checksum(ids[lo - offset:hi - offset], sums[shard])
+                offset += n
+    return [{"shard": i, "rows": counts[i], "ids_checksum": checksum_hex(sums[i])} for i in range(plan["num_shards"])]
+
+
+def _move(source: str, target: str) -> None:
+    """Move one file: a rename locally; a server-side copy and a delete on an object store."""
+    if not storage.is_remote(source):
+        os.replace(storage.local_path(source), storage.local_path(target))
+        return
+    fs, src = storage.filesystem(source)
+    _, dst = storage.filesystem(target)
+    fs.mv(src, dst)
+
+
+def _throughput(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Pins per second of one scoring process, from the parts scored by processes (their own timing)."""
+    timed = [r for r in records if r.get("engine") == "processes" and float(r.get("seconds") or 0) > 0]
+    rows, seconds = sum(int(r["rows"]) for r in timed), sum(float(r["seconds"]) for r in timed)
+    if not timed or rows == 0:
+        return None
+    return {"pins_per_s_per_process": round(rows / seconds, 1), "parts": len(timed), "rows": rows,
+            "seconds": round(seconds, 3)}
+
+
+def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """Check every part, move them into ``out_dir`` and write ``_MANIFEST.json`` last; return the manifest.
+
+    Every pin of the snapshot must be in exactly one part: each part must carry this plan's id and hold the
+    row count and pin-id checksum of its shard's range, recomputed from the snapshot (whose fingerprint must
+    still be the plan's). A missing part raises :class:`MissingPartsError` naming it; a wrong one is removed
+    (so that scoring it again replaces it) and raises it too. Then the old manifest goes first, the parts
+    are moved in (replacing the earlier output's, whatever its shard count), parts of no shard of this
+    plan are removed, the manifest is written last, and the staging folders of every plan are removed.
     """
-    missing = [part_name(i) for i in range(num_shards) if not storage.exists(storage.join(out_dir, part_name(i)))]
-    if missing:
-        raise FileNotFoundError(
-            f"cannot publish {out_dir}: {len(missing)} of {num_shards} part(s) missing ({', '.join(missing[:10])}); "
-            "score those shards first"
+    out_dir = plan["out_dir"]
+    current = snapshot(plan["root"], plan["ds"], views_dir(out_dir))
+    if current["fingerprint"] != plan["snapshot"]["fingerprint"]:
+        raise DataError(
+            f"the {RAW_PINS} snapshot ds={plan['ds']} changed since plan {plan['plan_id']} was made: plan and "
+            "score the run again"
         )
-    parts = []
-    columns: list[str] = []
-    for i in range(num_shards):
-        with storage.parquet_file(storage.join(out_dir, part_name(i))) as part:
-            parts.append({"file": part_name(i), "rows": part.metadata.num_rows})
-            columns = part.schema_arrow.names
+    expected = expected_parts(plan)
+    staged = set(storage.list_names(plan["parts_dir"]))
+    missing, wrong, parts = [], [], []
+    schema: pa.Schema | None = None
+    for want in expected:
+        shard = want["shard"]
+        location = find_part(plan, shard, staged)
+        if location is None:
+            missing.append(part_name(shard))
+            continue
+        with storage.parquet_file(location) as parquet:
+            raw = (parquet.metadata.metadata or {}).get(PART_METADATA_KEY.encode())
+            record = json.loads(raw) if raw else {}
+            ids = parquet.read(columns=["pin_id"]).column("pin_id").to_numpy()
+            part_schema = parquet.schema_arrow.remove_metadata()
+        got = {"rows": len(ids), "ids_checksum": checksum_hex(ids_checksum(ids))}
+        problems = []
+        if record.get("plan_id") != plan["plan_id"] or record.get("shard") != shard:
+            problems.append(f"made for plan {record.get('plan_id')} shard {record.get('shard')}")
+        if got["rows"] != want["rows"]:
+            problems.append(f"{got['rows']} rows, its range has {want['rows']}")
+        if got["ids_checksum"] != want["ids_checksum"]:
+            problems.append(f"pin-id checksum {got['ids_checksum']}, its range's {want['ids_checksum']}")
+        schema = schema or part_schema
+        if part_schema != schema:
+            problems.append("its columns differ from the other parts'")
+        if problems:
+            wrong.append(f"{part_name(shard)} ({'; '.join(problems)})")
+            storage.remove(location)
+            continue
+        parts.append({"file": part_name(shard), "shard": shard, **got, "start": plan["shards"][shard]["start"],
+                      "_location": location, "_record": record})
+    if missing or wrong:
+        detail = "; ".join(filter(None, [
+            f"{len(missing)} of {plan['num_shards']} part(s) missing ({', '.join(missing[:10])})" if missing else "",
+            f"wrong part(s) removed: {', '.join(wrong[:10])}" if wrong else "",
+        ]))
+        raise MissingPartsError(
+            f"cannot publish {out_dir} (plan {plan['plan_id']}): {detail}; score those shards (again) first"
+        )
+
+    storage.remove(storage.join(out_dir, MANIFEST))  # from here on readers see no output until the new manifest
+    for part in parts:
+        target = storage.join(out_dir, part["file"])
+        if part["_location"] != target:
+            _move(part["_location"], target)
+    keep = {part["file"] for part in parts}
+    for name in storage.list_names(out_dir):
+        if name.startswith("part-") and name.endswith(".parquet") and name not in keep:
+            storage.remove(storage.join(out_dir, name))
+    records = [part.pop("_record") for part in parts]
+    for part in parts:
+        part.pop("_location")
+    total = 0
+    for part in parts:
+        total = (total + int(part["ids_checksum"], 16)) & 0xFFFFFFFFFFFFFFFF
     manifest = {
-        "ds": ds,
-        "model_uri": model_uri,
-        "num_shards": num_shards,
+        "ds": plan["ds"],
+        "model_uri": plan["model_uri"],
+        "plan_id": plan["plan_id"],
+        "num_shards": plan["num_shards"],
+        "sharding": plan["sharding"],
+        "batch_size": plan["batch_size"],
+        "snapshot": {"fingerprint": plan["snapshot"]["fingerprint"], "pins": plan["pins"],
+                     "files": len(plan["snapshot"]["files"])},
         "parts": parts,
         "rows": sum(p["rows"] for p in parts),
-        "columns": columns,
+        "pins": plan["pins"],
+        "ids_checksum": checksum_hex(total),
+        "columns": schema.names if schema is not None else [],
+        "throughput": _throughput(records),
+        "engines": sorted({str(r.get("engine", "")) for r in records}),
         "created": dt.datetime.now(dt.UTC).isoformat(),
     }
     storage.write_json(storage.join(out_dir, MANIFEST), manifest)
+    storage.remove_tree(storage.join(out_dir, PLANS_DIR))
     return manifest
+
+
+def publish_manifest(
+    out_dir: str | os.PathLike[str], num_shards: int, model_uri: str, ds: str, *, root: str | None = None,
+    batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Publish the plan of these arguments (see :func:`publish_plan`).
+
+    ``root`` and ``batch_size`` default to those of a plan of this model, day and shard count staged under
+    ``out_dir``; the plan is then made again from the snapshot as it is now, so a changed snapshot or a part
+    of another plan never gets published.
+    """
+    staged = []
+    for location in storage.glob(storage.join(out_dir, PLANS_DIR), f"*/{PLAN_FILE}"):
+        found = storage.read_json(location)
+        if (found.get("model_uri"), found.get("ds"), found.get("num_shards")) == (model_uri, ds, num_shards):
+            staged.append(found)
+    if root is None:
+        if not staged:
+            raise MissingPartsError(
+                f"cannot publish {out_dir}: no shard of {model_uri} ds={ds} in {num_shards} shards was scored there"
+            )
+        root = str(staged[0]["root"])
+    if batch_size is None:
+        batch_size = int(staged[0]["batch_size"]) if staged else 4096
+    tracking = str(staged[0].get("tracking_uri", "")) if staged else ""
+    plan = make_plan(model_uri=model_uri, tracking_uri=tracking, root=root, ds=ds, out_dir=out_dir,
+                     num_shards=num_shards, batch_size=batch_size)
+    return publish_plan(plan)
+
+
+# --- the entry point -------------------------------------------------------------------------------------------
+
+
+def array_index(environ: dict[str, str] | None = None) -> int | None:
+    """This process's index in an array job, from the first of ``ARRAY_INDEX_VARIABLES`` that is set."""
+    env = os.environ if environ is None else environ
+    for name in ARRAY_INDEX_VARIABLES:
+        if env.get(name, "") != "":
+            return int(env[name])
+    return None
+
+
+def parse_shards(text: str) -> list[int]:
+    """``0,3,5-7`` → [0, 3, 5, 6, 7]."""
+    shards: list[int] = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if "-" in item:
+            a, b = item.split("-", 1)
+            shards.extend(range(int(a), int(b) + 1))
+        else:
+            shards.append(int(item))
+    return shards
+
+
+def format_shards(shards: Sequence[int]) -> str:
+    """The inverse of :func:`parse_shards`, with runs folded: [0, 3, 5, 6, 7] → ``0,3,5-7``."""
+    out: list[str] = []
+    items = sorted(shards)
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def shards_of_this_process(shards: list[int], environ: dict[str, str] | None = None) -> list[int]:
+    """The shards this process scores: one of ``shards`` in an array job, else all of them."""
+    index = array_index(environ)
+    if index is None:
+        return shards
+    if not 0 <= index < len(shards):
+        raise UserError(f"array index {index} is outside the {len(shards)} shard(s) given with --shards")
+    return [shards[index]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,17 +785,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(__doc__ or "").split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model-uri", required=True, help="MLflow model URI, e.g. models:/pin_ranker/3 (any family)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking and registry URI (required unless --publish)")
-    parser.add_argument("--root", help="storage root holding raw/pins (required unless --publish)")
-    parser.add_argument("--ds", required=True, help="day of the raw/pins snapshot (YYYY-MM-DD)")
+    parser.add_argument("--plan", help="the plan file (_PLAN.json) to score or publish; or make one with the options below")
+    parser.add_argument("--shards", help="shards of the plan to score, e.g. 0,3,5-7 (an array job scores one)")
+    parser.add_argument("--model-uri", help="MLflow model URI, e.g. models:/pin_ranker/3 (any family)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking and registry URI")
+    parser.add_argument("--root", help="storage root holding raw/pins")
+    parser.add_argument("--ds", help="day of the raw/pins snapshot (YYYY-MM-DD)")
     parser.add_argument("--shard", type=int, help="this shard's index in [0, num-shards)")
-    parser.add_argument("--num-shards", type=int, required=True, help="pins with pin_id %% N == shard are scored")
-    parser.add_argument("--out-dir", required=True, help="folder of the part files and the manifest")
-    parser.add_argument("--batch-size", type=int, default=4096, help="pins per forward pass")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument("--num-shards", type=int, help="contiguous row ranges the snapshot is cut into")
+    parser.add_argument("--out-dir", help="folder of the part files and the manifest")
+    parser.add_argument("--batch-size", type=int, help="pins per forward pass (default 4096; a plan's own)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the plan's, 1)")
     parser.add_argument(
-        "--publish", action="store_true", help="do not score: check every part exists and write _MANIFEST.json"
+        "--publish", action="store_true", help="do not score: check every part and write _MANIFEST.json last"
     )
     return parser
 
@@ -173,27 +807,47 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(0)
     try:
+        if args.plan:
+            plan = read_plan(args.plan)
+        else:
+            needed = {"--model-uri": args.model_uri, "--ds": args.ds, "--num-shards": args.num_shards,
+                      "--out-dir": args.out_dir}
+            if not args.publish:
+                needed.update({"--tracking-uri": args.tracking_uri, "--root": args.root})
+            absent = [name for name, value in needed.items() if value in (None, "")]
+            if absent:
+                parser.error(f"give --plan, or {', '.join(absent)}")
+            if args.publish:
+                manifest = publish_manifest(args.out_dir, args.num_shards, args.model_uri, args.ds, root=args.root,
+                                            batch_size=args.batch_size)
+                print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
+                return int(ExitCode.OK)
+            plan = make_plan(model_uri=args.model_uri, tracking_uri=args.tracking_uri, root=args.root, ds=args.ds,
+                             out_dir=args.out_dir, num_shards=args.num_shards, batch_size=args.batch_size or 4096,
+                             threads=args.threads or 1)
+            if not storage.exists(plan_location(plan)):
+                write_plan(plan)
         if args.publish:
-            manifest = publish_manifest(args.out_dir, args.num_shards, args.model_uri, args.ds)
+            manifest = publish_plan(plan)
             print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
             return int(ExitCode.OK)
-        if args.shard is None or not args.tracking_uri or not args.root:
-            parser.error("--shard, --tracking-uri and --root are required to score a shard")
-        if args.threads:
+        if args.shards:
+            shards = shards_of_this_process(parse_shards(args.shards))
+        elif args.shard is not None:
+            shards = [args.shard]
+        else:
+            parser.error("--shards or --shard: which shards to score")
+        threads = args.threads if args.threads is not None else int(plan.get("threads", 1))
+        if threads:
             import torch
 
-            torch.set_num_threads(args.threads)
-        summary = score_shard(
-            model_uri=args.model_uri,
-            tracking_uri=args.tracking_uri,
-            root=args.root,
-            ds=args.ds,
-            shard=args.shard,
-            num_shards=args.num_shards,
-            out_dir=args.out_dir,
-            batch_size=args.batch_size,
-        )
-        print(json.dumps(summary), flush=True)
+            torch.set_num_threads(threads)
+        scorer = None
+        for shard in shards:
+            if scorer is None and find_part(plan, shard) is None:
+                shard_pieces(plan, shard)  # a shard outside the plan fails before the model is loaded
+                scorer = Scorer.load(plan["model_uri"], plan["tracking_uri"])
+            print(json.dumps(score_plan_shard(plan, shard, scorer)), flush=True)
         return int(ExitCode.OK)
     except Exception as exc:
         code = exit_code_for(exc)

@@ -72,8 +72,12 @@ class Heartbeat:
     Fields: rank, world_size, phase (starting | training | checkpointing | evaluating | logging | done |
     failed), step, epoch, loss (absent before the first step), examples_per_s (since the previous beat),
     progress (a counter that grows with any work: training steps, evaluation batches), time (ISO),
-    unix_time, host, pid.
+    unix_time, host, pid; once training: total_steps, epochs, percent, steps_per_s and eta_s (from the steps
+    of this try so far), and on rank 0 loss_history, ``[step, loss]`` pairs thinned to at most
+    ``LOSS_POINTS`` (the training page's loss curve).
     """
+
+    LOSS_POINTS = 200
 
     def __init__(self, output_dir: str | os.PathLike[str], env: DistEnv, every_s: float = 10.0) -> None:
         self.path = storage.join(output_dir, f"heartbeat-rank{env.rank}.json")
@@ -84,12 +88,16 @@ class Heartbeat:
         self._last = 0.0
         self._examples = 0
         self._since = time.monotonic()
+        self._rate_from: tuple[float, int] | None = None  # (monotonic time, step) when steps were first seen
+        self._loss_history: list[list[float]] = []
+        self._loss_stride = 1
 
     def update(self, examples: int = 0, progress: int = 1, force: bool = False, **fields: Any) -> None:
         """Record progress and new field values; write the file if ``every_s`` has passed (or ``force``)."""
         self.fields.update(fields)
         self._examples += examples
         self.progress += progress
+        self._record_loss()
         now = time.monotonic()
         if force or now - self._last >= self.every_s:
             self.write(now)
@@ -99,8 +107,10 @@ class Heartbeat:
         elapsed = max(now - self._since, 1e-9)
         if self._examples:
             self.fields["examples_per_s"] = self._examples / elapsed
+        self._progress(now)
         payload = {
             **self.fields,
+            **({"loss_history": self._loss_history} if self.env.rank == 0 and self._loss_history else {}),
             "rank": self.env.rank,
             "world_size": self.env.world_size,
             "progress": self.progress,
@@ -116,6 +126,76 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001
             log.warning("could not write heartbeat %s: %s", self.path, e)
         self._last, self._since, self._examples = now, now, 0
+
+    def _progress(self, now: float) -> None:
+        """Percent, rate and ETA of the training steps (the rate over this try's steps so far)."""
+        step, total = self.fields.get("step"), self.fields.get("total_steps")
+        if not isinstance(step, int) or not total or self.fields.get("phase") != "training":
+            return
+        self.fields["percent"] = round(100.0 * min(step, total) / total, 2)
+        if self._rate_from is None:
+            self._rate_from = (now, step)
+        elif step > self._rate_from[1] and now > self._rate_from[0]:
+            rate = (step - self._rate_from[1]) / (now - self._rate_from[0])
+            self.fields["steps_per_s"] = rate
+            self.fields["eta_s"] = max(0.0, (total - step) / rate)
+
+    def _record_loss(self) -> None:
+        """Rank 0: the step's loss as a point of the curve (thinned: at most ``LOSS_POINTS``, evenly spaced)."""
+        step, loss = self.fields.get("step"), self.fields.get("loss")
+        if self.env.rank != 0 or not isinstance(step, int) or step <= 0 or not isinstance(loss, float) or loss != loss:
+            return
+        if self._loss_history and step < self._loss_history[-1][0] + self._loss_stride:
+            return
+        self._loss_history.append([step, round(loss, 6)])
+        if len(self._loss_history) > self.LOSS_POINTS:  # thin out: every other point, and half as often from now
+            self._loss_history = self._loss_history[::2]
+            self._loss_stride *= 2
+
+    def progress_line(self) -> str:
+        """This rank's progress, for the job's own log (examples/s for all ranks, assuming they keep pace)."""
+        beat = {**self.fields, "world_size": self.env.world_size}
+        return progress_line([beat], ranks=self.env.world_size)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def progress_line(beats: list[dict[str, Any]], ranks: int | None = None) -> str:
+    """One line of a job's progress from its ranks' heartbeats: ``step 120/480 (25.0%), epoch 1/3, loss 0.6931,
+    2,345 examples/s, ETA 3m12s (2 ranks reporting)``. No loss is shown before the first step.
+
+    ``ranks``: scale one beat's examples/s to that many ranks (the job's own log, where a rank sees only itself).
+    """
+    if not beats:
+        return "no heartbeat yet"
+    lead = min(beats, key=lambda b: int(b.get("rank", 0)))
+    step, total = lead.get("step", 0), lead.get("total_steps")
+    phase = lead.get("phase", "starting")
+    parts = [f"step {step}/{total}" + (f" ({100.0 * min(int(step), int(total)) / int(total):.1f}%)" if total else "")
+             if total else f"step {step}"]
+    if lead.get("epochs"):
+        parts.append(f"epoch {int(lead.get('epoch', 0)) + 1}/{lead['epochs']}")
+    if phase != "training":
+        parts.append(str(phase))
+    loss = lead.get("loss")
+    if isinstance(loss, (int, float)) and int(step or 0) > 0 and loss == loss:  # not before the first step; not NaN
+        parts.append(f"loss {float(loss):.4f}")
+    rate = sum(float(b.get("examples_per_s") or 0.0) for b in beats)
+    if ranks:
+        rate = float(lead.get("examples_per_s") or 0.0) * ranks
+    if rate:
+        parts.append(f"{rate:,.0f} examples/s")
+    if lead.get("eta_s") is not None and phase == "training":
+        parts.append(f"ETA {_duration(float(lead['eta_s']))}")
+    line = ", ".join(parts)
+    return line if ranks else f"{line} ({len(beats)} rank(s) reporting)"
 
 
 def failure_path(output_dir: str | os.PathLike[str], rank: int) -> str:

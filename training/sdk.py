@@ -14,7 +14,9 @@ configuration (``families:``). The family declares
 - ``evaluate``: its metrics on the evaluation day; ``mean_auc`` is the one the promotion gate compares;
 - its serving signature: ``serving(model)`` (positional tensors in ``serving_inputs`` order → named outputs),
   ``example_inputs()`` and ``feature_spec``;
-- optionally ``score_corpus``: how it scores a slice of the pin corpus (``corpus_schema`` the columns).
+- optionally ``score_corpus``: how it scores a slice of the pin corpus (``corpus_schema`` the columns), best
+  as its two halves ``corpus_inputs`` (rows → input arrays, CPU only) and ``score_inputs`` (the forward pass
+  → rows), which corpus inference can run on different workers (Ray Data: readers and an actor pool).
 
 The platform supplies everything else, the same for every family: the input pipeline with exact resume
 (``training.data.ExampleStream``), DDP / FSDP2, checkpoints, preflight, heartbeats, MLflow logging and
@@ -109,8 +111,26 @@ class ModelFamily:
 
     # --- corpus scoring -------------------------------------------------------------------------
     def score_corpus(self, module: Any, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> pa.Table:
-        """Score a slice of the ``raw/pins`` snapshot of ``ds`` with the exported ``module``: ``corpus_schema`` rows."""
+        """Score a slice of the ``raw/pins`` snapshot of ``ds`` with the exported ``module``: ``corpus_schema`` rows.
+
+        By default ``score_inputs(module, corpus_inputs(...))``; a family may override it instead of the halves.
+        """
+        return self.score_inputs(module, self.corpus_inputs(pins, spec, root, ds), spec)
+
+    def corpus_inputs(self, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> dict[str, np.ndarray]:
+        """The CPU half of ``score_corpus``: a slice of the snapshot → named arrays (one row per pin, ``pin_id``
+        among them) holding everything ``score_inputs`` needs. No model here: it may run on another worker."""
+        raise NotImplementedError(f"model family {self.name} does not split corpus scoring (corpus_inputs)")
+
+    def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
+        """The model half of ``score_corpus``: ``corpus_inputs``' arrays → ``corpus_schema`` rows, in their order."""
         raise NotImplementedError(f"model family {self.name} does not score the corpus")
+
+    @property
+    def splits_corpus_scoring(self) -> bool:
+        """Whether the family implements ``corpus_inputs`` and ``score_inputs`` (else only ``score_corpus``)."""
+        cls = type(self)
+        return cls.corpus_inputs is not ModelFamily.corpus_inputs and cls.score_inputs is not ModelFamily.score_inputs
 
 
 def load_family(name: str, module: str = "", params: dict[str, Any] | None = None) -> ModelFamily:

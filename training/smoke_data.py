@@ -36,16 +36,17 @@ def write_tiny_world(
     row_group_size: int = 50,
     max_sequence: int = 60,
     seed: int = 0,
+    embedding_dim: int = EMBEDDING_DIM,
 ) -> dict[str, object]:
     """Write examples (+ truth) for each day and a raw/pins snapshot for each day; return the pin ids."""
     rng = np.random.default_rng(seed)
     pin_ids = rng.choice(np.arange(1_000, 1_000_000), size=pins, replace=False).astype(np.int64)
-    pin_emb = rng.normal(size=(pins, EMBEDDING_DIM)).astype(np.float32) / np.sqrt(EMBEDDING_DIM)
+    pin_emb = rng.normal(size=(pins, embedding_dim)).astype(np.float32) / np.sqrt(embedding_dim)
     pin_pop = rng.normal(size=pins)
     categories = rng.integers(0, 12, size=pins).astype(np.int32)
     creators = rng.integers(1, 30, size=pins).astype(np.int64)
     user_ids = np.arange(1, users + 1, dtype=np.int64) * 7
-    taste = rng.normal(size=(users, EMBEDDING_DIM)).astype(np.float32)
+    taste = rng.normal(size=(users, embedding_dim)).astype(np.float32)
     liked = np.argsort(-(taste @ pin_emb.T), axis=1)[:, : max(1, pins // 4)]
     created = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     # Content (its own random stream, so that the examples above do not depend on it).
@@ -62,7 +63,7 @@ def write_tiny_world(
         pins_table = pa.table(
             {
                 "pin_id": pin_ids,
-                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(pin_emb.ravel()), EMBEDDING_DIM),
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(pin_emb.ravel()), embedding_dim),
                 "category": categories,
                 "creator_id": creators,
                 "created_at": pa.array([created] * pins, type=pa.timestamp("us", tz="UTC")),

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The most passes a target_examples budget may take (the platform configuration's limit on epochs).
+MAX_EPOCHS = 100
+
+
 def lr_lambda(total_steps: int, warmup_steps: int, min_lr_ratio: float):  # noqa: ANN201 - a closure
     """Multiplier of the peak LR at scheduler step ``s``: linear warmup, then cosine to ``min_lr_ratio``."""
 
@@ -186,6 +190,8 @@ class Trainer:
         self.resumed_seen = 0
         self.resume_skip = 0  # batches of the resumed epoch trained on before the restart
         self.last_loss = math.nan
+        self.last_progress_log = 0.0
+        self.epochs = config.epochs  # planned in plan_data (a target_examples budget may take more)
 
     def run(self) -> dict[str, Any] | None:
         """Train, resuming from the newest complete checkpoint; return the result on rank 0 (None elsewhere)."""
@@ -259,17 +265,44 @@ class Trainer:
             num_workers=cfg.num_workers,
             seed=cfg.seed,
         )
-        self.steps_per_epoch = [stream.steps_per_epoch(e) for e in range(cfg.epochs)]
+        self.epochs, budget = cfg.epochs, 0
+        if cfg.target_examples:  # a budget in examples: as many epochs as it takes (each epoch has its own order)
+            budget = math.ceil(cfg.target_examples / (cfg.batch_size * env.world_size))
+            self.epochs = MAX_EPOCHS
+        self.steps_per_epoch = []
+        for epoch in range(self.epochs):
+            self.steps_per_epoch.append(stream.steps_per_epoch(epoch))
+            if budget and sum(self.steps_per_epoch) >= budget:
+                break
+        self.epochs = len(self.steps_per_epoch)
         if min(self.steps_per_epoch) == 0:
             raise DataError(
                 f"{stream.total_rows} training rows in {len(stream.units)} row groups over {env.world_size} "
                 f"ranks x {max(1, cfg.num_workers)} workers leave some rank without a batch: train on more "
                 "days or use fewer processes"
             )
-        self.epoch_start = [sum(self.steps_per_epoch[:e]) for e in range(cfg.epochs)]
+        self.epoch_start = [sum(self.steps_per_epoch[:e]) for e in range(self.epochs)]
         self.total_steps = sum(self.steps_per_epoch)
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
+        for cap in (budget, cfg.max_steps):
+            if cap:
+                self.total_steps = min(self.total_steps, cap)
+        log.info("training plan: %d steps over %d epoch(s) of %s steps, global batch %d",
+                 self.total_steps, self.epochs, self.steps_per_epoch, cfg.batch_size * env.world_size)
+
+    def budget_warnings(self) -> list[str]:
+        """Why this run may be too short to trust: fewer steps than the warmup or than the configured minimum."""
+        cfg, warnings = self.config, []
+        if self.step < cfg.warmup_steps:
+            warnings.append(
+                f"trained {self.step} steps, fewer than the {cfg.warmup_steps} warmup steps: the learning rate never "
+                "reached its peak; raise epochs or target_examples, or lower batch_size"
+            )
+        if self.step < cfg.min_steps:
+            warnings.append(
+                f"trained {self.step} steps, fewer than min_steps={cfg.min_steps}: the model may be undertrained; "
+                "raise epochs or target_examples, or lower batch_size"
+            )
+        return warnings
 
     def build_parts(self) -> None:
         """The trained parts, each (module, optimizer, LR scheduler), into ``parts``.
@@ -353,10 +386,12 @@ class Trainer:
     def train(self) -> None:
         """The epochs from the resumed position: a step per batch, heartbeats, metrics, checkpoints."""
         assert self.checkpoints is not None
-        self.heartbeat.update(progress=0, force=True, phase="training", step=self.step, total_steps=self.total_steps)
+        self.heartbeat.update(progress=0, force=True, phase="training", step=self.step, total_steps=self.total_steps,
+                              epochs=self.epochs)
+        self.log_progress(force=True)
         for module, _, _ in self.parts.values():
             module.train()
-        for epoch in range(self.config.epochs):
+        for epoch in range(self.epochs):
             self.epoch = epoch
             if self.step >= self.total_steps:
                 break
@@ -365,12 +400,21 @@ class Trainer:
             for batch in self.batches():
                 stats = self.train_step(batch, loss_hook=self.faults.loss_hook(self.step))
                 self.heartbeat.update(examples=stats.examples, step=self.step, epoch=epoch, loss=self.last_loss)
+                self.log_progress(force=self.step == self.total_steps)
                 self.log_step(stats)
                 if self.checkpoints.due(self.step):
                     self.save()
                 self.faults.after_step()
         if self.checkpoints.last_saved != self.step:
             self.save()
+
+    def log_progress(self, force: bool = False, every_s: float = 30.0) -> None:
+        """Rank 0: a progress line (step of total, %, examples/s, ETA; the loss once a step has run) every
+        ``every_s`` seconds and at the last step."""
+        if not self.env.is_main or not (force or time.monotonic() - self.last_progress_log >= every_s):
+            return
+        self.last_progress_log = time.monotonic()
+        log.info("progress: %s", self.heartbeat.progress_line())
 
     def batches(self) -> Iterator[dict[str, Any]]:
         """This rank's batches of ``epoch`` after those already trained on, up to its steps (or the total)."""
@@ -551,7 +595,10 @@ class Trainer:
             "steps": step,
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
+            "warnings": self.budget_warnings(),
         }
+        for warning in result["warnings"]:
+            log.warning("%s", warning)
         storage.write_json(storage.join(cfg.output_dir, RESULT_FILE), result)
         log.info("result: %s", json.dumps(result))
         return result

@@ -41,10 +41,11 @@ class Check:
     expected: Any = None
     details: str = ""
     required: bool = True  # False: a skipped check does not fail the partition (its input lies elsewhere)
+    severity: Literal["fail", "warn", "off"] = "fail"  # validation.severity: warn and off never fail the partition
 
     @property
     def passed(self) -> bool:
-        return self.success is True or (self.success is None and not self.required)
+        return self.success is True or (self.success is None and not self.required) or self.severity != "fail"
 
     @property
     def status(self) -> CheckStatus:
@@ -60,6 +61,7 @@ class Check:
             "observed": jsonable(self.observed),
             "expected": jsonable(self.expected),
             "details": self.details,
+            "severity": self.severity,
         }
 
 
@@ -181,6 +183,16 @@ def read_files(files: list[str]) -> tuple[list[pa.Table], Check]:
     return tables, Check("files.readable", True, {}, "every file readable as Parquet")
 
 
+def type_matches(actual: pa.DataType, contract: pa.DataType) -> bool:
+    """The contract's type, or a fixed-size list of the same values where the contract has a list."""
+    if actual.equals(contract):
+        return True
+    return (
+        pa.types.is_list(contract) and pa.types.is_fixed_size_list(actual)
+        and actual.value_type.equals(contract.value_type)
+    )
+
+
 def check_schema(schemas: list[tuple[str, pa.Schema]], contract: pa.Schema) -> tuple[Check, Check, set[str]]:
     """Column names and types of every file against the contract; also the columns GX cannot judge."""
     missing: dict[str, list[str]] = {}
@@ -190,8 +202,9 @@ def check_schema(schemas: list[tuple[str, pa.Schema]], contract: pa.Schema) -> t
         file_name = storage.name_of(path)
         for col in contract.names:
             if col not in schema.names:
-                missing.setdefault(col, []).append(file_name)
-            elif not schema.field(col).type.equals(contract.field(col).type):
+                if not contract.field(col).nullable:  # a nullable column is optional
+                    missing.setdefault(col, []).append(file_name)
+            elif not type_matches(schema.field(col).type, contract.field(col).type):
                 wrong.setdefault(col, {})[file_name] = str(schema.field(col).type)
         for col in schema.names:
             if col not in contract.names:
@@ -220,7 +233,11 @@ def check_schema(schemas: list[tuple[str, pa.Schema]], contract: pa.Schema) -> t
             for col, by_file in wrong.items()
         ),
     )
-    return columns, types, set(missing) | set(wrong)
+    absent_optional = {
+        col for col in contract.names
+        if contract.field(col).nullable and any(col not in schema.names for _, schema in schemas)
+    }
+    return columns, types, set(missing) | set(wrong) | absent_optional
 
 
 def _files_of(by_column: dict[str, list[str]]) -> str:

@@ -14,7 +14,8 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from core import contracts, storage
+from core import storage
+from core.config import ValidationConfig
 from features.validation.checks import Check, raw_dataset, short
 
 
@@ -47,15 +48,16 @@ DERIVED: dict[str, tuple[DerivedCheck, ...]] = {
         ),
         DerivedCheck(
             "engagement.has_impression", "_check_has_impression",
-            "an engagement without an impression of the same user and pin in the partition (or an impression "
-            "whose impression_id is not its own event_id)",
+            "an engagement without an impression of the same user and pin in the partition or in the last "
+            "validation.engagement_lookback_minutes of the day before (or an impression whose impression_id is "
+            "not its own event_id)",
             "true", ("event_id", "impression_id", "user_id", "pin_id", "action"),
         ),
     ),
     "pins": (
         DerivedCheck(
             "embedding.length", "_check_embedding_length",
-            f"an embedding whose length is not {contracts.EMBEDDING_DIM}", "embedding_length", ("embedding",),
+            "an embedding whose length is not validation.embedding_dim", "embedding_length", ("embedding",),
         ),
         DerivedCheck(
             "embedding.finite", "_check_embedding_finite",
@@ -73,9 +75,18 @@ DERIVED: dict[str, tuple[DerivedCheck, ...]] = {
 
 
 def derived_columns(
-    root: storage.Location, dataset: str, ds: str, table: pa.Table, bad_columns: set[str]
+    root: storage.Location,
+    dataset: str,
+    ds: str,
+    table: pa.Table,
+    bad_columns: set[str],
+    config: ValidationConfig | None = None,
 ) -> tuple[dict[str, pa.Array], dict[str, Check]]:
-    """The columns of the dataset's ``DerivedCheck``s, and the checks that cannot run (with why)."""
+    """The columns of the dataset's ``DerivedCheck``s, and the checks that cannot run (with why).
+
+    ``config.engagement_lookback_minutes``: an engagement may come from an impression of the previous day
+    that late (an impression at 23:59:59, its click at 00:00:02), looked up in the previous day's events.
+    """
     columns: dict[str, pa.Array] = {}
     not_run: dict[str, Check] = {}
     for check in DERIVED[dataset]:
@@ -94,7 +105,9 @@ def derived_columns(
             values = pc.is_in(table.column(check.sources[0]), value_set=ids)
             columns[check.column] = pc.if_else(pc.is_null(table.column(check.sources[0])), None, values)
         elif check.name == "engagement.has_impression":
-            columns[check.column] = has_impression(table)
+            lookback = config.engagement_lookback_minutes if config is not None else 0.0
+            late = late_impressions(root, ds, lookback) if lookback > 0 else None
+            columns[check.column] = has_impression(table, late)
         elif check.kind == "embedding_length":
             try:
                 columns[check.column] = pc.list_value_length(table.column("embedding"))
@@ -110,44 +123,64 @@ def derived_columns(
 
 
 def reference_ids(root: storage.Location, dataset: str, ds: str, column: str) -> tuple[pa.Array | None, str]:
-    """The distinct ``column`` values of ``raw/<dataset>/ds=<ds>``, or None and why they are unavailable."""
+    """The distinct ``column`` values of the snapshot ``raw/<dataset>`` as of ``ds``, or None and why not."""
     source = raw_dataset(dataset)
     where = f"{source} ds={ds}"
     if not storage.is_complete(root, source, ds):
         return None, f"{where} is missing or incomplete"
     try:
-        files = storage.data_files(root, source, ds)
-        if not files:
+        if not storage.data_files(root, source, ds):
             return None, f"{where} has no Parquet file"
-        table = pa.concat_tables([storage.read_parquet(f, columns=[column]) for f in files])
+        # The snapshot as of ds: that day's, or the newest full one with the increments after it.
+        table, _ = storage.read_snapshot(root, source, ds, column, [])
         ids = pc.unique(table.column(column).cast(pa.int64()))
     except Exception as err:  # noqa: BLE001 - any unreadable reference makes the check not runnable
         return None, f"{where} is unreadable ({type(err).__name__}: {short(str(err), 120)})"
     return ids, ""
 
 
-def has_impression(table: pa.Table) -> pa.Array:
-    """Per row: an impression references itself; an engagement an impression of its user and pin."""
+def late_impressions(root: storage.Location, ds: str, minutes: float) -> pa.Table | None:
+    """The impressions of the day before ``ds`` in its last ``minutes`` (event_id, user_id, pin_id); None when
+    that day's events are not there (then only the day's own impressions count)."""
+    import datetime as dt
+
+    previous = storage.shift_ds(ds, -1)
+    source = raw_dataset("events")
+    if not storage.is_complete(root, source, previous):
+        return None
+    start = dt.datetime.fromisoformat(ds).replace(tzinfo=dt.UTC) - dt.timedelta(minutes=minutes)
+    table = storage.read_table(root, source, previous, columns=["event_id", "user_id", "pin_id", "action", "ts"])
+    keep = pc.and_(pc.equal(table.column("action"), "impression"), pc.greater_equal(table.column("ts"), pa.scalar(start)))
+    return table.filter(keep).select(["event_id", "user_id", "pin_id"])
+
+
+def has_impression(table: pa.Table, late: pa.Table | None = None) -> pa.Array:
+    """Per row: an impression references itself; an engagement an impression of its user and pin, of the same
+    day or, given ``late``, one of the last impressions of the day before."""
     import numpy as np
 
-    def ints(col: str) -> np.ndarray:
-        column = table.column(col)
+    def ints(source: pa.Table, col: str) -> np.ndarray:
+        column = source.column(col)
         return (column.fill_null(-1) if column.null_count else column).to_numpy()
 
-    event, impression, user, pin = ints("event_id"), ints("impression_id"), ints("user_id"), ints("pin_id")
+    event, impression, user, pin = (ints(table, c) for c in ("event_id", "impression_id", "user_id", "pin_id"))
     is_imp = pc.fill_null(pc.equal(table.column("action"), "impression"), False).to_numpy()
     imp_rows = np.flatnonzero(is_imp)
-    keys = event[imp_rows]
+    # The candidate impressions: (id, user, pin) of the day's, and of the previous day's last ones.
+    keys, imp_user, imp_pin = event[imp_rows], user[imp_rows], pin[imp_rows]
+    if late is not None and late.num_rows:
+        keys = np.concatenate([keys, ints(late, "event_id")])
+        imp_user = np.concatenate([imp_user, ints(late, "user_id")])
+        imp_pin = np.concatenate([imp_pin, ints(late, "pin_id")])
     if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):  # upstream writes events in id order
         order = np.argsort(keys, kind="stable")
-        imp_rows, keys = imp_rows[order], keys[order]
+        keys, imp_user, imp_pin = keys[order], imp_user[order], imp_pin[order]
     linked = impression == event  # an impression references itself
     eng = np.flatnonzero(~is_imp)
     if len(keys) and len(eng):
         ref = impression[eng]
         pos = np.minimum(np.searchsorted(keys, ref), len(keys) - 1)
-        match = imp_rows[pos]
-        linked[eng] = (keys[pos] == ref) & (user[match] == user[eng]) & (pin[match] == pin[eng])
+        linked[eng] = (keys[pos] == ref) & (imp_user[pos] == user[eng]) & (imp_pin[pos] == pin[eng])
     elif len(eng):
         linked[eng] = False
     # A row with a null key is left to the not_null checks rather than reported twice.

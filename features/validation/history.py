@@ -11,8 +11,11 @@ trailing days that passed validation (a quarantined day never becomes history):
 * ``history.null_rate`` — no column's null rate more than ``null_rate_max_increase`` above its trailing
   median.
 
-With fewer than ``min_history_days`` trailing profiles (the first days of a dataset) the history checks
-pass with a warning. The thresholds are the ``validation:`` section of the platform configuration
+Real traffic has weekly cycles: with ``history_baseline`` ``weekday`` (or ``both``, the default) the volume
+and the action mix are also compared with the same weekday of the trailing ``weekday_weeks`` weeks, and with
+``both`` a day passes when it fits either baseline (a quiet Sunday fits last Sundays; a halved Tuesday fits
+neither). Days listed in ``holidays`` only warn (``ValidationConfig.severity_of``). With fewer than
+``min_history_days`` trailing profiles (the first days of a dataset) the history checks pass with a warning. The thresholds are the ``validation:`` section of the platform configuration
 (``core.config.ValidationConfig``), passed in. Profiles are read through ``core.storage`` from the storage
 root, local or not.
 """
@@ -99,15 +102,18 @@ def previous_ids(root: storage.Location, dataset: str, ds: str) -> dict[str, pa.
     return {c: pc.unique(table.column(c).drop_null()) for c in cols}
 
 
-def trailing_profiles(root: storage.Location, dataset: str, ds: str, days: int) -> list[tuple[str, dict[str, Any]]]:
-    """``(day, profile)`` of the ``days`` days before ``ds`` whose partition passed validation.
+def trailing_profiles(
+    root: storage.Location, dataset: str, ds: str, days: int, step: int = 1
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(day, profile)`` of the ``days`` days before ``ds`` (every ``step``-th day: 7 for the same weekday)
+    whose partition passed validation.
 
     A day counts only when its ``result.json`` says it passed (the report writes it last): a failed or
     quarantined day, or a report still being written, never becomes history.
     """
     out = []
     for back in range(days, 0, -1):
-        day = storage.shift_ds(ds, -back)
+        day = storage.shift_ds(ds, -back * step)
         folder = report_dir(root, dataset, day)
         try:
             result = storage.read_json(storage.join(folder, RESULT_FILE))
@@ -150,8 +156,10 @@ def history_checks(
     profile: Mapping[str, Any],
     history: list[tuple[str, dict[str, Any]]],
     config: ValidationConfig,
+    weekdays: list[tuple[str, dict[str, Any]]] | None = None,
 ) -> list[HistoryResult]:
-    """Compare ``profile`` with the trailing ``history`` under the thresholds of ``config``; see the module docstring."""
+    """Compare ``profile`` with the trailing ``history`` (and the same weekday of the trailing weeks,
+    ``weekdays``) under the thresholds of ``config``; see the module docstring."""
     names = HISTORY_CHECKS[dataset]
     days = [d for d, _ in history]
     if len(history) < config.min_history_days:
@@ -165,35 +173,37 @@ def history_checks(
             for n in names
         ]
     results = []
-    rows_hist = [int(p["rows"]) for _, p in history]
-    median_rows = statistics.median(rows_hist)
-    ratio = profile["rows"] / median_rows if median_rows else math.inf
-    low, high = config.volume_min_ratio * median_rows, config.volume_max_ratio * median_rows
-    ok = config.volume_min_ratio <= ratio <= config.volume_max_ratio
+    baselines = _baselines(history, weekdays or [], config)
+    volumes = {
+        name: _volume(profile, days_of, config) for name, days_of in baselines.items()
+    }
+    ok = any(v["ok"] for v in volumes.values())
+    best = next((name for name, v in volumes.items() if v["ok"]), next(iter(volumes)))
     results.append(
         HistoryResult(
             "history.volume",
             ok,
-            {"rows": profile["rows"], "trailing_median": median_rows, "ratio": round(ratio, 4), "history_days": days},
-            {"min_rows": low, "max_rows": high},
-            "" if ok else (
-                f"{profile['rows']} rows is {ratio:.2f}x the median of the {len(days)} trailing days "
-                f"({median_rows:g}); expected between {config.volume_min_ratio}x and {config.volume_max_ratio}x"
-            ),
+            {"rows": profile["rows"], **{f"{name}_median": v["median"] for name, v in volumes.items()},
+             **{f"{name}_ratio": v["ratio"] for name, v in volumes.items()}, "history_days": days,
+             "baseline": best if ok else list(volumes)},
+            # In rows of the baseline that passed (else the first): what a reader compares the row count with.
+            {"min_rows": config.volume_min_ratio * volumes[best]["median"],
+             "max_rows": config.volume_max_ratio * volumes[best]["median"]},
+            "" if ok else "; ".join(
+                f"{profile['rows']} rows is {v['ratio']:.2f}x the median of the {v['count']} {name.replace('_', ' ')} "
+                f"({v['median']:g})" for name, v in volumes.items()
+            ) + f"; expected between {config.volume_min_ratio}x and {config.volume_max_ratio}x",
         )
     )
     if "history.action_mix" in names and not profile["rows"]:
         results.append(HistoryResult("history.action_mix", None, None, None, "not run: the partition has no rows"))
     elif "history.action_mix" in names:
-        pooled: dict[str, int] = {}
-        for _, p in history:
-            for action, count in p.get("action_counts", {}).items():
-                pooled[action] = pooled.get(action, 0) + int(count)
-        total = sum(pooled.values())
-        expected_mix = {a: c / total for a, c in pooled.items()} if total else {}
         actual_mix = dict(profile.get("action_mix", {}))
-        value = psi(actual_mix, expected_mix)
-        ok = value <= config.action_mix_max_psi
+        mixes = {name: _pooled_mix(days_of) for name, days_of in baselines.items()}
+        values = {name: psi(actual_mix, mix) for name, mix in mixes.items()}
+        ok = any(v <= config.action_mix_max_psi for v in values.values())
+        name = min(values, key=lambda n: values[n])
+        expected_mix = mixes[name]
         shifted = sorted(
             set(actual_mix) | set(expected_mix),
             key=lambda a: -abs(actual_mix.get(a, 0.0) - expected_mix.get(a, 0.0)),
@@ -203,14 +213,16 @@ def history_checks(
                 "history.action_mix",
                 ok,
                 {
-                    "psi": round(value, 5),
+                    **{f"{n}_psi": round(v, 5) for n, v in values.items()},
+                    "psi": round(values[name], 5),
                     "mix": {a: round(v, 5) for a, v in actual_mix.items()},
                     "trailing_mix": {a: round(v, 5) for a, v in expected_mix.items()},
+                    "baseline": name,
                 },
                 {"max_psi": config.action_mix_max_psi},
                 "" if ok else (
-                    f"action mix drifted: PSI {value:.3f} > {config.action_mix_max_psi} against the "
-                    f"{len(days)} trailing days; largest shifts: "
+                    f"action mix drifted: PSI {values[name]:.3f} > {config.action_mix_max_psi} against the "
+                    f"{name.replace('_', ' ')}; largest shifts: "
                     + ", ".join(
                         f"{a} {expected_mix.get(a, 0.0):.1%} -> {actual_mix.get(a, 0.0):.1%}" for a in shifted
                     )
@@ -235,3 +247,33 @@ def history_checks(
         )
     )
     return results
+
+
+def _baselines(
+    history: list[tuple[str, dict[str, Any]]], weekdays: list[tuple[str, dict[str, Any]]], config: ValidationConfig
+) -> dict[str, list[dict[str, Any]]]:
+    """The profiles of each baseline the configuration asks for (the weekday one needs two weeks at least)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    if config.history_baseline in ("days", "both") or len(weekdays) < 2:
+        out["trailing_days"] = [p for _, p in history]
+    if config.history_baseline in ("weekday", "both") and len(weekdays) >= 2:
+        out["same_weekday"] = [p for _, p in weekdays]
+    return out
+
+
+def _volume(profile: Mapping[str, Any], history: list[dict[str, Any]], config: ValidationConfig) -> dict[str, Any]:
+    median = statistics.median(int(p["rows"]) for p in history)
+    ratio = profile["rows"] / median if median else math.inf
+    return {
+        "median": median, "ratio": round(ratio, 4), "count": len(history),
+        "ok": config.volume_min_ratio <= ratio <= config.volume_max_ratio,
+    }
+
+
+def _pooled_mix(history: list[dict[str, Any]]) -> dict[str, float]:
+    pooled: dict[str, int] = {}
+    for p in history:
+        for action, count in p.get("action_counts", {}).items():
+            pooled[action] = pooled.get(action, 0) + int(count)
+    total = sum(pooled.values())
+    return {a: c / total for a, c in pooled.items()} if total else {}

@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core import storage
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from core import contracts, storage
 from core.config import ValidationConfig
-from features.validation.checks import STORAGE_CHECKS, Check, dataset_name, read_partition
-from features.validation.derived import derived_columns
+from features.validation.checks import EXAMPLES, STORAGE_CHECKS, Check, dataset_name, read_partition
+from features.validation.derived import DERIVED, derived_columns
 from features.validation.history import (
     HISTORY_CHECKS,
     history_checks,
@@ -37,6 +40,27 @@ from features.validation.report import (
     write_report,
 )
 from features.validation.suite import run_suite, suite_check_names
+
+# The id column that names a row of each raw dataset in a failure message.
+ROW_KEYS: dict[str, str] = {"events": "event_id", "pins": "pin_id", "users": "user_id", "pin_labels": "review_id"}
+
+
+def name_offenders(checks: dict[str, Check], dataset: str, table: pa.Table, derived: dict[str, pa.Array]) -> None:
+    """Add to each failed derived check a sample of the ids of its offending rows (what to look up upstream)."""
+    key = ROW_KEYS[dataset]
+    if key not in table.column_names:
+        return
+    for check in DERIVED[dataset]:
+        result = checks.get(check.name)
+        values = derived.get(check.column)
+        if result is None or result.success is not False or values is None or check.kind != "true":
+            continue
+        offending = pc.filter(table.column(key), pc.equal(pc.fill_null(values, True), False))
+        sample = offending.slice(0, EXAMPLES).to_pylist()
+        if sample:
+            result.details += f"; offending {key}: {sample}" + (" ..." if len(offending) > EXAMPLES else "")
+            if isinstance(result.observed, dict):
+                result.observed[f"offending_{key}"] = sample
 
 
 def check_names(dataset: str) -> list[str]:
@@ -67,6 +91,7 @@ def validate_partition(
     """
     started = time.perf_counter()
     name = dataset_name(dataset)
+    config = config.for_dataset(name)  # validation.per_dataset thresholds
     day = storage.ds_str(ds)
     out_dir = report_dir(root, name, day)
     found = read_partition(root, name, day)
@@ -86,17 +111,32 @@ def validate_partition(
                 checks[check_name] = Check(check_name, None, details=f"not run: {found.skip_reason}")
         else:
             table = found.table
-            derived, not_run = derived_columns(root, name, day, table, found.bad_columns)
+            derived, not_run = derived_columns(root, name, day, table, found.bad_columns, config)
             gx_checks, rendered = run_suite(
                 name, day, table, config=config, skip_columns=found.bad_columns, derived=derived, docs_dir=docs_dir
             )
+            schema = contracts.RAW_SCHEMAS[name]
+            absent = {c for c in schema.names if schema.field(c).nullable and c not in table.column_names}
             for check_name in suite_names:
-                checks[check_name] = gx_checks.get(check_name) or not_run.get(check_name) or Check(
-                    check_name, None, details="not run: the column is missing or of the wrong type"
+                column = check_name.split(".", 1)[0]
+                checks[check_name] = gx_checks.get(check_name) or not_run.get(check_name) or (
+                    Check(check_name, None, details=f"not run: the optional column {column} is absent", required=False)
+                    if column in absent
+                    else Check(check_name, None, details="not run: the column is missing or of the wrong type")
                 )
+            name_offenders(checks, name, table, derived)
             profile = profile_table(name, table, previous_ids(root, name, day))
-            history = trailing_profiles(root, name, day, config.history_days)
-            for result in history_checks(name, day, profile, history, config):
+            # An incremental snapshot (only changed rows) is compared with increments, a full one with full ones.
+            profile["snapshot"] = snapshot = storage.read_metadata(root, name, day).get("snapshot", "full")
+            history = [
+                (d, p) for d, p in trailing_profiles(root, name, day, config.history_days)
+                if p.get("snapshot", "full") == snapshot
+            ]
+            weekdays = [
+                (d, p) for d, p in trailing_profiles(root, name, day, config.weekday_weeks, step=7)
+                if p.get("snapshot", "full") == snapshot
+            ]
+            for result in history_checks(name, day, profile, history, config, weekdays):
                 checks[result.name] = Check(
                     result.name, result.success, result.observed, result.expected, result.details
                 )
@@ -104,6 +144,13 @@ def validate_partition(
                     warnings.append(result.details)
 
         ordered = [checks[n] for n in check_names(name)]
+        for check in ordered:
+            check.severity = config.severity_of(name, check.name, day)
+            if check.severity == "warn" and check.success is False:
+                warning = f"warning: {check.name} failed, reported only (validation.severity warn): {check.details}"
+                warnings.append(warning)
+            elif check.severity == "off":
+                check.details = "off (validation.severity)" + (f"; {check.details}" if check.details else "")
         report = ValidationReport(
             dataset=name,
             ds=day,
@@ -117,6 +164,7 @@ def validate_partition(
             profile=profile,
             quarantine_history=quarantine_records(root, name, day),
             warnings=warnings,
+            thresholds=config.model_dump(),
         )
         # Only a complete partition is moved: an incomplete one may still be landing. The move comes before
         # the report is written, so that the report says where the partition went.

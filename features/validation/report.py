@@ -62,6 +62,7 @@ class ValidationReport:
     quarantine: str | None = None  # where the failed partition was moved, with a copy of this report
     quarantine_history: list[str] = field(default_factory=list)  # earlier quarantines of this partition
     warnings: list[str] = field(default_factory=list)
+    thresholds: dict[str, Any] = field(default_factory=dict)  # the validation: settings this run used
 
     @property
     def folder(self) -> str:
@@ -70,7 +71,13 @@ class ValidationReport:
 
     @property
     def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if c.success is False]
+        """The checks that failed and count (``severity: fail``): why the partition failed."""
+        return [c for c in self.checks if c.success is False and c.severity == "fail"]
+
+    @property
+    def warned_checks(self) -> list[Check]:
+        """Checks that failed at ``severity: warn``: reported, never a reason to quarantine."""
+        return [c for c in self.checks if c.success is False and c.severity == "warn"]
 
     @property
     def data_docs_path(self) -> str:
@@ -89,6 +96,7 @@ class ValidationReport:
             "report_path": self.report_path,
             "data_docs": self.data_docs_path,
             "quarantine": self.quarantine,
+            "warned_checks": [c.name for c in self.warned_checks],
             "warnings": self.warnings,
         }
 

@@ -86,7 +86,7 @@ def build_suite(
     # exact_match=False: derived check columns sit beside the contract's; schema.columns reports extras.
     suite.add_expectation(
         gxe.ExpectTableColumnsToMatchSet(
-            column_set=list(schema.names),
+            column_set=[c for c in schema.names if not schema.field(c).nullable],  # nullable: optional
             exact_match=False,
             meta={"check": "table.columns_match_set"},
         )
@@ -116,7 +116,7 @@ def build_suite(
                     meta={"check": f"{col}.unique", "problem": f"{col} shared with another row"},
                 )
             )
-    for col, allowed in IN_SET.get(name, {}).items():
+    for col, allowed in closed_sets(name, config).items():
         if col not in skip:
             suite.add_expectation(
                 gxe.ExpectColumnValuesToBeInSet(
@@ -170,7 +170,8 @@ def build_suite(
         if check.kind == "embedding_length":
             suite.add_expectation(
                 gxe.ExpectColumnValuesToBeBetween(
-                    column=check.column, min_value=contracts.EMBEDDING_DIM, max_value=contracts.EMBEDDING_DIM, meta=meta
+                    column=check.column, min_value=config.embedding_dim, max_value=config.embedding_dim,
+                    meta={**meta, "problem": f"an embedding whose length is not {config.embedding_dim}"},
                 )
             )
         else:
@@ -179,6 +180,17 @@ def build_suite(
                 gxe.ExpectColumnValuesToBeInSet(column=check.column, value_set=[True], mostly=mostly, meta=meta)
             )
     return suite
+
+
+def closed_sets(dataset: str, config: ValidationConfig) -> dict[str, tuple[Any, ...]]:
+    """The closed sets of ``dataset``'s columns; the surfaces come from the configuration (empty: any)."""
+    sets = dict(IN_SET.get(dataset, {}))
+    if dataset == "events":
+        if config.surfaces:
+            sets["surface"] = tuple(config.surfaces)
+        else:
+            sets.pop("surface", None)
+    return sets
 
 
 def suite_check_names(dataset: str) -> list[str]:

@@ -41,7 +41,7 @@ def get_backend(name: str, cfg: PlatformConfig | None = None, home: str | None =
         return BatchBackend(cfg.batch, cfg.teams, Catalog.from_config(cfg))
     from operators.backends.kubernetes import KubernetesBackend
 
-    return KubernetesBackend(cfg.kubernetes, cfg.teams, Catalog.from_config(cfg))
+    return KubernetesBackend(cfg.kubernetes, cfg.teams, Catalog.from_config(cfg), ray_version=cfg.inference.ray_version)
 
 
 __all__ = ["BACKENDS", "Backend", "JobSpec", "JobState", "JobStatus", "get_backend", "launch_command", "validate_for"]

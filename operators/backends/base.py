@@ -6,10 +6,14 @@ import enum
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from core.config import TeamConfig
 from core.failures import ConfigError, FailureClass
+
+# The variable each backend tells an array child its index by (``training.inference`` reads any of them).
+ARRAY_INDEX_ENV = {"local": "PINFLOW_ARRAY_INDEX", "batch": "AWS_BATCH_JOB_ARRAY_INDEX", "kubernetes": "JOB_COMPLETION_INDEX"}
+MAX_ARRAY_SIZE = 10000  # AWS Batch's limit on an array job's children
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 # A container image reference: [registry[:port]/]path[:tag][@sha256:digest].
@@ -47,6 +51,18 @@ class JobSpec:
     checkpoint_dir: str | None = None
     # Distributed jobs: run ``training.preflight`` in the same world first (``training.launch --preflight``).
     preflight: bool = False
+    # An array job: ``array_size`` independent runs of ``command`` (one node each), each told its index in
+    # [0, array_size) by its backend's variable (``ARRAY_INDEX_ENV``). A failed child does not stop the others;
+    # the job has failed once every child has ended and one of them failed. 0: not an array.
+    array_size: int = 0
+    # Children running at once: the local backend's processes, a Kubernetes Indexed Job's ``parallelism``
+    # (AWS Batch runs as many as its compute environment fits). 0: local, the machine's CPUs; kubernetes, all.
+    array_parallelism: int = 0
+    # ``ray``: ``command`` is a Ray driver. On kubernetes a KubeRay ``RayJob`` (a head and ``ray_workers`` worker
+    # pods of the instance type, the driver submitted to it); elsewhere one process that starts a Ray cluster on
+    # its own node.
+    engine: Literal["process", "ray"] = "process"
+    ray_workers: int = 0
 
     def validate(self) -> None:
         """Fail before anything is submitted, saying which setting to change."""
@@ -74,6 +90,12 @@ class JobSpec:
             problems.append(f"image {self.image!r} is not a container image reference (training.image)")
         if self.timeout_s <= 0:
             problems.append(f"timeout_s={self.timeout_s} must be positive")
+        if not 0 <= self.array_size <= MAX_ARRAY_SIZE:
+            problems.append(f"array_size={self.array_size} must be in [0, {MAX_ARRAY_SIZE}] (inference.max_shards)")
+        if self.array_size and (self.distributed or self.engine == "ray"):
+            problems.append("an array job runs single processes: not distributed, not a Ray job")
+        if self.array_parallelism < 0 or self.ray_workers < 0:
+            problems.append("array_parallelism and ray_workers must not be negative")
         if problems:
             raise ConfigError(f"job spec {self.name!r} is invalid: " + "; ".join(problems))
 

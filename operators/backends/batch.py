@@ -17,6 +17,10 @@ Fair share only where the queue has it: AWS rejects ``shareIdentifier`` / ``sche
 FIFO queue and requires a share on a fair-share one. A team's ``scheduling`` says which (``fair_share``,
 ``fifo``), or ``auto``: the queue's ``schedulingPolicyArn`` is read once with ``describe_job_queues``.
 
+An array job (``JobSpec.array_size``, corpus-scoring shards) is one ``submit_job`` with ``arrayProperties.size``: each
+child runs the same container with its index in ``AWS_BATCH_JOB_ARRAY_INDEX``; the parent ends once every child
+has, FAILED if one failed, and :func:`classify_array_job` classes it from its failed children.
+
 Host and Spot loss are retried by Batch itself (``retryStrategy.evaluateOnExit``); the job resumes from
 its last checkpoint. Every other failure ends the job, and :func:`classify_job` turns the job and node
 descriptions into a failure class.
@@ -31,7 +35,7 @@ from typing import Any
 
 from core.config import BatchConfig, TeamConfig
 from core.failures import ConfigError, ExitCode, FailureClass, Finding, classify_exit_code, decide
-from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
+from operators.backends.base import ARRAY_INDEX_ENV, JobSpec, JobState, JobStatus, launch_command, validate_for
 from operators.backends.resources import Catalog, NodeResources, efa_environment, resolve
 
 PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING")
@@ -139,6 +143,8 @@ class BatchBackend:
             env.setdefault("PINFLOW_RDZV_PORT", str(self.options.rdzv_port))
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
+        if spec.array_size == 1:  # Batch has no array of one (2 to 10,000 children): a plain job, index 0
+            env.setdefault(ARRAY_INDEX_ENV["local"], "0")
         return [{"name": k, "value": v} for k, v in sorted(env.items())]
 
     def configured_fair_share(self, team: str) -> bool | None:
@@ -176,6 +182,8 @@ class BatchBackend:
             }
         else:
             submit["containerOverrides"] = overrides
+        if spec.array_size > 1:
+            submit["arrayProperties"] = {"size": spec.array_size}  # the child's index: AWS_BATCH_JOB_ARRAY_INDEX
         return {"job_definition": definition, "submit": submit}
 
     # -- the service ---------------------------------------------------------------------------------------
@@ -258,8 +266,18 @@ class BatchBackend:
                 nodes = self.hook.client.describe_jobs(jobs=ids).get("jobs", [])
         return job, nodes
 
+    def array_children(self, job_id: str, status: str = "FAILED") -> list[dict[str, Any]]:
+        """Descriptions of an array job's children in ``status`` (``list_jobs`` by ``arrayJobId``, then
+        ``describe_jobs`` 100 at a time)."""
+        client = self.hook.client
+        pages = client.get_paginator("list_jobs").paginate(arrayJobId=job_id, jobStatus=status)
+        ids = [j["jobId"] for page in pages for j in page.get("jobSummaryList", [])]
+        return [job for i in range(0, len(ids), 100) for job in client.describe_jobs(jobs=ids[i:i + 100]).get("jobs", [])]
+
     def status(self, job_id: str) -> JobStatus:
         job, nodes = self.describe(job_id)
+        if is_array_parent(job):
+            return classify_array_job(job, self.array_children(job_id) if job.get("status") == "FAILED" else [])
         return classify_job(job, nodes)
 
     def logs(self, job_id: str, tail: int = 50) -> str:
@@ -341,3 +359,54 @@ def classify_job(job: dict[str, Any], nodes: list[dict[str, Any]] | None = None)
     if reason and reason not in message:
         detail += f" [{reason}]"
     return JobStatus(job_id, JobState.FAILED, klass, detail, codes, created_at=created, started_at=started, ended_at=ended)
+
+
+def is_array_parent(job: dict[str, Any]) -> bool:
+    """An array job's parent: ``arrayProperties`` with a size (a child's have an ``index`` instead)."""
+    props = job.get("arrayProperties") or {}
+    return "size" in props and "index" not in props
+
+
+def classify_array_job(job: dict[str, Any], failed_children: list[dict[str, Any]] | None = None) -> JobStatus:
+    """An array job's parent (and its failed children's descriptions) as a :class:`JobStatus`; pure.
+
+    The parent stays PENDING while its children run: it is RUNNING once a child runs or has ended
+    (``arrayProperties.statusSummary``). A failed parent takes the class of its failed children by the one
+    precedence rule (a lost host, then a class a child chose itself, then INFRA), each child classed by
+    :func:`classify_job`; the reason says how many children failed, and which.
+    """
+    job_id = str(job.get("jobId", "?"))
+    state = str(job.get("status", ""))
+    created, started = _seconds(job.get("createdAt")), _seconds(job.get("startedAt"))
+    props = job.get("arrayProperties") or {}
+    summary = {k: int(v) for k, v in (props.get("statusSummary") or {}).items()}
+    size = int(props.get("size", 0))
+    if state in PENDING_STATES or state == "RUNNING":
+        begun = summary.get("RUNNING", 0) + summary.get("SUCCEEDED", 0) + summary.get("FAILED", 0)
+        if state == "RUNNING" or begun:
+            return JobStatus(job_id, JobState.RUNNING, reason=f"children {summary}" if summary else "",
+                             created_at=created, started_at=started)
+        return JobStatus(job_id, JobState.PENDING, reason=state, created_at=created)
+    if state != "FAILED":
+        return classify_job(job)
+    codes: dict[str, int | None] = {}
+    found: list[Finding] = []
+    indexes = []
+    for child in failed_children or []:
+        index = (child.get("arrayProperties") or {}).get("index", "?")
+        indexes.append(index)
+        child_status = classify_job(child)
+        codes[f"child-{index}"] = next(iter(child_status.exit_codes.values()), None)
+        node_lost = any(marker.lower() in child_status.reason.lower() for marker in HOST_LOST)
+        found.append(Finding(child_status.failure_class or FailureClass.USER,
+                             f"array child {index}: {child_status.reason}", node_lost=node_lost))
+    decided = decide(found)
+    if decided is None:
+        klass, message = FailureClass.INFRA, str(job.get("statusReason") or "failed, no failed child found")
+    else:
+        klass, message = decided.failure_class, decided.message
+    count = summary.get("FAILED", len(found))
+    detail = (f"AWS Batch array job ({job_id}) failed: {count} of {size} children failed "
+              f"({sorted(indexes, key=str)[:20]}); {message}")
+    return JobStatus(job_id, JobState.FAILED, klass, detail, codes, created_at=created, started_at=started,
+                     ended_at=_seconds(job.get("stoppedAt")))

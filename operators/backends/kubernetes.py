@@ -20,6 +20,16 @@ the team's Kueue ``LocalQueue`` (``kueue.x-k8s.io/queue-name``) and ``WorkloadPr
 (``kueue.x-k8s.io/priority-class``) as labels. Kueue holds the job (suspended: PENDING) until its quota admits
 every node at once.
 
+Besides training: an array job (``JobSpec.array_size``, corpus-scoring shards) is a ``batch/v1`` **Indexed Job**
+(``completionMode: Indexed``, ``completions`` = the array's size, ``parallelism``; each pod is told its index in
+``JOB_COMPLETION_INDEX``; ``backoffLimitPerIndex: 0`` and ``maxFailedIndexes`` = the size, so a failed index
+stops nothing else and is left to Airflow's retry; a disrupted pod is replaced without counting), suspended
+for Kueue like the others, its manifest checked against the kubernetes client's ``V1Job`` model and the Job
+API's rules; its id is ``job/<name>``. A Ray job (``JobSpec.engine == "ray"``) is a KubeRay ``RayJob``
+(``ray.io/v1``): a head and ``ray_workers`` worker pods of the instance type, the driver submitted by KubeRay's
+submitter Job, the cluster deleted when the job ends; checked against the kept ``RayJob`` CRD schema (KubeRay
+v1.7.0) and each pod template against ``V1PodTemplateSpec``; its id is ``rayjob/<name>``.
+
 Every manifest is checked before it is sent (:func:`check_manifest`): against the CRD schemas kept in
 ``crds/`` (Trainer v2.3 ``TrainJob`` and ``ClusterTrainingRuntime``, JobSet v0.12, training-operator v1
 ``PyTorchJob``), rejecting unknown fields as the API server's strict field validation does; a TrainJob also
@@ -36,6 +46,7 @@ import datetime as dt
 import functools
 import json
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +91,13 @@ class Api:
 TRAINJOB = Api("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob", "node", "jobset.sigs.k8s.io/jobset-name")
 PYTORCHJOB = Api("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob", "pytorch", "training.kubeflow.org/job-name")
 APIS = {"trainjob": TRAINJOB, "pytorchjob": PYTORCHJOB}
+RAYJOB = Api("ray.io", "v1", "rayjobs", "RayJob", "ray-head", "batch.kubernetes.io/job-name")
+# An array job's pods (batch/v1 Indexed Job): their one container, and the label the Job controller gives them.
+INDEXED_CONTAINER = "task"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_PREFIX, RAYJOB_PREFIX = "job/", "rayjob/"  # ids of an Indexed Job and of a RayJob (a bare name: training)
+RAY_PORTS = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+             {"containerPort": 10001, "name": "client"}]
 # Backwards-compatible names of the v1 API.
 GROUP, VERSION, PLURAL, KIND = PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, PYTORCHJOB.kind
 CONTAINER = PYTORCHJOB.container
@@ -161,7 +179,11 @@ def shipped_runtime() -> dict[str, Any]:
 def check_manifest(manifest: dict[str, Any], runtime: dict[str, Any] | None = None) -> None:
     """Raise ValueError if the manifest breaks its CRD schema or the rules its controller's webhook enforces."""
     kind = manifest.get("kind")
-    if kind == TRAINJOB.kind:
+    if kind == "Job":
+        check_indexed_job(manifest)
+    elif kind == RAYJOB.kind:
+        check_rayjob(manifest)
+    elif kind == TRAINJOB.kind:
         _check_trainjob(manifest, runtime or shipped_runtime())
     elif kind == "ClusterTrainingRuntime":
         _check_runtime(manifest)
@@ -169,6 +191,50 @@ def check_manifest(manifest: dict[str, Any], runtime: dict[str, Any] | None = No
         _check_pytorchjob(manifest)
     else:
         raise ValueError(f"no schema kept for kind {kind!r}")
+
+
+def check_indexed_job(manifest: dict[str, Any]) -> None:
+    """Raise ValueError if a batch/v1 Job has fields the client's ``V1Job`` model does not know, or breaks the
+    rules the Job API validates for an Indexed Job with per-index backoff and a pod failure policy."""
+    from kubernetes.client import ApiClient
+
+    api = ApiClient()
+    model = api._ApiClient__deserialize(manifest, "V1Job")  # type: ignore[attr-defined]
+    if api.sanitize_for_serialization(model) != manifest:
+        raise ValueError(f"Job manifest has fields V1Job does not know: {manifest}")
+    spec = manifest["spec"]
+    pod = spec["template"]["spec"]
+    problems = []
+    if manifest.get("apiVersion") != "batch/v1":
+        problems.append(f"apiVersion {manifest.get('apiVersion')!r} must be batch/v1")
+    if not re.match(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", manifest["metadata"]["name"]):
+        problems.append("metadata.name must be a DNS label of at most 63 characters")
+    if spec.get("completionMode") != "Indexed" or not spec.get("completions"):
+        problems.append("an array job is an Indexed Job with completions")
+    if "backoffLimitPerIndex" in spec and spec.get("completionMode") != "Indexed":
+        problems.append("backoffLimitPerIndex needs completionMode Indexed")
+    if int(spec.get("maxFailedIndexes", 0)) > int(spec.get("completions", 0)):
+        problems.append("maxFailedIndexes must be at most completions")
+    if "podFailurePolicy" in spec:
+        if pod.get("restartPolicy") != "Never":
+            problems.append("a podFailurePolicy needs restartPolicy Never")
+        if spec.get("podReplacementPolicy", "Failed") != "Failed":
+            problems.append("a podFailurePolicy needs podReplacementPolicy Failed")
+        for rule in spec["podFailurePolicy"]["rules"]:
+            if rule["action"] == "FailIndex" and "backoffLimitPerIndex" not in spec:
+                problems.append("the FailIndex action needs backoffLimitPerIndex")
+    if problems:
+        raise ValueError("Job manifest breaks the Job API's rules: " + "; ".join(problems))
+
+
+def check_rayjob(manifest: dict[str, Any]) -> None:
+    """Raise ValueError if a RayJob breaks the kept KubeRay CRD schema, or a pod template of its cluster has
+    fields ``V1PodTemplateSpec`` does not know."""
+    _check_schema(manifest, "rayjob", "RayJob manifest")
+    cluster = manifest["spec"]["rayClusterSpec"]
+    check_pod_template(cluster["headGroupSpec"]["template"], "RayJob head pod template")
+    for group in cluster.get("workerGroupSpecs", []):
+        check_pod_template(group["template"], f"RayJob worker group {group['groupName']}'s pod template")
 
 
 def _check_pytorchjob(manifest: dict[str, Any]) -> None:
@@ -303,11 +369,12 @@ class KubernetesBackend:
 
     def __init__(
         self, options: KubernetesConfig | None = None, teams: Mapping[str, TeamConfig] | None = None,
-        catalog: Catalog | None = None,
+        catalog: Catalog | None = None, ray_version: str = "2.60.0",
     ) -> None:
         self.options = options or KubernetesConfig()
         self.teams = dict(teams or {})
         self.catalog = catalog or Catalog.default()
+        self.ray_version = ray_version  # a RayJob's rayVersion: the Ray of the image (inference.ray_version)
         self._hook: Any = None
 
     @property
@@ -430,15 +497,106 @@ class KubernetesBackend:
             },
         }
 
+    def _pod(self, res: NodeResources, team: TeamConfig, containers: list[dict[str, Any]]) -> dict[str, Any]:
+        pod: dict[str, Any] = {"containers": containers, "restartPolicy": "Never", **self._pod_extras(res)}
+        if team.priority_class:
+            pod["priorityClassName"] = team.priority_class
+        return pod
+
+    def indexed_job(self, spec: JobSpec, res: NodeResources, team: TeamConfig) -> dict[str, Any]:
+        """An array job as a batch/v1 Indexed Job: one pod per index (``JOB_COMPLETION_INDEX``), ``parallelism``
+        at a time, a failed index left failed (no in-cluster retry: Airflow's retry runs what is missing)."""
+        container = {
+            "name": INDEXED_CONTAINER,
+            "image": res.image,
+            "command": launch_command(spec),
+            "env": self._env(spec, res),
+            "resources": self.resources(res),
+            "volumeMounts": [{"mountPath": "/dev/shm", "name": "dshm"}],
+        }
+        pod = self._pod(res, team, [container])
+        pod["activeDeadlineSeconds"] = spec.timeout_s  # each index's own limit, however many waves the job takes
+        size = spec.array_size
+        return {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": spec.name, "namespace": self.namespace, "labels": self._labels(spec, res, team)},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": size,
+                "parallelism": min(size, spec.array_parallelism or size),
+                "backoffLimitPerIndex": 0,
+                "maxFailedIndexes": size,
+                "podFailurePolicy": {"rules": [
+                    # Evicted, preempted, its node drained: the pod is replaced, the index not counted as failed.
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                ]},
+                "podReplacementPolicy": "Failed",
+                "suspend": True,  # Kueue admits the whole job when the team's quota has room
+                "ttlSecondsAfterFinished": int(self.options.ttl_seconds_after_finished),
+                "template": {"metadata": {"labels": {"pinflow/team": spec.team, "pinflow/job": spec.name}},
+                             "spec": pod},
+            },
+        }
+
+    def rayjob(self, spec: JobSpec, res: NodeResources, team: TeamConfig) -> dict[str, Any]:
+        """A Ray job as a KubeRay RayJob: a head and ``spec.ray_workers`` workers of the instance type (every
+        pod the whole node), the driver submitted by KubeRay, the cluster deleted when it ends; no retry inside."""
+        env = self._env(spec, res)
+
+        def template(name: str) -> dict[str, Any]:
+            container = {"name": name, "image": res.image, "env": env, "resources": self.resources(res),
+                         "volumeMounts": [{"mountPath": "/dev/shm", "name": "dshm"}]}
+            if name == RAYJOB.container:
+                container["ports"] = [dict(port) for port in RAY_PORTS]
+            pod = {"containers": [container], **self._pod_extras(res)}
+            if team.priority_class:
+                pod["priorityClassName"] = team.priority_class
+            return {"metadata": {"labels": {"pinflow/team": spec.team, "pinflow/job": spec.name}}, "spec": pod}
+
+        # With workers, the head only runs the driver (and Ray's own services): no tasks or actors there.
+        head_params = {"dashboard-host": "0.0.0.0", **({"num-cpus": "0"} if spec.ray_workers else {})}
+        cluster: dict[str, Any] = {
+            "rayVersion": self.ray_version,
+            "headGroupSpec": {"rayStartParams": head_params, "template": template(RAYJOB.container)},
+        }
+        if spec.ray_workers:
+            cluster["workerGroupSpecs"] = [{
+                "groupName": "scorers", "replicas": spec.ray_workers, "minReplicas": spec.ray_workers,
+                "maxReplicas": spec.ray_workers, "rayStartParams": {}, "template": template("ray-worker"),
+            }]
+        return {
+            "apiVersion": RAYJOB.api_version,
+            "kind": RAYJOB.kind,
+            "metadata": {"name": spec.name, "namespace": self.namespace, "labels": self._labels(spec, res, team)},
+            "spec": {
+                "entrypoint": shlex.join(launch_command(spec)),
+                "activeDeadlineSeconds": spec.timeout_s,
+                "backoffLimit": 0,  # a retry is Airflow's: it scores what is still missing
+                "shutdownAfterJobFinishes": True,
+                "ttlSecondsAfterFinished": int(self.options.ttl_seconds_after_finished),
+                "suspend": True,  # Kueue admits the cluster when the team's quota has room for all of it
+                "rayClusterSpec": cluster,
+            },
+        }
+
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
-        """The whole manifest (TrainJob or PyTorchJob), checked against the kept CRD schemas."""
+        """The whole manifest (TrainJob or PyTorchJob; an Indexed Job for an array, a RayJob for a Ray job),
+        checked against the kept CRD schemas or the client's models."""
         validate_for(spec, self.teams, backend=self.name)
         reserved = sorted(set(spec.env) & set(TORCH_RESERVED_ENV))
         if reserved:
             raise ConfigError(f"job spec {spec.name!r}: env must not set {reserved} (the Trainer sets them)")
         spec, res = resolve(spec, self.teams, self.catalog)
         team = self.teams[spec.team]
-        manifest = self.trainjob(spec, res, team) if self.api is TRAINJOB else self.pytorchjob(spec, res, team)
+        if spec.engine == "ray":
+            manifest = self.rayjob(spec, res, team)
+        elif spec.array_size:
+            manifest = self.indexed_job(spec, res, team)
+        elif self.api is TRAINJOB:
+            manifest = self.trainjob(spec, res, team)
+        else:
+            manifest = self.pytorchjob(spec, res, team)
         check_manifest(manifest)
         return manifest
 
@@ -465,7 +623,31 @@ class KubernetesBackend:
                 return None
             raise
 
+    def _get_job(self, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            job = self.hook.batch_v1_client.read_namespaced_job(name=name, namespace=self.namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return dict(self.hook.api_client.sanitize_for_serialization(job))
+
+    def _get_rayjob(self, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return dict(self.hook.get_custom_object(RAYJOB.group, RAYJOB.version, RAYJOB.plural, name,
+                                                    namespace=self.namespace))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
     def find(self, job_name: str) -> str | None:
+        """The id of a training job of that name (an Indexed Job's or a RayJob's: :meth:`submit` again, which
+        reattaches to the existing one)."""
         return job_name if self._get(job_name) is not None else None
 
     def submit(self, spec: JobSpec) -> str:
@@ -474,12 +656,19 @@ class KubernetesBackend:
         manifest = self.dry_run(spec)
         api = self.api
         try:
-            self.hook.create_custom_object(api.group, api.version, api.plural, manifest, namespace=self.namespace)
+            if manifest["kind"] == "Job":
+                self.hook.batch_v1_client.create_namespaced_job(namespace=self.namespace, body=manifest)
+            elif manifest["kind"] == RAYJOB.kind:
+                self.hook.create_custom_object(RAYJOB.group, RAYJOB.version, RAYJOB.plural, manifest,
+                                               namespace=self.namespace)
+            else:
+                self.hook.create_custom_object(api.group, api.version, api.plural, manifest, namespace=self.namespace)
         except ApiException as err:
             if err.status != 409:
                 raise
             # Already exists: this task try submitted it before its worker died. Reattach.
-        return spec.name
+        prefix = {"Job": JOB_PREFIX, RAYJOB.kind: RAYJOB_PREFIX}.get(manifest["kind"], "")
+        return prefix + spec.name
 
     def pods(self, job_id: str) -> list[dict[str, Any]]:
         listing = self.hook.core_v1_client.list_namespaced_pod(
@@ -487,7 +676,26 @@ class KubernetesBackend:
         )
         return [dict(p) for p in self.hook.api_client.sanitize_for_serialization(listing).get("items", [])]
 
+    def _pods_of(self, selector: str) -> list[dict[str, Any]]:
+        listing = self.hook.core_v1_client.list_namespaced_pod(self.namespace, label_selector=selector)
+        return [dict(p) for p in self.hook.api_client.sanitize_for_serialization(listing).get("items", [])]
+
     def status(self, job_id: str) -> JobStatus:
+        if job_id.startswith(JOB_PREFIX):
+            name = job_id.removeprefix(JOB_PREFIX)
+            indexed = self._get_job(name)
+            if indexed is None:
+                return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA,
+                                 f"Job {self.namespace}/{name} is gone (deleted or garbage-collected)")
+            failed = indexed_job_state(indexed)[0] is JobState.FAILED
+            return classify_indexed_job(indexed, self._pods_of(f"{JOB_NAME_LABEL}={name}") if failed else [])
+        if job_id.startswith(RAYJOB_PREFIX):
+            name = job_id.removeprefix(RAYJOB_PREFIX)
+            ray_job = self._get_rayjob(name)
+            if ray_job is None:
+                return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA,
+                                 f"RayJob {self.namespace}/{name} is gone (deleted or garbage-collected)")
+            return classify_rayjob(ray_job)
         job = self._get(job_id)
         if job is None:
             return JobStatus(job_id, JobState.FAILED, FailureClass.INFRA,
@@ -499,12 +707,19 @@ class KubernetesBackend:
         return classify_pytorchjob(job, self.pods(job_id) if state is JobState.FAILED else [])
 
     def logs(self, job_id: str, tail: int = 50) -> str:
+        if job_id.startswith((JOB_PREFIX, RAYJOB_PREFIX)):
+            # An Indexed Job's failed pods first (at most five), or the RayJob's submitter (it tails the driver).
+            name = job_id.split("/", 1)[1]
+            pods = self._pods_of(f"{JOB_NAME_LABEL}={name}")
+            pods.sort(key=lambda p: (p.get("status") or {}).get("phase") != "Failed")
+            container = INDEXED_CONTAINER if job_id.startswith(JOB_PREFIX) else None
+            targets = [(p["metadata"]["name"], container) for p in pods[:5]]
+        else:
+            targets = [(p["metadata"]["name"], self.api.container) for p in self.pods(job_id)]
         parts = []
-        for pod in self.pods(job_id):
-            name = pod["metadata"]["name"]
-            text = self.hook.core_v1_client.read_namespaced_pod_log(
-                name, self.namespace, container=self.api.container, tail_lines=tail
-            )
+        for name, container in targets:
+            kwargs = {"container": container} if container else {}
+            text = self.hook.core_v1_client.read_namespaced_pod_log(name, self.namespace, tail_lines=tail, **kwargs)
             parts.append(f"--- pod {name} ---\n{text}")
         return "\n".join(parts)
 
@@ -513,15 +728,29 @@ class KubernetesBackend:
 
         api = self.api
         try:
-            self.hook.delete_custom_object(api.group, api.version, api.plural, job_id, namespace=self.namespace,
-                                           propagation_policy="Foreground")
+            if job_id.startswith(JOB_PREFIX):
+                self.hook.batch_v1_client.delete_namespaced_job(job_id.removeprefix(JOB_PREFIX), self.namespace,
+                                                                propagation_policy="Foreground")
+            elif job_id.startswith(RAYJOB_PREFIX):
+                self.hook.delete_custom_object(RAYJOB.group, RAYJOB.version, RAYJOB.plural,
+                                               job_id.removeprefix(RAYJOB_PREFIX), namespace=self.namespace,
+                                               propagation_policy="Foreground")
+            else:
+                self.hook.delete_custom_object(api.group, api.version, api.plural, job_id, namespace=self.namespace,
+                                               propagation_policy="Foreground")
         except ApiException as err:
             if err.status != 404:
                 raise
 
     def console_url(self, job_id: str) -> str:
-        return str(self.options.console_url).format(namespace=self.namespace, name=job_id, plural=self.api.plural,
-                                                    group=self.api.group)
+        if job_id.startswith(JOB_PREFIX):
+            plural, group = "jobs", "batch"
+        elif job_id.startswith(RAYJOB_PREFIX):
+            plural, group = RAYJOB.plural, RAYJOB.group
+        else:
+            plural, group = self.api.plural, self.api.group
+        return str(self.options.console_url).format(namespace=self.namespace, name=job_id.split("/")[-1],
+                                                    plural=plural, group=group)
 
 
 # -- states and failure classes ------------------------------------------------------------------------------
@@ -648,3 +877,88 @@ def classify_trainjob(job: dict[str, Any], pods: list[dict[str, Any]] | None = N
     else:
         klass, message = FailureClass.INFRA, f"{reason} (no pod says why: taken as infrastructure)"
     return JobStatus(name, JobState.FAILED, klass, f"TrainJob {name} failed: {message}", codes, created_at=created)
+
+
+def indexed_job_state(job: dict[str, Any]) -> tuple[JobState, str]:
+    """An Indexed Job's state: held by Kueue (suspended) or no pod started yet: PENDING; then RUNNING until its
+    ``Complete`` or ``Failed`` condition (with per-index backoff: once every index has ended)."""
+    conditions = _true_conditions(job)
+    if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
+        return JobState.SUCCEEDED, ""
+    if "Failed" in conditions or "FailureTarget" in conditions:
+        return JobState.FAILED, ""
+    if "Suspended" in conditions or (job.get("spec") or {}).get("suspend"):
+        return JobState.PENDING, "suspended: waiting for admission (Kueue)"
+    status = job.get("status") or {}
+    if any(int(status.get(k) or 0) for k in ("ready", "succeeded", "failed")):
+        return JobState.RUNNING, ""
+    return JobState.PENDING, "pods not running yet (scheduling, pulling the image)"
+
+
+def classify_indexed_job(job: dict[str, Any], pods: list[dict[str, Any]] | None = None) -> JobStatus:
+    """An Indexed Job (and its pods, as dicts) as a :class:`JobStatus`; pure, for recorded objects.
+
+    A failed one takes the class of its failed pods' ``task`` containers by the precedence rule (a disrupted pod
+    or a lost node INFRA, OOMKilled OOM, a SIGKILL INFRA, else the exit code's class); the reason names the
+    failed indexes (``status.failedIndexes``).
+    """
+    name = str(job.get("metadata", {}).get("name", "?"))
+    job_id = JOB_PREFIX + name
+    created = _timestamp(job.get("metadata", {}).get("creationTimestamp"))
+    started = _timestamp((job.get("status") or {}).get("startTime"))
+    state, why = indexed_job_state(job)
+    if state is not JobState.FAILED:
+        return JobStatus(job_id, state, reason=why, created_at=created,
+                         started_at=started if state is not JobState.PENDING else None)
+    status = job.get("status") or {}
+    failed = {**_true_conditions(job).get("FailureTarget", {}), **_true_conditions(job).get("Failed", {})}
+    reason = f"{failed.get('reason', '')}: {failed.get('message', '')}"
+    failed_pods = [p for p in pods or [] if (p.get("status") or {}).get("phase") == "Failed"]
+    codes, found = _pod_findings(failed_pods, INDEXED_CONTAINER)
+    decided = decide(found)
+    if decided is not None:
+        klass, message = decided.failure_class, decided.message
+    elif "DeadlineExceeded" in reason:
+        klass, message = FailureClass.INFRA, reason
+    else:
+        klass, message = FailureClass.INFRA, f"{reason} (no pod says why: taken as infrastructure)"
+    detail = (f"Job {name} failed: indexes {status.get('failedIndexes') or '?'} failed, "
+              f"{status.get('succeeded', 0)} of {job.get('spec', {}).get('completions', '?')} succeeded; {message}")
+    return JobStatus(job_id, JobState.FAILED, klass, detail, codes, created_at=created, started_at=started,
+                     ended_at=_timestamp(status.get("completionTime")))
+
+
+def classify_rayjob(job: dict[str, Any]) -> JobStatus:
+    """A KubeRay RayJob as a :class:`JobStatus`; pure, for recorded objects.
+
+    Suspended (Kueue), ``New`` or ``Initializing`` (the cluster coming up) is PENDING; then RUNNING until
+    ``jobDeploymentStatus`` is ``Complete`` (SUCCEEDED if the Ray job's status is) or ``Failed``. A failed driver's
+    exit code (``... exit code N`` in the message) names the class; a deadline, a cluster that never came up, a
+    submission that failed or anything unexplained is INFRA.
+    """
+    name = str(job.get("metadata", {}).get("name", "?"))
+    job_id = RAYJOB_PREFIX + name
+    status = job.get("status") or {}
+    created = _timestamp(job.get("metadata", {}).get("creationTimestamp"))
+    started = _timestamp(status.get("startTime"))
+    deployment = str(status.get("jobDeploymentStatus") or "")
+    ray_status = str(status.get("jobStatus") or "")
+    if deployment == "Complete" and ray_status == "SUCCEEDED":
+        return JobStatus(job_id, JobState.SUCCEEDED, created_at=created, started_at=started,
+                         ended_at=_timestamp(status.get("endTime")))
+    if deployment in ("Complete", "Failed") or ray_status in ("FAILED", "STOPPED"):
+        reason = str(status.get("reason") or "")
+        message = str(status.get("message") or "")
+        code = re.search(r"exit code (-?\d+)", message)
+        if reason == "AppFailed" and code:
+            klass = classify_exit_code(int(code.group(1))) or FailureClass.USER
+        else:
+            klass = FailureClass.INFRA
+        text = f"RayJob {name} failed ({reason or deployment}, Ray job {ray_status or 'not started'}): {message[-2000:]}"
+        return JobStatus(job_id, JobState.FAILED, klass, text, {}, created_at=created, started_at=started,
+                         ended_at=_timestamp(status.get("endTime")))
+    if deployment in ("Running", "Retrying") and ray_status in ("RUNNING", "PENDING", ""):
+        return JobStatus(job_id, JobState.RUNNING, reason=ray_status, created_at=created, started_at=started)
+    return JobStatus(job_id, JobState.PENDING, reason=f"{deployment or 'New'}: the Ray cluster is not up yet"
+                     + (" (suspended: waiting for admission)" if job.get("spec", {}).get("suspend") else ""),
+                     created_at=created)

@@ -5,6 +5,11 @@ rendezvous on localhost (several agents stand for several nodes). Every job has 
 ``<home>/jobs/<name>/`` holding its request, each node's pid, log and exit code, so a restarted Airflow
 worker finds the job again and never starts it twice.
 
+An array job (``JobSpec.array_size``) runs its children as parallel local processes, at most
+``array_parallelism`` at a time (default: the machine's CPUs), under an array runner (``local_array.py``, in a
+session of its own); each child is told its index by ``PINFLOW_ARRAY_INDEX`` and has its own log and end files,
+and a failed child does not stop the others (as in an AWS Batch array job or a Kubernetes Indexed Job).
+
 Each node runs under a supervisor (``local_node.py``, in a session of its own) that records the node's end:
 its exit code, or the signal that killed it, and whether the kernel's OOM killer killed a process meanwhile.
 A node killed by a signal is INFRA (retried, resuming) unless the kernel says OOM; an exit code names its
@@ -26,11 +31,14 @@ from typing import Any
 
 from core import storage
 from core.failures import FailureClass, Finding, classify_exit_code, decide, signal_name
-from operators.backends.base import JobSpec, JobState, JobStatus, launch_command
+from operators.backends.base import ARRAY_INDEX_ENV, JobSpec, JobState, JobStatus, launch_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The node supervisor: runs the command, records how it ended even if the worker that started it is gone.
 NODE_SUPERVISOR = Path(__file__).with_name("local_node.py")
+# The array runner: starts an array job's children (each under the node supervisor), a few at a time.
+ARRAY_RUNNER = Path(__file__).with_name("local_array.py")
+ARRAY_INDEX_VARIABLE = ARRAY_INDEX_ENV["local"]
 
 
 class LocalBackend:
@@ -55,8 +63,8 @@ class LocalBackend:
                 for rank in range(spec.nodes)
             ]
         else:
-            nodes = [launch_command(spec, python=sys.executable)]
-        return {
+            nodes = [launch_command(spec, python=sys.executable)] * max(1, spec.array_size)
+        request: dict[str, Any] = {
             "job_name": spec.name,
             "job_dir": str(job_dir),
             "team": spec.team,
@@ -70,6 +78,12 @@ class LocalBackend:
                 for rank, argv in enumerate(nodes)
             ],
         }
+        if spec.array_size:
+            for index, node in enumerate(request["nodes"]):
+                node["env"] = {ARRAY_INDEX_VARIABLE: str(index)}
+            request["array"] = {"size": spec.array_size,
+                                "parallelism": min(spec.array_size, spec.array_parallelism or os.cpu_count() or 1)}
+        return request
 
     def find(self, job_name: str) -> str | None:
         return job_name if (self.job_dir(job_name) / "request.json").exists() else None
@@ -84,6 +98,20 @@ class LocalBackend:
         env = {**os.environ, **request["env"]}
         request["submitted_at"] = time.time()
         pids = []
+        if "array" in request:
+            # One runner starts the children (each under its node supervisor) as earlier ones end.
+            array_file = job_dir / "array.json"
+            storage.write_json(str(array_file), {**request, "supervisor": str(NODE_SUPERVISOR),
+                                                 "python": sys.executable, "cwd": str(REPO_ROOT)})
+            with open(job_dir / "runner.log", "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-P", str(ARRAY_RUNNER), str(array_file)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, cwd=REPO_ROOT, start_new_session=True,
+                )
+            request["pids"] = [proc.pid]
+            storage.write_json(str(job_dir / "request.json"), request)
+            return spec.name
         for node in request["nodes"]:
             with open(node["log"], "ab") as log:
                 # -P: the supervisor's folder (operators/backends) must not shadow modules on sys.path.
@@ -106,6 +134,8 @@ class LocalBackend:
 
     def status(self, job_id: str) -> JobStatus:
         request = self._request(job_id)
+        if "array" in request:
+            return self._array_status(job_id, request)
         decided_file = self.job_dir(job_id) / "failed.json"
         codes: dict[str, int | None] = {}
         ends: dict[str, dict[str, Any]] = {}
@@ -150,8 +180,56 @@ class LocalBackend:
             return JobStatus(job_id, JobState.SUCCEEDED, None, "", codes, **times, ended_at=ended)
         return JobStatus(job_id, JobState.RUNNING, None, "", codes, **times)
 
+    def _array_status(self, job_id: str, request: dict[str, Any]) -> JobStatus:
+        """An array job: RUNNING while a child has not ended; then SUCCEEDED, or FAILED with the class of its
+        failed children (a child killed by a signal, or never run because its runner vanished: INFRA)."""
+        runner = request["pids"][0]
+        _reap(runner)
+        gone = not _alive(runner)  # before the exit files: the runner ends only after its children
+        codes: dict[str, int | None] = {}
+        ends: dict[str, dict[str, Any]] = {}
+        lost = []
+        for index, node in enumerate(request["nodes"]):
+            name = f"child-{index}"
+            exit_file = Path(node["exit_file"])
+            if exit_file.exists():
+                codes[name] = int(exit_file.read_text().strip() or 1)
+                end_file = Path(node["end_file"])
+                if end_file.exists():
+                    ends[name] = json.loads(end_file.read_text())
+            else:
+                codes[name] = None
+                if gone:
+                    lost.append(index)
+        times = {"created_at": request.get("submitted_at"), "started_at": request.get("submitted_at")}
+        if any(code is None for code in codes.values()) and not gone:
+            return JobStatus(job_id, JobState.RUNNING, None, "", codes, **times)
+        findings = [
+            *(Finding(FailureClass.INFRA, f"array children {lost} never ended (the array runner was killed)",
+                      node_lost=True) for _ in lost[:1]),
+            *(node_finding(name, code, ends.get(name, {})) for name, code in codes.items() if code not in (None, 0)),
+        ]
+        ended = max((e["ended_at"] for e in ends.values() if "ended_at" in e), default=None)
+        decided = decide(findings)
+        if decided is None:
+            return JobStatus(job_id, JobState.SUCCEEDED, None, "", codes, **times, ended_at=ended)
+        failed = sorted(int(name.split("-")[1]) for name, code in codes.items() if code != 0)
+        reason = (f"{decided.message} ({len(failed)} of {len(codes)} array children failed: {failed[:20]}; "
+                  "the others succeeded)")
+        return JobStatus(job_id, JobState.FAILED, decided.failure_class, reason, codes, **times, ended_at=ended)
+
     def logs(self, job_id: str, tail: int = 50) -> str:
         request = self._request(job_id)
+        if "array" in request:  # the children that failed (or have not ended), not every child of a big array
+            nodes = [(index, node) for index, node in enumerate(request["nodes"])
+                     if not Path(node["exit_file"]).exists()
+                     or Path(node["exit_file"]).read_text().strip() not in ("0",)][:5]
+            return "\n".join(
+                f"--- array child {index} ({node['log']}) ---\n"
+                + "\n".join(Path(node["log"]).read_text(errors="replace").splitlines()[-tail:]
+                             if Path(node["log"]).exists() else [])
+                for index, node in nodes
+            )
         parts = []
         for rank, node in enumerate(request["nodes"]):
             path = Path(node["log"])

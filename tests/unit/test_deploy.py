@@ -75,7 +75,8 @@ def test_dockerfile_is_well_formed_and_copies_what_exists(name, flavour):
         if word in ("ENV", "LABEL"):
             assert all("=" in kv for kv in shlex.split(rest)), f"{name}: {word} {rest}"
     runs = " ".join(rest for word, rest in steps if word == "RUN")
-    assert "pip install" in runs and "-c constraints.txt ." in runs  # pinflow, with the pinned versions
+    # pinflow with its inference extra (Ray, for RayJobs on this image), with the pinned versions
+    assert "pip install" in runs and '-c constraints.txt ".[inference]"' in runs
     # Everything the package holds is copied (pyproject's packages), and no secret or local state can be.
     copied = {shlex.split(rest)[0] for word, rest in steps if word == "COPY"}
     assert {"core", "operators", "features", "training"} <= copied

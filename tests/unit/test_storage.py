@@ -228,3 +228,29 @@ def _parquet(table) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     return bytes(sink.getvalue().to_pybytes())
+
+
+def test_an_incremental_snapshot_resolves_to_the_full_view_as_of_a_day(base: str):
+    import pyarrow as pa
+
+    def pins(ids: list[int], category: int) -> pa.Table:
+        return pa.table({"pin_id": pa.array(ids, pa.int64()), "category": pa.array([category] * len(ids), pa.int32())})
+
+    storage.write_table(base, "raw/pins", "2026-11-01", pins([1, 2, 3], 0), {"snapshot": "full"})
+    storage.write_table(base, "raw/pins", "2026-11-02", pins([2, 4], 1), {"snapshot": "incremental"})
+    storage.write_table(base, "raw/pins", "2026-11-03", pins([4], 2), {"snapshot": "incremental"})
+
+    assert storage.snapshot_days(base, "raw/pins", "2026-11-03") == ["2026-11-01", "2026-11-02", "2026-11-03"]
+    view, newest = storage.read_snapshot(base, "raw/pins", "2026-11-03", "pin_id", ["category"])
+    assert newest == "2026-11-03"
+    # One row per pin, the newest partition's winning.
+    assert dict(zip(view.column("pin_id").to_pylist(), view.column("category").to_pylist(), strict=True)) == {
+        1: 0, 2: 1, 3: 0, 4: 2
+    }
+    as_of_2 = storage.read_snapshot(base, "raw/pins", "2026-11-02", "pin_id", ["category"])[0]
+    assert sorted(as_of_2.column("pin_id").to_pylist()) == [1, 2, 3, 4]
+    # A full snapshot starts the view afresh: pins absent from it are gone.
+    storage.write_table(base, "raw/pins", "2026-11-04", pins([1, 4], 3))
+    assert storage.snapshot_days(base, "raw/pins", "2026-11-04") == ["2026-11-04"]
+    assert sorted(storage.read_snapshot(base, "raw/pins", "2026-11-04", "pin_id")[0].column("pin_id").to_pylist()) == [1, 4]
+    assert storage.read_snapshot(base, "raw/pins", "2026-10-31", "pin_id")[1] is None

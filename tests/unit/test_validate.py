@@ -515,3 +515,54 @@ def test_cli_accepts_a_url_root(memory_root: str, capsys: pytest.CaptureFixture[
     assert capsys.readouterr().out.strip().splitlines()[-1] == storage.join(
         validate.report_dir(memory_root, "users", DS), "result.json"
     )
+
+
+# --- real logs: engagements across midnight, severities, per-dataset thresholds --------------------------
+
+
+def test_an_engagement_just_after_midnight_links_to_the_impression_before_it(tmp_path: Path) -> None:
+    previous = storage.shift_ds(DS, -1)
+    late = START - dt.timedelta(seconds=1)  # 23:59:59 the day before
+    write(tmp_path, "events", events_table(3, event_id=[901, 902, 903], impression_id=[901, 902, 903],
+                                           user_id=[1, 2, 3], pin_id=[100, 101, 102], action=["impression"] * 3,
+                                           ts=[late - dt.timedelta(hours=3), late - dt.timedelta(minutes=5), late]),
+          ds=previous)
+    base = events_table()
+    click_at = START + dt.timedelta(seconds=2)
+    table = pa.concat_tables([base, events_table(
+        2, event_id=[1001, 1002], impression_id=[903, 901], user_id=[3, 1], pin_id=[102, 100],
+        action=["click", "click"], surface=["home_feed"] * 2, ts=[click_at, click_at])])
+    write(tmp_path, "events", table)
+    write(tmp_path, "pins", pins_table())
+    write(tmp_path, "users", users_table())
+    report = validate_partition(tmp_path, "events")
+    has = check(report, "engagement.has_impression")
+    # 903 was impressed a second before midnight: linked. 901 three hours before: outside the look-back.
+    assert has.success is False and "offending event_id: [1002]" in has.details
+    lenient = ValidationConfig(engagement_lookback_minutes=240)
+    report = validate.validate_partition(tmp_path, "events", DS, config=lenient, data_docs=False)
+    assert check(report, "engagement.has_impression").success is True
+
+
+def test_a_warn_level_check_is_reported_and_does_not_quarantine(tmp_path: Path) -> None:
+    write(tmp_path, "events", events_table(action=["impression", "like", "click"] * (N // 3)))
+    write(tmp_path, "pins", pins_table())
+    write(tmp_path, "users", users_table())
+    warn = ValidationConfig(severity={"events": {"action.in_set": "warn"}})
+    report = validate.validate_partition(tmp_path, "events", DS, config=warn, data_docs=False, quarantine=True)
+    assert report.success and report.quarantine is None and marker(tmp_path).exists()
+    assert [c.name for c in report.warned_checks] == ["action.in_set"]
+    assert any("action.in_set failed, reported only" in w for w in report.warnings)
+    saved = json.loads(Path(report.report_path).read_text())
+    assert saved["thresholds"]["severity"] == {"events": {"action.in_set": "warn"}}  # the report records them
+    assert next(c for c in saved["checks"] if c["name"] == "action.in_set")["severity"] == "warn"
+    # The same data at the default severity fails and is quarantined.
+    report = validate_partition(tmp_path, "events", quarantine=True)
+    assert not report.success and report.quarantine and not marker(tmp_path).exists()
+
+
+def test_thresholds_per_dataset_and_unknown_keys() -> None:
+    config = ValidationConfig(per_dataset={"pin_labels": {"volume_min_ratio": 0.2}})
+    assert config.for_dataset("pin_labels").volume_min_ratio == 0.2 and config.for_dataset("events").volume_min_ratio == 0.5
+    with pytest.raises(ValueError, match="per_dataset.events: volum_min_ratio"):
+        ValidationConfig(per_dataset={"events": {"volum_min_ratio": 0.2}})

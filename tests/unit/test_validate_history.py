@@ -42,7 +42,7 @@ def results(p: dict, hist: list = HISTORY, config: ValidationConfig = CONFIG) ->
 def test_a_normal_day_passes_every_history_check() -> None:
     checks = results(profile(1005))
     assert [c.success for c in checks.values()] == [True, True, True]
-    assert checks["history.volume"].observed["trailing_median"] == 1000
+    assert checks["history.volume"].observed["trailing_days_median"] == 1000
     assert checks["history.action_mix"].observed["psi"] < 0.001
 
 
@@ -131,3 +131,51 @@ def test_cli_quarantines_a_failed_partition(tmp_path: Path, capsys: pytest.Captu
     [record] = quarantine_records(tmp_path, "users", "2024-05-01")
     assert json.loads((Path(record) / "QUARANTINE.json").read_text())["failed_checks"] == ["country.well_formed"]
     assert (Path(record) / "data" / storage.MARKER).exists()
+
+
+# --- real traffic: a weekly cycle, holidays ------------------------------------------------------------------
+# Four weeks of a weekly cycle ending the day before 2024-05-01 (a Wednesday): weekends at 40% of weekdays.
+TIGHT = ValidationConfig(volume_min_ratio=0.7, volume_max_ratio=1.4)
+
+
+def weekly(day: str) -> dict:
+    import datetime as dt
+
+    weekend = dt.date.fromisoformat(day).weekday() >= 5
+    return profile(400 if weekend else 1000)
+
+
+def cycle_history(ds: str, weeks: int = 4) -> tuple[list, list]:
+    from core import storage
+
+    days = [(storage.shift_ds(ds, -back), weekly(storage.shift_ds(ds, -back))) for back in range(7, 0, -1)]
+    weekdays = [(storage.shift_ds(ds, -7 * k), weekly(storage.shift_ds(ds, -7 * k))) for k in range(weeks, 0, -1)]
+    return days, weekdays
+
+
+def test_a_quiet_sunday_passes_against_last_sundays_and_a_halved_tuesday_fails() -> None:
+    sunday = "2024-05-05"
+    days, weekdays = cycle_history(sunday)
+    trailing_only = ValidationConfig(volume_min_ratio=0.7, volume_max_ratio=1.4, history_baseline="days")
+    sunday_checks = {r.name: r for r in history.history_checks("events", sunday, weekly(sunday), days, TIGHT, weekdays)}
+    assert sunday_checks["history.volume"].success is True
+    assert sunday_checks["history.volume"].observed["baseline"] == "same_weekday"
+    # Against the trailing days alone (the old baseline) the same Sunday fails.
+    alone = history.history_checks("events", sunday, weekly(sunday), days, trailing_only, weekdays)
+    assert alone[0].success is False and "trailing days" in alone[0].details
+
+    tuesday = "2024-05-07"
+    days, weekdays = cycle_history(tuesday)
+    broken = profile(500)  # half a normal Tuesday: wrong against every baseline
+    volume = history.history_checks("events", tuesday, broken, days, TIGHT, weekdays)[0]
+    assert volume.success is False and "same weekday" in volume.details and "trailing days" in volume.details
+    broken_mix = profile(1000, mix={"impression": 0.99, "click": 0.0, "repin": 0.005, "hide": 0.005, "closeup": 0.0})
+    mix = {r.name: r for r in history.history_checks("events", tuesday, broken_mix, days, TIGHT, weekdays)}
+    assert mix["history.action_mix"].success is False  # a broken action still fails
+
+
+def test_a_holiday_only_warns() -> None:
+    config = ValidationConfig(holidays=["2024-12-25"])
+    assert config.severity_of("events", "history.volume", "2024-12-25") == "warn"
+    assert config.severity_of("events", "history.volume", "2024-12-26") == "fail"
+    assert config.severity_of("events", "events.action.in_set", "2024-12-25") == "fail"  # not a history check

@@ -243,9 +243,10 @@ def test_operator_pushes_summary_then_fails_and_quarantines(root: Path) -> None:
     message = str(err.value)
     assert "raw/users partition ds=2024-05-01" in message and "files.readable" in message
     assert storage.join(part, storage.DATA_FILE) in message and "Quarantined" in message
+    # An http(s) link (the UI shows no other): the plugin serves the report from the storage root.
     link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
-    assert link == op.data_docs_url and link.startswith("file://") and link.endswith("index.html")
-    assert Path(unquote(link.removeprefix("file://"))).exists()
+    assert link == op.data_docs_url and link.startswith("http") and link.endswith("/pinflow/data-quality/docs/users/" + DS)
+    assert Path(unquote(summary["data_docs"])).exists() and summary["data_docs"].endswith("index.html")
 
 
 def test_operator_on_an_object_store_fails_and_quarantines(memory_root: str) -> None:
@@ -261,7 +262,8 @@ def test_operator_on_an_object_store_fails_and_quarantines(memory_root: str) -> 
     assert storage.list_names(storage.join(summary["quarantine"], "data")) == [storage.MARKER, storage.DATA_FILE]
     assert not storage.is_dir(part)
     assert storage.read_json(summary["report_path"])["failed_checks"] == ["files.readable"]
-    assert op.data_docs_url == summary["data_docs"] and summary["data_docs"].startswith("memory://")
+    assert summary["data_docs"].startswith("memory://")  # the report, wherever the root is
+    assert op.data_docs_url.endswith(f"/pinflow/data-quality/docs/pins/{DS}")  # served by the plugin over HTTP
 
 
 def test_invalid_validation_settings_are_a_user_error(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,7 +283,8 @@ def test_link_without_a_run_points_at_the_partition_report(root: Path) -> None:
 
     link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
 
-    assert unquote(link).endswith(f"reports/validation/events/ds={DS}/index.html")
+    # The plugin's page of the partition, which serves its Data Docs or else its report (pinflow_ui.web).
+    assert link.startswith("http") and link.endswith(f"/pinflow/data-quality/docs/events/{DS}")
 
 
 def test_plugin_registers_the_link_for_the_validation_operator() -> None:

@@ -12,7 +12,7 @@ distribution and its argmax, and the content embedding of every pin.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from torch import nn
 from core import storage
 from core.contracts import IMAGE_DIM, RAW_PIN_LABELS, RAW_PINS, TEXT_VOCAB, TOPICS, TRUTH_PINS
 from core.failures import ConfigError, DataError
-from training.data import ExampleStream, latest_complete_day
+from training.data import ExampleStream, fixed_width, snapshot
 from training.evaluate import auc, average_precision, finite, macro_f1, macro_ovr_auc, oracle_ratio
 from training.sdk import ModelFamily
 
@@ -43,6 +43,7 @@ class ContentParams:
     dropout: float = 0.0
     safety_weight: float = 1.0  # weight of the safety head's BCE in the loss
     topic_weight: float = 1.0  # weight of the topic head's cross-entropy
+    image_dim: int | None = None  # width of the image embedding: None reads it from the pin snapshot
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)} must be positive" for name in (
@@ -60,7 +61,7 @@ class ContentEncoder(nn.Module):
         super().__init__()
         w = params.width
         self.params = params
-        self.image = nn.Linear(IMAGE_DIM, w)
+        self.image = nn.Linear(params.image_dim or IMAGE_DIM, w)
         self.tokens = nn.Embedding(TEXT_VOCAB, w)
         self.category = nn.Embedding(params.category_buckets, w)
         self.mlp = nn.Sequential(nn.ReLU(), nn.Dropout(params.dropout), nn.Linear(3 * w, w), nn.ReLU(),
@@ -108,10 +109,8 @@ class PinContent:
 
     @classmethod
     def from_snapshot(cls, root: str, ds: str, max_tokens: int) -> PinContent:
-        day = latest_complete_day(root, RAW_PINS, ds)
-        if day is None:
-            raise DataError(f"no complete {RAW_PINS} snapshot on or before ds={ds} under {root}")
-        table = storage.read_table(root, RAW_PINS, day, columns=["pin_id", "image_embedding", "text_tokens", "category"])
+        """The pin snapshot as of ``ds`` (a full one and any increments after it)."""
+        table, day = snapshot(root, RAW_PINS, ds, "pin_id", ["image_embedding", "text_tokens", "category"])
         return cls(table, max_tokens, day)
 
     def rows(self, pin_ids: np.ndarray) -> np.ndarray:
@@ -125,8 +124,7 @@ class PinContent:
 
 def content_inputs(pins: pa.Table, max_tokens: int) -> dict[str, np.ndarray]:
     """The serving inputs of rows of the ``raw/pins`` schema (image, first tokens with their mask, category)."""
-    n = pins.num_rows
-    image = pins.column("image_embedding").combine_chunks().flatten().to_numpy().reshape(n, IMAGE_DIM)
+    image = fixed_width(pins.column("image_embedding"), f"{RAW_PINS}.image_embedding")
     lists = pins.column("text_tokens").combine_chunks()
     offsets = lists.offsets.to_numpy().astype(np.int64)
     flat = lists.values.to_numpy(zero_copy_only=False).astype(np.int64)
@@ -165,9 +163,16 @@ class PinContentFamily(ModelFamily):
 
     # --- data -----------------------------------------------------------------------------------
     def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinContent:
-        """The newest pin snapshot on or before the evaluation day: a pin's content does not change, so the
-        labels of every training day find their pins in it (and no label of a later day is read)."""
-        return PinContent.from_snapshot(root, eval_ds, self.params.max_tokens)
+        """The pin snapshot as of the evaluation day: a pin's content does not change, so the labels of every
+        training day find their pins in it (and no label of a later day is read). The model takes the width
+        of its image embeddings."""
+        content = PinContent.from_snapshot(root, eval_ds, self.params.max_tokens)
+        width = int(content.image.shape[1])
+        if self.params.image_dim is None:
+            self.params = replace(self.params, image_dim=width)
+        elif self.params.image_dim != width:
+            raise DataError(f"{RAW_PINS} image embeddings are {width}-d, the model's params say {self.params.image_dim}")
+        return content
 
     def encode(self, table: pa.Table, context: PinContent) -> dict[str, torch.Tensor]:
         rows = context.rows(table.column("pin_id").to_numpy())
@@ -251,26 +256,28 @@ class PinContentFamily(ModelFamily):
         mask = np.zeros((rows, n), dtype=bool)
         mask[1:, :3] = True
         return {
-            "image": np.zeros((rows, IMAGE_DIM), dtype=np.float32),
+            "image": np.zeros((rows, self.params.image_dim or IMAGE_DIM), dtype=np.float32),
             "tokens": np.where(mask, 1, 0).astype(np.int64),
             "token_mask": mask,
             "category": np.ones(rows, dtype=np.int64),
         }
 
     def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
-        return {"max_tokens": self.params.max_tokens, "topics": TOPICS, "image_dim": IMAGE_DIM,
+        return {"max_tokens": self.params.max_tokens, "topics": TOPICS, "image_dim": self.params.image_dim,
                 "pins_snapshot_ds": context.ds, "text_vocab": TEXT_VOCAB}
 
     # --- corpus scoring -------------------------------------------------------------------------
-    def score_corpus(self, module: Any, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> pa.Table:
-        inputs = content_inputs(pins, int(spec["max_tokens"]))
+    def corpus_inputs(self, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> dict[str, np.ndarray]:
+        return {**content_inputs(pins, int(spec["max_tokens"])), "pin_id": pins.column("pin_id").to_numpy()}
+
+    def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         with torch.no_grad():
             out = module(*(torch.from_numpy(inputs[name]) for name in spec["serving_inputs"]))
         probs = out["topic_probs"].float().numpy()
         embedding = out["embedding"].float().numpy()
         return pa.Table.from_arrays(
             [
-                pins.column("pin_id"),
+                pa.array(inputs["pin_id"], pa.int64()),
                 pa.array(out["p_unsafe"].float().numpy(), pa.float32()),
                 pa.array(probs.argmax(axis=1).astype(np.int32), pa.int32()),
                 pa.FixedSizeListArray.from_arrays(pa.array(probs.ravel(), pa.float32()), TOPICS),

@@ -58,7 +58,7 @@ from core.contracts import (
 )
 from core.failures import DataError
 from core.storage import data_files, is_complete, parquet_file, read_parquet
-from training.data import ExampleStream, PinEmbeddings, latest_complete_day
+from training.data import ExampleStream, PinEmbeddings, fixed_width, latest_complete_day
 from training.evaluate import auc, calibration, finite, hit_at_k, log_loss, oracle_ratio
 from training.sdk import ModelFamily
 
@@ -120,6 +120,8 @@ class ModelConfig:
     cross_layers: int = 2
     mlp_hidden: tuple[int, ...] = (64, 32)
     use_sequence: bool = True  # False: the ablation without the action sequence (tower and match features)
+    embedding_dim: int = EMBEDDING_DIM  # width of the pins' content embedding (the data's)
+    surfaces: int = len(SURFACES)  # size of the surface vocabulary
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -159,8 +161,8 @@ class PinRanker(nn.Module):
         if config.use_sequence:
             self.action_emb = nn.Embedding(len(ACTIONS) + 1, d, padding_idx=0)
             self.seq_category_emb = nn.Embedding(config.category_buckets, d, padding_idx=0)
-            self.seq_pin_proj = nn.Linear(EMBEDDING_DIM, d)
-            self.cand_proj = nn.Linear(EMBEDDING_DIM, d)
+            self.seq_pin_proj = nn.Linear(config.embedding_dim, d)
+            self.cand_proj = nn.Linear(config.embedding_dim, d)
             self.age_proj = nn.Linear(1, d)
             self.position_emb = nn.Parameter(torch.zeros(n, d))
             layer = nn.TransformerEncoderLayer(
@@ -175,10 +177,10 @@ class PinRanker(nn.Module):
         self.user_emb = nn.Embedding(config.user_buckets, s, padding_idx=0)
         self.category_emb = nn.Embedding(config.category_buckets, s, padding_idx=0)
         self.creator_emb = nn.Embedding(config.creator_buckets, s, padding_idx=0)
-        self.surface_emb = nn.Embedding(len(SURFACES) + 1, s, padding_idx=0)
+        self.surface_emb = nn.Embedding(config.surfaces + 1, s, padding_idx=0)
         # A user's taste in the pins' content space: its product with the candidate's content embedding
         # is a factorisation term (user x content) the cross network would otherwise have to discover.
-        self.user_taste = nn.Embedding(config.user_buckets, EMBEDDING_DIM, padding_idx=0)
+        self.user_taste = nn.Embedding(config.user_buckets, config.embedding_dim, padding_idx=0)
         tower = (self.action_emb, self.seq_category_emb) if config.use_sequence else ()
         for emb in (
             *tower,
@@ -201,8 +203,8 @@ class PinRanker(nn.Module):
         is_count = torch.tensor([name in COUNT_FEATURES for name in DENSE_FEATURES])
         self.register_buffer("dense_is_count", is_count, persistent=False)
 
-        seq_dim = (config.first_k + 1) * d + MATCH_FEATURES + len(ACTIONS) * EMBEDDING_DIM
-        joint = (seq_dim if config.use_sequence else 0) + 5 * s + len(DENSE_FEATURES) + 2 * EMBEDDING_DIM + 1
+        seq_dim = (config.first_k + 1) * d + MATCH_FEATURES + len(ACTIONS) * config.embedding_dim
+        joint = (seq_dim if config.use_sequence else 0) + 5 * s + len(DENSE_FEATURES) + 2 * config.embedding_dim + 1
         self.cross = CrossNetV2(joint, config.cross_layers)
         mlp: list[nn.Module] = []
         width = joint
@@ -395,6 +397,10 @@ class RankerParams:
     category_buckets: int = 1009
     cross_layers: int = 2
     mlp_hidden: tuple[int, ...] = (64, 32)
+    # The surface vocabulary (an unknown surface is index 0); set it to your data's surfaces.
+    surfaces: tuple[str, ...] = SURFACES
+    # Width of the pins' content embedding: None reads it from the pin snapshot when training starts.
+    embedding_dim: int | None = None
 
     def __post_init__(self) -> None:
         from core.failures import ConfigError
@@ -426,6 +432,7 @@ class RankerParams:
             pin_buckets=self.pin_buckets, user_buckets=self.user_buckets, creator_buckets=self.creator_buckets,
             category_buckets=self.category_buckets, cross_layers=self.cross_layers,
             mlp_hidden=tuple(self.mlp_hidden), use_sequence=use_sequence,
+            embedding_dim=self.embedding_dim or EMBEDDING_DIM, surfaces=len(self.surfaces),
         )
 
 
@@ -450,11 +457,18 @@ class PinRankerFamily(ModelFamily):
 
     # --- data -----------------------------------------------------------------------------------
     def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinEmbeddings:
-        """The content embeddings of the newest pin snapshot of the training days."""
-        return PinEmbeddings.from_snapshot(root, max(train_days))
+        """The content embeddings of the pin snapshot as of the last training day; the model takes their width."""
+        pins = PinEmbeddings.from_snapshot(root, max(train_days))
+        if self.params.embedding_dim is None:
+            self.params = dataclasses.replace(self.params, embedding_dim=pins.dim)
+        elif self.params.embedding_dim != pins.dim:
+            from core.failures import DataError
+
+            raise DataError(f"{RAW_PINS} embeddings are {pins.dim}-d, the model's params say {self.params.embedding_dim}")
+        return pins
 
     def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
-        batch = encode_batch(table, context, self.params.sequence_length)
+        batch = encode_batch(table, context, self.params.sequence_length, self.params.surfaces)
         batch["row_id"] = batch.pop("impression_id")
         return batch
 
@@ -484,7 +498,7 @@ class PinRankerFamily(ModelFamily):
         pins = context if latest_complete_day(root, RAW_PINS, eval_ds) == context.ds else None
         metrics = evaluate(
             models["model"], root, eval_ds, sequence_length=self.params.sequence_length, batch_size=batch_size,
-            pins=pins, device=device, on_batch=on_batch, ablation=models.get("ablation"),
+            pins=pins, device=device, on_batch=on_batch, ablation=models.get("ablation"), surfaces=self.params.surfaces,
         )
         aucs = [v for v in metrics["auc"].values() if v is not None]
         metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
@@ -496,16 +510,16 @@ class PinRankerFamily(ModelFamily):
 
     def example_inputs(self) -> dict[str, np.ndarray]:
         """A serving batch: row 0 has an empty sequence, the others a full one. Shapes match SERVING_INPUTS."""
-        rows, n = 2, self.params.sequence_length
+        rows, n, dim = 2, self.params.sequence_length, self.params.embedding_dim or EMBEDDING_DIM
         mask = np.zeros((rows, n), dtype=bool)
         mask[1:] = True
         return {
-            "seq_pin_emb": np.zeros((rows, n, EMBEDDING_DIM), dtype=np.float32),
+            "seq_pin_emb": np.zeros((rows, n, dim), dtype=np.float32),
             "seq_actions": np.where(mask, 2, 0).astype(np.int64),
             "seq_categories": np.where(mask, 1, -1).astype(np.int64),
             "seq_age_hours": np.where(mask, 1.0, 0.0).astype(np.float32),
             "seq_mask": mask,
-            "cand_pin_emb": np.zeros((rows, EMBEDDING_DIM), dtype=np.float32),
+            "cand_pin_emb": np.zeros((rows, dim), dtype=np.float32),
             "pin_id": np.arange(1, rows + 1, dtype=np.int64),
             "user_id": np.arange(1, rows + 1, dtype=np.int64),
             "category": np.ones(rows, dtype=np.int64),
@@ -518,6 +532,8 @@ class PinRankerFamily(ModelFamily):
         p = self.params
         return {
             "sequence_length": p.sequence_length,
+            "embedding_dim": p.embedding_dim,
+            "surfaces": list(p.surfaces),
             "dense_features": list(DENSE_FEATURES),
             "count_features": list(COUNT_FEATURES),
             "labels": list(LABELS),
@@ -540,15 +556,20 @@ class PinRankerFamily(ModelFamily):
         ``home_feed``. Comparable across pins, but not what a user would see: a personalised score needs a
         user's sequence.
         """
+        return self.score_inputs(module, self.corpus_inputs(pins, spec, root, ds), spec)
+
+    def corpus_inputs(self, pins: pa.Table, spec: dict[str, Any], root: str, ds: str) -> dict[str, np.ndarray]:
         key = (root, ds)
         if key not in self._windows:  # a shard scores many slices of one snapshot: read its window once
             self._windows = {key: _pin_window(root, ds)}
         pin_ids = pins.column("pin_id").to_numpy()
-        inputs = context_inputs(pins, context_dense(pin_ids, self._windows[key], spec.get("priors", {})), spec)
+        return context_inputs(pins, context_dense(pin_ids, self._windows[key], spec.get("priors", {})), spec)
+
+    def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         with torch.no_grad():
             out = module(*(torch.from_numpy(inputs[name]) for name in spec["serving_inputs"]))
         return pa.table(
-            {"pin_id": pin_ids, **{f"p_{label}": out[f"p_{label}"].float().numpy() for label in LABELS}},
+            {"pin_id": inputs["pin_id"], **{f"p_{label}": out[f"p_{label}"].float().numpy() for label in LABELS}},
             schema=self.corpus_schema,
         )
 
@@ -569,13 +590,15 @@ def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> t
     return np.where(mask, flat[idx], 0).astype(dtype), mask
 
 
-def surface_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Index of each surface in ``SURFACES`` + 1; 0 for an unknown surface."""
-    idx = pc.index_in(column, value_set=pa.array(SURFACES))
+def surface_ids(column: pa.ChunkedArray | pa.Array, surfaces: tuple[str, ...] = SURFACES) -> np.ndarray:
+    """Index of each surface in ``surfaces`` + 1; 0 for an unknown surface."""
+    idx = pc.index_in(column, value_set=pa.array(list(surfaces), pa.string()))
     return pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
 
 
-def encode_batch(table: pa.Table, pins: PinEmbeddings, sequence_length: int) -> dict[str, torch.Tensor]:
+def encode_batch(
+    table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
+) -> dict[str, torch.Tensor]:
     """Rows of the ``examples`` schema → the model's input tensors (see ``training.model``) + labels."""
 
     def col(name: str, dtype: type) -> np.ndarray:
@@ -597,7 +620,7 @@ def encode_batch(table: pa.Table, pins: PinEmbeddings, sequence_length: int) -> 
         "user_id": col("user_id", np.int64),
         "category": col("category", np.int64),
         "creator_id": col("creator_id", np.int64),
-        "surface": surface_ids(table.column("surface")),
+        "surface": surface_ids(table.column("surface"), surfaces),
         "dense": np.stack([col(name, np.float32) for name in DENSE_FEATURES], axis=1),
         "labels": np.stack([col(label, np.float32) for label in LABELS], axis=1),
         "impression_id": col("impression_id", np.int64),
@@ -663,9 +686,12 @@ def context_dense(pin_ids: np.ndarray, window: pa.Table | None, priors: dict[str
 def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> dict[str, np.ndarray]:
     """The serving inputs (``spec["serving_inputs"]``) of a batch of pins in the non-personalised context."""
     n, steps = pins.num_rows, int(spec["sequence_length"])
-    emb = pins.column("embedding").combine_chunks().flatten().to_numpy().reshape(n, EMBEDDING_DIM)
+    emb = fixed_width(pins.column("embedding"), f"{RAW_PINS}.embedding")
+    surfaces = list(spec.get("surfaces") or SURFACES)
+    # The context surface, when the model knows it (else the unknown surface, 0).
+    surface = surfaces.index(CONTEXT_SURFACE) + 1 if CONTEXT_SURFACE in surfaces else 0
     return {
-        "seq_pin_emb": np.zeros((n, steps, EMBEDDING_DIM), dtype=np.float32),
+        "seq_pin_emb": np.zeros((n, steps, emb.shape[1]), dtype=np.float32),
         "seq_actions": np.zeros((n, steps), dtype=np.int64),
         "seq_categories": np.full((n, steps), -1, dtype=np.int64),
         "seq_age_hours": np.zeros((n, steps), dtype=np.float32),
@@ -675,7 +701,7 @@ def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> d
         "user_id": np.full(n, -1, dtype=np.int64),  # absent: the model's zero embedding
         "category": pins.column("category").to_numpy().astype(np.int64),
         "creator_id": pins.column("creator_id").to_numpy().astype(np.int64),
-        "surface": np.full(n, SURFACES.index(CONTEXT_SURFACE) + 1, dtype=np.int64),
+        "surface": np.full(n, surface, dtype=np.int64),
         "dense": dense,
     }
 
@@ -760,6 +786,7 @@ def evaluate(
     device: torch.device | str = "cpu",
     on_batch: Callable[[int], None] | None = None,
     ablation: nn.Module | None = None,
+    surfaces: tuple[str, ...] = SURFACES,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (a PinRanker, not DDP-wrapped) on the examples of ``eval_ds``.
 
@@ -771,7 +798,7 @@ def evaluate(
     """
     pins = pins or PinEmbeddings.from_snapshot(root, eval_ds)
     stream = ExampleStream(
-        root, [eval_ds], lambda table: encode_batch(table, pins, sequence_length), batch_size=batch_size,
+        root, [eval_ds], lambda table: encode_batch(table, pins, sequence_length, surfaces), batch_size=batch_size,
         dataset=EXAMPLES, columns=EXAMPLE_COLUMNS, shuffle=False,
     )
     out = predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)

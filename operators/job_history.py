@@ -1,0 +1,412 @@
+"""The job history: one row per compute job, written by the operators at each transition, for capacity planning.
+
+One table, ``pinflow_job_history``, in a real database through SQLAlchemy: SQLite under ``PINFLOW_HOME`` on the
+embedded default (``jobdata/job_history.db``), PostgreSQL in production (``job_history.url`` in the platform
+configuration, or ``PINFLOW_JOB_HISTORY__URL``). The table is created on first use.
+
+A row is keyed by the job's deterministic name (one per DAG run, task and try) and moves through::
+
+    WAITING (for room in the team's quota) -> ADMITTED -> SUBMITTED (queued on the backend) -> RUNNING
+        -> SUCCEEDED | FAILED | STALLED | QUEUE_TIMEOUT | CANCELLED | LOST | ABANDONED
+
+``ADMITTED``, ``SUBMITTED`` and ``RUNNING`` hold the team's quota (:mod:`operators.quotas`). Each row carries the
+team, family, DAG / run / task / try, backend, job id, instance type and count, the times (requested, submitted,
+started, ended), the waits (for quota, in the backend's queue), run time, GPU- and node-hours, outcome, failure
+class, retries, the model version and the promotion decision.
+
+    python -m operators.job_history export --format parquet --out jobs.parquet [--since 2026-11-01] [--team ranking]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import functools
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+log = logging.getLogger(__name__)
+
+TABLE = "pinflow_job_history"
+LOCKS = "pinflow_team_locks"
+
+WAITING = "WAITING"
+ADMITTED = "ADMITTED"
+SUBMITTED = "SUBMITTED"
+RUNNING = "RUNNING"
+SUCCEEDED = "SUCCEEDED"
+FAILED = "FAILED"
+CANCELLED = "CANCELLED"
+LOST = "LOST"  # the backend no longer knows the job and nobody recorded its end
+ABANDONED = "ABANDONED"  # admitted, then never submitted (the task died in between)
+# The states that hold a team's quota.
+ACTIVE = (ADMITTED, SUBMITTED, RUNNING)
+TERMINAL = (SUCCEEDED, FAILED, "STALLED", "QUEUE_TIMEOUT", CANCELLED, LOST, ABANDONED)
+
+metadata = sa.MetaData()
+
+jobs = sa.Table(
+    TABLE,
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_name", sa.String(200), nullable=False, unique=True, comment="deterministic per DAG run, task and try"),
+    sa.Column("team", sa.String(100), nullable=False, index=True),
+    sa.Column("family", sa.String(100)),
+    sa.Column("dag_id", sa.String(250), index=True),
+    sa.Column("run_id", sa.String(250), index=True),
+    sa.Column("task_id", sa.String(250)),
+    sa.Column("map_index", sa.Integer, default=-1),
+    sa.Column("try_number", sa.Integer),
+    sa.Column("retries", sa.Integer, comment="tries before this one"),
+    sa.Column("backend", sa.String(32)),
+    sa.Column("job_id", sa.String(250), index=True),
+    sa.Column("instance_type", sa.String(64)),
+    sa.Column("nodes", sa.Integer),
+    sa.Column("procs_per_node", sa.Integer),
+    sa.Column("gpus_per_node", sa.Integer),
+    sa.Column("gpus", sa.Integer, comment="nodes x GPUs per node"),
+    sa.Column("state", sa.String(32), nullable=False, index=True),
+    sa.Column("requested_at", sa.DateTime(timezone=True), comment="the operator asked for room"),
+    sa.Column("submitted_at", sa.DateTime(timezone=True)),
+    sa.Column("started_at", sa.DateTime(timezone=True)),
+    sa.Column("ended_at", sa.DateTime(timezone=True)),
+    sa.Column("quota_wait_s", sa.Float, comment="waiting for room in the team's quota, before submission"),
+    sa.Column("queue_wait_s", sa.Float, comment="queued on the backend: capacity, instance boot, image pull"),
+    sa.Column("run_s", sa.Float),
+    sa.Column("gpu_hours", sa.Float),
+    sa.Column("node_hours", sa.Float),
+    sa.Column("outcome", sa.String(32), comment="the terminal state"),
+    sa.Column("failure_class", sa.String(16)),
+    sa.Column("reason", sa.Text),
+    sa.Column("model_name", sa.String(250)),
+    sa.Column("model_version", sa.String(32)),
+    sa.Column("mlflow_run_id", sa.String(64)),
+    sa.Column("promoted", sa.Boolean),
+    sa.Column("promotion_reason", sa.Text),
+    sa.Column("output_dir", sa.Text),
+    sa.Column("checkpoint_dir", sa.Text),
+    sa.Column("console_url", sa.Text),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+)
+sa.Index("ix_pinflow_job_history_team_state", jobs.c.team, jobs.c.state)
+sa.Index("ix_pinflow_job_history_backend_job", jobs.c.backend, jobs.c.job_id)
+
+team_locks = sa.Table(
+    LOCKS,
+    metadata,
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("admissions", sa.Integer, nullable=False, default=0),
+)
+
+COLUMNS = [c.name for c in jobs.columns]
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def from_epoch(value: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(value, dt.UTC) if value else None
+
+
+def _aware(value: Any) -> Any:
+    """SQLite gives back naive datetimes: they were written in UTC."""
+    if isinstance(value, dt.datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=dt.UTC)
+    return value
+
+
+def default_url() -> str:
+    from core import config
+
+    return config.load().job_history.url
+
+
+def engine(url: str | None = None) -> sa.Engine:
+    """The engine of ``url`` (default: the configured one, resolved at each call), with the table created."""
+    return _engine(url or default_url())
+
+
+@functools.cache
+def _engine(url: str) -> sa.Engine:
+    """One engine per database URL, made on first use, with the table created.
+
+    SQLite: the folder is created, every connection waits up to 30 s for a lock, and transactions begin with an
+    explicit ``BEGIN``, write transactions (:func:`transaction`) with ``BEGIN IMMEDIATE``: the write lock is
+    taken (waited for) up front, because a transaction that reads and then writes while another connection has
+    committed fails at once ("database is locked") instead of waiting; WAL lets the pages read while jobs write.
+    """
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        eng = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @sa.event.listens_for(eng, "connect")
+        def _connect(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.isolation_level = None  # we say when a transaction begins
+            dbapi_connection.execute("PRAGMA journal_mode=WAL")
+            dbapi_connection.execute("PRAGMA busy_timeout=30000")
+
+        @sa.event.listens_for(eng, "begin")
+        def _begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("pinflow_write") else "BEGIN")
+    else:
+        eng = sa.create_engine(url, pool_pre_ping=True)
+    metadata.create_all(eng)
+    return eng
+
+
+@contextlib.contextmanager
+def transaction(url: str | None = None) -> Iterator[sa.Connection]:
+    """A write transaction (on SQLite: ``BEGIN IMMEDIATE``), committed at the end, rolled back on an error."""
+    with engine(url).connect() as conn:
+        conn.execution_options(pinflow_write=True)
+        with conn.begin():
+            yield conn
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+def note(write: Any, *args: Any, **kwargs: Any) -> None:
+    """Call a history ``write`` for a job's transition; a database that does not answer is logged, not raised:
+    the history must never fail a training job (the quota check, which needs it, raises on its own)."""
+    try:
+        write(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        log.warning("job history: %s failed: %s", getattr(write, "__name__", write), err)
+
+
+def job_ended(job: dict[str, Any], event: dict[str, Any] | None = None, error: BaseException | None = None,
+              status: Any = None) -> None:
+    """Record the end of an operator's ``job`` ({"backend", "job_id"}) from its trigger's event or its final
+    status, and the error it was classified as (None: it succeeded)."""
+    event = event or {}
+    state = str(event.get("state") or "")
+    if state not in ("STALLED", "QUEUE_TIMEOUT"):
+        state = SUCCEEDED if error is None else FAILED
+    klass = getattr(getattr(error, "failure_class", None), "value", None) or event.get("failure_class")
+    times = {"started_at": event.get("started_at") or getattr(status, "started_at", None),
+             "queued_s": event.get("queued_s") if event.get("queued_s") is not None else getattr(status, "queued_s", None),
+             "ended_at": getattr(status, "ended_at", None)}
+    note(mark_ended, job["backend"], job["job_id"], state, failure_class=None if error is None else klass,
+         reason=None if error is None else str(error).split("\nlast log lines:")[0], **times)
+
+
+def upsert(job_name: str, url: str | None = None, conn: sa.Connection | None = None, **fields: Any) -> None:
+    """Create or update the row of ``job_name`` with ``fields`` (None values leave a column as it is)."""
+    values = {k: v for k, v in fields.items() if v is not None}
+    unknown = set(values) - set(COLUMNS)
+    if unknown:
+        raise ValueError(f"unknown job history columns: {', '.join(sorted(unknown))}")
+    values["updated_at"] = now()
+    if conn is None:
+        with transaction(url) as c:
+            _upsert(c, job_name, values)
+    else:
+        _upsert(conn, job_name, values)
+
+
+def _upsert(conn: sa.Connection, job_name: str, values: dict[str, Any]) -> None:
+    done = conn.execute(sa.update(jobs).where(jobs.c.job_name == job_name).values(**values))
+    if done.rowcount == 0:
+        values.setdefault("state", WAITING)
+        values.setdefault("team", "")
+        conn.execute(sa.insert(jobs).values(job_name=job_name, **values))
+
+
+def job_fields(
+    *, team: str, family: str | None, ti: Any, backend: str, instance_type: str, nodes: int, procs_per_node: int,
+    gpus_per_node: int, output_dir: str | None = None, checkpoint_dir: str | None = None,
+) -> dict[str, Any]:
+    """The row's fields that a job has from the start (its task instance and request)."""
+    try_number = int(getattr(ti, "try_number", 1) or 1)
+    return {
+        "team": team, "family": family, "dag_id": getattr(ti, "dag_id", None), "run_id": getattr(ti, "run_id", None),
+        "task_id": getattr(ti, "task_id", None),
+        "map_index": -1 if getattr(ti, "map_index", None) is None else int(ti.map_index),
+        "try_number": try_number, "retries": try_number - 1, "backend": backend, "instance_type": instance_type,
+        "nodes": nodes, "procs_per_node": procs_per_node, "gpus_per_node": gpus_per_node, "gpus": nodes * gpus_per_node,
+        "output_dir": output_dir, "checkpoint_dir": checkpoint_dir,
+    }
+
+
+def mark_submitted(job_name: str, job_id: str, submitted_at: dt.datetime | None = None, console_url: str = "",
+                   url: str | None = None) -> None:
+    """The backend accepted the job (``submitted_at``: when the request went out)."""
+    upsert(job_name, url, state=SUBMITTED, job_id=job_id, submitted_at=submitted_at or now(),
+           console_url=console_url or None)
+
+
+def update_job(backend: str, job_id: str, url: str | None = None, **fields: Any) -> None:
+    """Set ``fields`` on the row of a submitted job (by its backend's id)."""
+    with transaction(url) as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.backend == backend, jobs.c.job_id == job_id)
+                     .values(**fields, updated_at=now()))
+
+
+def mark_running(backend: str, job_id: str, started_at: float | None, queued_s: float | None,
+                 url: str | None = None) -> None:
+    """The backend reports the job running: its start and how long it was queued (a trigger or a poller calls)."""
+    with transaction(url) as conn:
+        conn.execute(
+            sa.update(jobs)
+            .where(jobs.c.backend == backend, jobs.c.job_id == job_id, jobs.c.state.in_((ADMITTED, SUBMITTED)))
+            .values(state=RUNNING, started_at=from_epoch(started_at) or now(), queue_wait_s=queued_s,
+                    updated_at=now())
+        )
+
+
+def mark_ended(
+    backend: str, job_id: str, state: str, *, failure_class: str | None = None, reason: str | None = None,
+    started_at: float | None = None, queued_s: float | None = None, ended_at: float | None = None,
+    url: str | None = None,
+) -> None:
+    """The job has ended: outcome, failure class, run time, GPU- and node-hours (from its start and size)."""
+    end = from_epoch(ended_at) or now()
+    with transaction(url) as conn:
+        row = conn.execute(
+            sa.select(jobs).where(jobs.c.backend == backend, jobs.c.job_id == job_id).order_by(jobs.c.id.desc())
+        ).mappings().first()
+        if row is None:
+            return
+        started = _aware(row["started_at"]) or from_epoch(started_at)
+        if started is None and state == SUCCEEDED:
+            started = _aware(row["submitted_at"])
+        run_s = max(0.0, (end - started).total_seconds()) if started else 0.0
+        queue_wait = row["queue_wait_s"] if row["queue_wait_s"] is not None else queued_s
+        conn.execute(
+            sa.update(jobs).where(jobs.c.id == row["id"]).values(
+                state=state, outcome=state, failure_class=failure_class,
+                reason=(reason or None) and str(reason)[:4000], started_at=started, ended_at=end, run_s=run_s,
+                queue_wait_s=queue_wait, gpu_hours=(row["gpus"] or 0) * run_s / 3600,
+                node_hours=(row["nodes"] or 0) * run_s / 3600, updated_at=now(),
+            )
+        )
+
+
+def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:
+    """What the finished job produced: its MLflow run and registered model version."""
+    with transaction(url) as conn:
+        conn.execute(
+            sa.update(jobs).where(jobs.c.backend == backend, jobs.c.job_id == job_id).values(
+                model_name=result.get("model_name"), model_version=str(result.get("model_version") or "") or None,
+                mlflow_run_id=result.get("mlflow_run_id"), updated_at=now(),
+            )
+        )
+
+
+def record_promotion(dag_id: str, run_id: str, decision: dict[str, Any], url: str | None = None) -> None:
+    """The promotion gate's decision, on the run's job that produced that model version."""
+    with transaction(url) as conn:
+        row = conn.execute(
+            sa.select(jobs.c.id).where(jobs.c.dag_id == dag_id, jobs.c.run_id == run_id, jobs.c.state == SUCCEEDED)
+            .order_by(jobs.c.id.desc())
+        ).first()
+        if row is not None:
+            conn.execute(sa.update(jobs).where(jobs.c.id == row[0]).values(
+                promoted=bool(decision.get("promoted")), promotion_reason=str(decision.get("reason", ""))[:4000],
+                model_version=str(decision.get("model_version") or "") or None, updated_at=now(),
+            ))
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+
+def get(job_name: str, url: str | None = None) -> dict[str, Any] | None:
+    """The row of ``job_name``, or None."""
+    with engine(url).connect() as conn:
+        row = conn.execute(sa.select(jobs).where(jobs.c.job_name == job_name)).mappings().first()
+    return {k: _aware(v) for k, v in row.items()} if row else None
+
+
+def rows(
+    *, url: str | None = None, team: str | None = None, dag_id: str | None = None, run_id: str | None = None,
+    states: Sequence[str] | None = None, since: dt.datetime | None = None, limit: int | None = None,
+    newest_first: bool = False, backend: str | None = None, job_id: str | None = None,
+) -> list[dict[str, Any]]:
+    """Rows as dicts (times timezone-aware UTC), oldest first unless ``newest_first``."""
+    query = sa.select(jobs)
+    if backend:
+        query = query.where(jobs.c.backend == backend)
+    if job_id:
+        query = query.where(jobs.c.job_id == job_id)
+    if team:
+        query = query.where(jobs.c.team == team)
+    if dag_id:
+        query = query.where(jobs.c.dag_id == dag_id)
+    if run_id:
+        query = query.where(jobs.c.run_id == run_id)
+    if states:
+        query = query.where(jobs.c.state.in_(list(states)))
+    if since is not None:
+        query = query.where(sa.func.coalesce(jobs.c.requested_at, jobs.c.submitted_at, jobs.c.updated_at) >= since)
+    query = query.order_by(jobs.c.id.desc() if newest_first else jobs.c.id)
+    if limit:
+        query = query.limit(limit)
+    with engine(url).connect() as conn:
+        return [{k: _aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
+
+
+def export(path: str | Path, fmt: str = "csv", **filters: Any) -> int:
+    """Write the rows (``rows(**filters)``) to a CSV or Parquet file; return how many."""
+    import pyarrow as pa
+
+    table_rows = rows(**filters)
+    schema = pa.schema([(c.name, _arrow_type(c.type)) for c in jobs.columns])
+    table = pa.Table.from_pylist(table_rows, schema=schema)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, path)
+    elif fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, path)
+    else:
+        raise ValueError(f"unknown export format {fmt!r}: csv or parquet")
+    return len(table_rows)
+
+
+def _arrow_type(column_type: Any) -> Any:
+    import pyarrow as pa
+
+    if isinstance(column_type, sa.DateTime):
+        return pa.timestamp("us", tz="UTC")
+    if isinstance(column_type, sa.Boolean):
+        return pa.bool_()
+    if isinstance(column_type, sa.Integer):
+        return pa.int64()
+    if isinstance(column_type, sa.Float):
+        return pa.float64()
+    return pa.string()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m operators.job_history", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write the job history to a CSV or Parquet file (capacity planning)")
+    exp.add_argument("--out", required=True, help="the file to write")
+    exp.add_argument("--format", choices=("csv", "parquet"), help="default: from the file's suffix, else csv")
+    exp.add_argument("--since", help="only jobs requested on or after this day (YYYY-MM-DD)")
+    exp.add_argument("--team", help="only this team's jobs")
+    exp.add_argument("--url", help="the database (default: job_history.url of the platform configuration)")
+    args = parser.parse_args(argv)
+    fmt = args.format or ("parquet" if args.out.endswith(".parquet") else "csv")
+    since = dt.datetime.fromisoformat(args.since).replace(tzinfo=dt.UTC) if args.since else None
+    count = export(args.out, fmt, url=args.url, team=args.team, since=since)
+    print(f"wrote {count} job(s) to {args.out} ({fmt}) from {sa.make_url(args.url or default_url()).render_as_string()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""pinflow's FastAPI app, mounted by the plugin under ``/pinflow`` on Airflow's API server.
+
+Pages (HTML with server-rendered SVG; shown in the Airflow UI through the plugin's ``external_views``) and the
+JSON API they are made from::
+
+    /pinflow/platform                    /pinflow/api/platform
+    /pinflow/runs                        /pinflow/api/runs
+    /pinflow/runs/<dag_id>/<run_id>      /pinflow/api/runs/<dag_id>/<run_id>
+    /pinflow/runs/<dag_id>/<run_id>/mlflow   -> the run's MLflow run (307), once the job has created it
+    /pinflow/data-quality                /pinflow/api/data-quality
+    /pinflow/data-quality/docs/<dataset>/<ds>  -> the partition's Data Docs (or report), served below
+    /pinflow/files/reports/validation/...      validation reports and Data Docs from the storage root
+    /pinflow/files/quarantine/<dataset>/ds=<ds>/<time>/report/...   a quarantined partition's report
+    /pinflow/jobs/<backend>/<job_id>     a job: its history row; a local job's node logs and request
+
+Every route needs an authenticated Airflow user, exactly as Airflow's own API: a JWT as ``Authorization: Bearer``
+or the UI's session cookie (Airflow's ``get_user`` dependency), and the auth manager's permission to see plugins
+(``AccessView.PLUGINS``); a DAG run's routes also need read access to that DAG's runs. Without a token: 401.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import mimetypes
+from html import escape
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import FastAPI, Request
+
+from pinflow_ui import pages, svg
+
+CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, sans-serif; margin: 16px 24px; color: #1a202c; font-size: 14px; }
+nav a { margin-right: 14px; text-decoration: none; color: #2b6cb0; font-weight: 600; }
+nav { border-bottom: 1px solid #e2e8f0; padding-bottom: 8px; margin-bottom: 12px; }
+h1 { font-size: 20px; margin: 8px 0; } h2 { font-size: 16px; margin: 18px 0 6px; }
+table { border-collapse: collapse; margin: 4px 0 10px; } td, th { border: 1px solid #e2e8f0; padding: 3px 8px;
+  text-align: left; vertical-align: top; } th { background: #f7fafc; }
+.grid { display: flex; flex-wrap: wrap; gap: 18px; } .card { border: 1px solid #e2e8f0; border-radius: 6px;
+  padding: 8px 12px; }
+.pass { background: #c6f6d5; } .fail { background: #fed7d7; } .warn { background: #fefcbf; } .none { color: #a0aec0; }
+.muted { color: #718096; } .big { font-size: 18px; font-weight: 600; } code { font-size: 12px; }
+.state-RUNNING { color: #2b6cb0; font-weight: 600; } .state-WAITING { color: #b7791f; font-weight: 600; }
+.state-SUCCEEDED { color: #2f855a; } .state-FAILED { color: #c53030; font-weight: 600; }
+"""
+
+
+def _prefix(request: Request) -> str:
+    """Where this app is mounted (``/pinflow``, behind any proxy prefix): links stay right wherever it is served."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
+
+
+def _airflow(request: Request) -> str:
+    """The Airflow UI's root, for links out of the iframe (``target=_top``)."""
+    return _prefix(request).removesuffix("/pinflow")
+
+
+def _layout(request: Request, title: str, body: str, refresh: int | None = None) -> str:
+    p = _prefix(request)
+    meta = f'<meta http-equiv="refresh" content="{refresh}">' if refresh else ""
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8">{meta}<title>{escape(title)} · pinflow</title>'
+        f"<style>{CSS}</style></head><body>"
+        f'<nav><a href="{p}/platform">Platform</a><a href="{p}/runs">Training runs</a>'
+        f'<a href="{p}/data-quality">Data quality</a></nav><h1>{escape(title)}</h1>{body}'
+        f'<p class="muted">Updated {dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")}'
+        f'{f" · refreshes every {refresh}s" if refresh else ""}</p></body></html>'
+    )
+
+
+def _a(href: str | None, text: str, top: bool = False) -> str:
+    if not href:
+        return escape(text)
+    target = ' target="_top"' if top else (' target="_blank" rel="noopener"' if href.startswith("http") else "")
+    return f'<a href="{escape(href)}"{target}>{escape(text)}</a>'
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = float(seconds)
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.0f} s"
+
+
+def _time(value: str | None) -> str:
+    return escape(value[:19].replace("T", " ")) if value else "—"
+
+
+def _table(headers: list[str], rows: list[list[str]], empty: str = "none") -> str:
+    if not rows:
+        return f'<p class="muted">{escape(empty)}</p>'
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _run_href(request: Request, dag_id: str, run_id: str) -> str:
+    return f"{_prefix(request)}/runs/{quote(dag_id, safe='')}/{quote(run_id, safe='')}"
+
+
+def _run_link(request: Request, job: dict[str, Any]) -> str:
+    if not job.get("dag_id"):
+        return "—"
+    return _a(_run_href(request, job["dag_id"], job["run_id"]), f"{job['dag_id']} / {job['run_id']}")
+
+
+# --- Platform ----------------------------------------------------------------------------------------------
+
+
+def render_platform(request: Request, data: dict[str, Any]) -> str:
+    days = data["days"]
+    usage_rows, usage_charts = [], []
+    for team in data["usage"]:
+        held, quota = team["held"], team["quota"]
+        usage_rows.append([
+            f"<b>{escape(team['team'])}</b>", escape(team["pool"]), escape(team["instance_type"]),
+            *(f"{held[k]} / {quota[k] if quota[k] is not None else '∞'}" for k in ("jobs", "nodes", "gpus")),
+            str(team["waiting"]),
+        ])
+        usage_charts.append(svg.usage_bars(
+            [(f"{team['team']} {k}", float(held[k]), None if quota[k] is None else float(quota[k]))
+             for k in ("jobs", "nodes", "gpus")], title=f"team {team['team']}: usage vs quota now"))
+    waits = data["wait_percentiles"]
+    wait_rows = [[escape(team), str(v["jobs"]), *(_duration(v[f"p{q}"]) for q in (50, 90, 99))]
+                 for team, v in waits["by_team"].items()]
+    wait_rows += [[f"<i>{name}</i>", "", *(_duration(waits[name][f"p{q}"]) for q in (50, 90, 99))]
+                  for name in ("quota", "queue", "total")]
+    active = []
+    for job in data["active"]:
+        prog = job.get("progress") or {}
+        done = f"{prog['percent']:.1f}% (step {prog['step']}/{prog['total_steps']})" if prog.get("percent") is not None else "—"
+        active.append([
+            escape(job["team"]), escape(job.get("family") or ""), _run_link(request, job),
+            f'<span class="state-{escape(job["state"])}">{escape(job["state"])}</span>',
+            escape(f"{job.get('instance_type')} × {job.get('nodes')}"), _duration(job.get("for_s")), done,
+            _duration(prog.get("eta_s")) if prog.get("eta_s") is not None else "—",
+            " ".join(filter(None, [_a(job["links"]["console"], "job"), _a(job["links"]["airflow_run"], "Airflow", top=True)])),
+        ])
+    recent = [[
+        escape(job["team"]), escape(job.get("family") or ""), _run_link(request, job),
+        f'<span class="state-{escape(job["state"])}">{escape(job["state"])}</span>',
+        escape(job.get("failure_class") or ""), str(job.get("try_number") or ""),
+        _duration(job.get("quota_wait_s")), _duration(job.get("queue_wait_s")), _duration(job.get("run_s")),
+        f"{job['gpu_hours']:.2f}" if job.get("gpu_hours") is not None else "—", _time(job.get("ended_at")),
+    ] for job in data["recent"]]
+    body = f"""
+<h2>Teams: usage against quota now</h2>
+{_table(["team", "Airflow pool", "instance type", "jobs", "nodes", "GPUs", "waiting for room"], usage_rows)}
+<div class="grid">{''.join(usage_charts)}</div>
+<h2>Jobs waiting or running</h2>
+{_table(["team", "family", "DAG run", "state", "nodes", "for", "progress", "ETA", "links"], active,
+        "no job is waiting or running")}
+<div class="grid">
+<div class="card"><h2>GPU-hours per team and day</h2>{svg.stacked_bars(days, data["gpu_hours_by_team"], title="GPU-hours per team", unit="GPU-hours")}</div>
+<div class="card"><h2>GPU-hours per model family and day</h2>{svg.stacked_bars(days, data["gpu_hours_by_family"], title="GPU-hours per family", unit="GPU-hours")}</div>
+<div class="card"><h2>Wait before running (quota + queue) per day</h2>{svg.lines(data["wait_percentiles_by_day"], title="wait percentiles per day", unit="seconds", x_ticks=days, x_range=(0, len(days) - 1))}
+{_table(["team", "jobs", "p50", "p90", "p99"], wait_rows, "no job has started yet")}</div>
+<div class="card"><h2>Job outcomes and failure classes per day</h2>{svg.stacked_bars(days, data["outcomes_by_day"], title="job outcomes per day", unit="jobs")}</div>
+<div class="card"><h2>Task outcomes per day (every pinflow task, from the listener)</h2>{svg.stacked_bars(days, data["tasks_by_day"], title="task outcomes per day", unit="tasks")}</div>
+</div>
+<h2>Recent jobs</h2>
+{_table(["team", "family", "DAG run", "state", "class", "try", "quota wait", "queue wait", "run time", "GPU-h", "ended"], recent,
+        "no job yet")}
+<p class="muted">{data["jobs"]} job(s) in the last {len(days)} days. Export for capacity planning:
+<code>python -m operators.job_history export --out jobs.parquet</code></p>"""
+    return _layout(request, "Platform", body, refresh=30)
+
+
+# --- Training run ------------------------------------------------------------------------------------------
+
+
+def render_runs(request: Request, runs: list[dict[str, Any]]) -> str:
+    rows = [[
+        _run_link(request, r), escape(r["team"]), escape(r.get("family") or ""),
+        f'<span class="state-{escape(r["state"])}">{escape(r["state"])}</span>', str(r["tries"]),
+        _time(r.get("requested_at")), _time(r.get("ended_at")), escape(str(r.get("model_version") or "")),
+        "" if r.get("promoted") is None else ("promoted" if r["promoted"] else "not promoted"),
+    ] for r in runs]
+    return _layout(request, "Training runs", _table(
+        ["DAG run", "team", "family", "state", "tries", "requested", "ended", "model version", "promotion"], rows,
+        "no training job yet"), refresh=30)
+
+
+def render_run(request: Request, data: dict[str, Any]) -> str:
+    prog, jobs = data["progress"], data["jobs"]
+    latest = jobs[-1] if jobs else {}
+    running = data["state"] in ("WAITING", "ADMITTED", "SUBMITTED", "RUNNING")
+    parts = []
+    if not jobs:
+        parts.append('<p class="muted">No training job recorded for this DAG run (yet): a run of another DAG, or its '
+                     "train task has not started.</p>")
+    else:
+        state = data["state"]
+        parts.append(f'<p class="big">Job <code>{escape(latest.get("job_id") or latest["job_name"])}</code>: '
+                     f'<span class="state-{escape(state)}">{escape(state)}</span> · team {escape(latest["team"])} · '
+                     f'{escape(latest.get("family") or "")} · {escape(str(latest.get("instance_type")))} × '
+                     f'{latest.get("nodes")} node(s), {latest.get("procs_per_node")} process(es) each · try '
+                     f'{latest.get("try_number")}</p>')
+        if state == "WAITING":
+            parts.append(f'<p class="warn">Waiting for room in team {escape(latest["team"])}\'s quota since '
+                         f'{_time(latest.get("requested_at"))} (see Platform for who holds it).</p>')
+        elif state == "SUBMITTED":
+            parts.append(f'<p class="warn">Queued on {escape(latest.get("backend") or "")} since '
+                         f'{_time(latest.get("submitted_at"))}: waiting for capacity, nodes booting or images pulling.</p>')
+    if prog.get("reporting"):
+        eta = _duration(prog.get("eta_s")) if prog.get("eta_s") is not None else "—"
+        percent = f" ({prog['percent']:.1f}%)" if prog.get("percent") is not None else ""
+        loss = f"{prog['loss']:.4f}" if prog.get("loss") is not None else "—"
+        parts.append(
+            f'<h2>Progress</h2>{svg.progress_bar(prog.get("percent") or 0.0, title="training progress")}'
+            f'<p class="big">step {prog["step"]} of {prog.get("total_steps") or "?"}{percent} · '
+            f'epoch {prog.get("epoch")}/{prog.get("epochs") or "?"} · {prog["examples_per_s"]:,.0f} examples/s · '
+            f'ETA {eta} · loss {loss} · phase {escape(str(prog.get("phase")))}</p>'
+        )
+        parts.append("<h2>Ranks</h2>" + _table(
+            ["rank", "host", "pid", "phase", "step", "examples/s", "heartbeat age"],
+            [[str(r["rank"]), escape(str(r["host"])), str(r["pid"]), escape(str(r["phase"])), str(r["step"]),
+              f"{r['examples_per_s']:,.0f}", _duration(r["age_s"])] for r in prog["ranks"]]))
+    elif jobs:
+        parts.append('<p class="muted">No heartbeat yet (the job has not started its ranks).</p>')
+    parts.append("<h2>Loss</h2>" + svg.lines({"train loss": [tuple(p) for p in data["loss_curve"]]},  # type: ignore[misc]
+                                            title="train loss by step", unit="loss", x_label="step",
+                                            empty="no step trained yet"))
+    ckpt = data["checkpoint"]
+    parts.append("<h2>Last checkpoint</h2>" + (
+        f"<p>step {ckpt.get('step')} (epoch {ckpt.get('epoch')}), {escape(str(ckpt.get('time') or ''))} — "
+        f"<code>{escape(ckpt['path'])}</code></p>" if ckpt else '<p class="muted">none yet</p>'))
+    ml = data["mlflow"]
+    mlflow_parts = [_a(ml["run_url"], f"MLflow run {ml['run_id']}")] if ml else []
+    if ml and ml.get("model_url"):
+        mlflow_parts.append(_a(ml["model_url"], f"model {ml['model_name']} version {ml['model_version']}"))
+    parts.append("<h2>MLflow</h2><p>" + (" · ".join(mlflow_parts) or
+                                          '<span class="muted">no MLflow run yet (the job creates it when it starts)'
+                                          "</span>") + "</p>")
+    promo = data["promotion"]
+    if promo:
+        verdict = "promoted to champion" if promo["promoted"] else "not promoted"
+        parts.append(f'<h2>Promotion</h2><p class="{"pass" if promo["promoted"] else "warn"}">Version '
+                     f'{escape(str(promo.get("model_version")))} {verdict}: {escape(promo.get("reason") or "")}</p>')
+    result = data["result"]
+    if result and result.get("metrics"):
+        metrics = result["metrics"]
+        flat = [[escape(k), escape(f"{v:.4f}" if isinstance(v, float) else str(v))] for k, v in metrics.items()
+                if isinstance(v, (int, float, str)) or v is None]
+        parts.append("<h2>Evaluation</h2>" + _table(["metric", "value"], flat))
+    parts.append("<h2>Jobs of this run (every try)</h2>" + _table(
+        ["try", "job", "state", "class", "submitted", "started", "ended", "quota wait", "queue wait", "run time",
+         "GPU-h", "reason"],
+        [[str(j.get("try_number")), _a(j["links"]["console"], j.get("job_id") or j["job_name"]),
+          f'<span class="state-{escape(j["state"])}">{escape(j["state"])}</span>', escape(j.get("failure_class") or ""),
+          _time(j.get("submitted_at")), _time(j.get("started_at")), _time(j.get("ended_at")),
+          _duration(j.get("quota_wait_s")), _duration(j.get("queue_wait_s")), _duration(j.get("run_s")),
+          f"{j['gpu_hours']:.2f}" if j.get("gpu_hours") is not None else "—",
+          escape((j.get("reason") or "")[:300])] for j in jobs]))
+    parts.append(f'<p>{_a(data["links"]["airflow_run"], "This DAG run in Airflow", top=True)}</p>')
+    return _layout(request, f"Training run {data['dag_id']} / {data['run_id']}", "".join(parts),
+                   refresh=10 if running else None)
+
+
+# --- Data quality -------------------------------------------------------------------------------------------
+
+
+def render_data_quality(request: Request, data: dict[str, Any]) -> str:
+    header = ["dataset", *(d[5:] for d in data["days"])]
+    rows = []
+    for dataset in data["datasets"]:
+        cells = [f"<b>{escape(dataset)}</b>"]
+        for day in data["days"]:
+            cell = data["cells"][dataset].get(day)
+            if cell is None:
+                cells.append('<span class="none">·</span>')
+                continue
+            label = "pass" if cell["success"] else "FAIL"
+            tip = ", ".join(cell["failed_checks"]) or f"{cell.get('rows')} rows"
+            cells.append(f'<a class="{"pass" if cell["success"] else "fail"}" title="{escape(tip)}" '
+                         f'href="{escape(cell["docs"])}" target="_blank" rel="noopener">{label}</a>')
+        rows.append(cells)
+    grid = ('<table class="dq"><tr>' + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>"
+            + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows) + "</table>"
+            if rows else '<p class="muted">no partition validated yet</p>')
+    series = {"passed": [float(sum(1 for ds in data["datasets"] if (c := data["cells"][ds].get(d)) and c["success"]))
+                         for d in data["days"]],
+              "failed": [float(sum(1 for ds in data["datasets"] if (c := data["cells"][ds].get(d)) and not c["success"]))
+                         for d in data["days"]]}
+    chart = svg.stacked_bars(data["days"], {"success": series["passed"], "failed": series["failed"]},
+                             title="validated partitions per day", unit="partitions")
+    quarantine = _table(
+        ["dataset", "day", "quarantined", "failed checks", "reason", "report"],
+        [[escape(q["dataset"]), escape(q["ds"]), _time(q.get("quarantined_at")),
+          escape(", ".join(q["failed_checks"])),
+          escape(q["reason"]) + ("<br><small>" + "<br>".join(escape(d) for d in q["details"]) + "</small>"
+                                 if q["details"] else ""),
+          _a(q["report"], "report")] for q in data["quarantine"]],
+        "nothing is quarantined")
+    body = (f'<p class="big">{data["passed"]} partition(s) passed, {data["failed"]} failed over the last '
+            f'{len(data["days"])} day(s) validated.</p><h2>Validation per dataset and day</h2>'
+            f'<p class="muted">Each cell opens the partition\'s Data Docs.</p>{grid}{chart}'
+            f"<h2>Quarantine</h2>{quarantine}")
+    return _layout(request, "Data quality", body, refresh=60)
+
+
+def render_job(request: Request, job: dict[str, Any] | None, logs: str, backend: str, job_id: str) -> str:
+    if job is None:
+        body = f'<p class="muted">No job {escape(job_id)} on {escape(backend)} in the job history.</p>'
+    else:
+        body = _table(["field", "value"], [[escape(k), escape(str(v))] for k, v in job.items() if k != "links"])
+        body += f"<p>{_run_link(request, job)}</p>"
+    if logs:
+        body += f"<h2>Node logs (last lines)</h2><pre>{escape(logs)}</pre>"
+    return _layout(request, f"{backend} job {job_id}", body, refresh=15 if job and job.get("state") == "RUNNING" else None)
+
+
+# --- the app ----------------------------------------------------------------------------------------------
+
+
+def training_runs(limit: int = 100) -> list[dict[str, Any]]:
+    """The DAG runs with a training job, newest first: one entry per run (its newest try)."""
+    from operators import job_history as history
+
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in history.rows(newest_first=True, limit=limit * 4):
+        key = (row.get("dag_id") or "", row.get("run_id") or "")
+        if key in runs:
+            runs[key]["tries"] += 1
+            if runs[key].get("promoted") is None and row.get("promoted") is not None:
+                runs[key]["promoted"] = row["promoted"]
+            continue
+        view = {k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in row.items()}
+        runs[key] = {**view, "tries": 1}
+    return list(runs.values())[:limit]
+
+
+def _allowed_file(parts: list[str]) -> bool:
+    """Only validation reports / Data Docs and quarantined partitions' reports are served (no data files)."""
+    if not parts or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        return False
+    if parts[:2] == ["reports", "validation"] and len(parts) >= 5:
+        return True
+    return parts[0] == "quarantine" and len(parts) >= 6 and parts[4] == "report"
+
+
+def create_app() -> FastAPI:
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView, DagAccessEntity
+    from airflow.api_fastapi.core_api.security import requires_access_dag, requires_access_view
+    from fastapi import Depends, HTTPException
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+
+    from core import config, storage
+    from operators import job_history as history
+
+    app = FastAPI(
+        title="pinflow pages",
+        description="Platform, training runs and data quality of pinflow (auth as Airflow's API)",
+        dependencies=[Depends(requires_access_view(AccessView.PLUGINS))],
+    )
+    dag_runs = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
+
+    def cfg() -> Any:
+        return config.load()
+
+    @app.get("/", include_in_schema=False)
+    def index(request: Request) -> RedirectResponse:
+        return RedirectResponse(f"{_prefix(request)}/platform")
+
+    @app.get("/api/platform")
+    def api_platform(days: int = 14) -> JSONResponse:
+        return JSONResponse(jsonable_encoder(pages.platform(cfg(), days)))
+
+    @app.get("/platform", response_class=HTMLResponse)
+    def platform_page(request: Request, days: int = 14) -> HTMLResponse:
+        return HTMLResponse(render_platform(request, pages.platform(cfg(), days)))
+
+    @app.get("/api/runs")
+    def api_runs() -> JSONResponse:
+        return JSONResponse(jsonable_encoder(training_runs()))
+
+    @app.get("/runs", response_class=HTMLResponse)
+    def runs_page(request: Request) -> HTMLResponse:
+        return HTMLResponse(render_runs(request, training_runs()))
+
+    @app.get("/api/runs/{dag_id}/{run_id}", dependencies=dag_runs)
+    def api_run(dag_id: str, run_id: str) -> JSONResponse:
+        return JSONResponse(jsonable_encoder(pages.training_run(cfg(), dag_id, run_id)))
+
+    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=dag_runs)
+    def run_page(request: Request, dag_id: str, run_id: str) -> HTMLResponse:
+        return HTMLResponse(render_run(request, pages.training_run(cfg(), dag_id, run_id)))
+
+    @app.get("/runs/{dag_id}/{run_id}/mlflow", dependencies=dag_runs, response_model=None)
+    def run_mlflow(request: Request, dag_id: str, run_id: str) -> Response:
+        rows = history.rows(dag_id=dag_id, run_id=run_id)
+        latest = rows[-1] if rows else None
+        result = None
+        if latest and latest.get("output_dir"):
+            result = pages._read_json(storage.join(latest["output_dir"], "result.json"))
+        ml = pages.mlflow_links(cfg(), latest.get("checkpoint_dir") if latest else None, result)
+        if ml:
+            return RedirectResponse(ml["run_url"], status_code=307)
+        state = latest["state"] if latest else "not submitted"
+        body = (f"<p>The training job of this run ({escape(state)}) has not created its MLflow run yet: it does so "
+                f"as soon as its ranks start. This link opens it from then on.</p>"
+                f"<p>{_a(_run_href(request, dag_id, run_id), 'Progress of this run')}</p>")
+        return HTMLResponse(_layout(request, "MLflow run not created yet", body, refresh=10))
+
+    @app.get("/api/data-quality")
+    def api_data_quality(days: int = 14) -> JSONResponse:
+        return JSONResponse(jsonable_encoder(pages.data_quality(cfg(), days)))
+
+    @app.get("/data-quality", response_class=HTMLResponse)
+    def data_quality_page(request: Request, days: int = 14) -> HTMLResponse:
+        return HTMLResponse(render_data_quality(request, pages.data_quality(cfg(), days)))
+
+    @app.get("/data-quality/docs/{dataset}/{ds}", response_model=None)
+    def data_docs(request: Request, dataset: str, ds: str) -> Response:
+        from core.contracts import VALIDATION_REPORTS
+
+        folder = storage.join(cfg().storage_root, VALIDATION_REPORTS, dataset, f"ds={ds}")
+        for rel in ("data_docs/index.html", "index.html"):
+            if _allowed_file(["reports", "validation", dataset, f"ds={ds}", *rel.split("/")]) and \
+                    storage.exists(storage.join(folder, *rel.split("/"))):
+                target = "/".join(quote(p, safe="=") for p in ("reports", "validation", dataset, f"ds={ds}", rel))
+                return RedirectResponse(f"{_prefix(request)}/files/{target}", status_code=307)
+        raise HTTPException(404, f"no validation report for {dataset} ds={ds} under {folder} (not validated yet)")
+
+    @app.get("/files/{path:path}", response_model=None)
+    def files(path: str) -> Response:
+        parts = path.split("/")
+        if not _allowed_file(parts):
+            raise HTTPException(404, "only validation reports, Data Docs and quarantine reports are served")
+        location = storage.join(cfg().storage_root, *parts)
+        try:
+            content = storage.read_bytes(location)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise HTTPException(404, f"{path} not found") from None
+        media = mimetypes.guess_type(parts[-1])[0] or "application/octet-stream"
+        return Response(content, media_type=media)
+
+    @app.get("/api/jobs/{backend}/{job_id}")
+    def api_job(backend: str, job_id: str) -> JSONResponse:
+        rows = history.rows(backend=backend, job_id=job_id, newest_first=True, limit=1)
+        return JSONResponse(jsonable_encoder(rows[0] if rows else None))
+
+    @app.get("/jobs/{backend}/{job_id}", response_class=HTMLResponse)
+    def job_page(request: Request, backend: str, job_id: str) -> HTMLResponse:
+        rows = history.rows(backend=backend, job_id=job_id, newest_first=True, limit=1)
+        logs = ""
+        if backend == "local":
+            from operators.backends.local import LocalBackend
+
+            try:
+                logs = LocalBackend(cfg().home).logs(job_id, tail=80)
+            except (LookupError, OSError) as err:
+                logs = f"(no logs: {err})"
+        job = pages._job_view(rows[0], history.now()) if rows else None
+        return HTMLResponse(render_job(request, job, logs, backend, job_id))
+
+    return app

@@ -1,0 +1,299 @@
+"""The HPO DAG through Airflow's own machinery on the local backend, with real torchrun jobs.
+
+One study of 3 trials, 2 at a time (two rounds), of the content family on a tiny world (``pinflow_hpo`` run with
+``dag.test()`` in a subprocess: this file is also its driver, ``python test_hpo_dag.py``). Deferred trial tasks
+get their triggers run in background threads, as a triggerer would, so the two trials of a round train at once.
+The driver then clears and re-runs the whole DAG run (in the same process: one Airflow start-up, not two).
+Trials are tiny (40 steps) and few: the suite's time budget allows the HPO tests about a minute and a half.
+
+- trials run as training jobs (one per trial, in parallel per round) and their evaluation reaches the study;
+- a trial that learns slowly (enqueued: lr 0.0002) is pruned from its intermediate losses: its job is cancelled
+  and its task succeeds with the trial recorded as pruned;
+- the best trial beats the baseline (the family's defaults) on the metric; its model is registered and goes
+  through the promotion gate; MLflow has the study's parent run with a child run per trial; the run's note is the
+  study's summary (the listener of ``operators.hpo_plugin``);
+- the re-run of the DAG run continues the same study: no trial is asked or trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+DAYS = ["2026-11-01", "2026-11-02", "2026-11-03"]
+LOGICAL_DATE = "2026-11-10T00:00:00+00:00"
+CONF = {
+    "model": "pin_content", "n_trials": 3, "parallel_trials": 2, "metric": "mean_auc", "direction": "maximize",
+    "search_space": {"lr": {"type": "float", "low": 0.0002, "high": 0.1, "log": True}},
+    # Trial 1 (round 0) learns fast, trial 2 (round 1, after two completed trials) slowly: it is pruned.
+    "enqueue": [{"lr": 0.05}, {"lr": 0.0002}],
+    "fixed": {"epochs": 4, "batch_size": 16, "checkpoint_every": 5, "heartbeat_every_s": 0.5,
+              "debug_step_sleep_s": 0.05, "params": {"width": 32}},
+    "train_days": 2, "nodes": 1, "procs_per_node": 1, "backend": "local",
+}
+
+pytestmark = pytest.mark.integration
+
+
+# -- the driver (runs in a subprocess) -----------------------------------------------------------------------
+def _fire(ti_id: object, trigger: object, next_method: str) -> None:
+    """What a triggerer does: run the trigger to its first event, then put the task back up for scheduling."""
+    import asyncio
+
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.sdk.serde import serialize
+    from airflow.utils.session import create_session
+    from airflow.utils.state import TaskInstanceState
+
+    async def first() -> object:
+        return await anext(trigger.run(), None)  # type: ignore[attr-defined]
+
+    try:
+        event = asyncio.run(first())
+    except BaseException:  # a trigger that fails fails its task, as in the triggerer
+        with create_session() as session:
+            session.get(TaskInstance, ti_id).state = TaskInstanceState.FAILED
+        raise
+    with create_session() as session:
+        ti = session.get(TaskInstance, ti_id)
+        ti.next_method = next_method
+        ti.next_kwargs = {"event": serialize(event.payload)}  # type: ignore[attr-defined]
+        ti.state = TaskInstanceState.SCHEDULED
+
+
+def _run_task(*, ti: object, task: object, run_triggerer: bool = False) -> object:
+    """``dag.test()``'s ``_run_task``, except that a deferred task's trigger runs in a thread (a triggerer)."""
+    from uuid import UUID
+
+    from airflow.sdk._shared.module_loading import import_string
+    from airflow.sdk.api.datamodels._generated import TaskInstance as TaskInstanceSDK
+    from airflow.sdk.execution_time.comms import DeferTask
+    from airflow.sdk.execution_time.supervisor import run_task_in_process
+    from airflow.sdk.serde import deserialize
+    from airflow.serialization.serialized_objects import create_scheduler_operator
+    from airflow.utils.state import TaskInstanceState
+
+    ti.set_state(TaskInstanceState.QUEUED)  # type: ignore[attr-defined]
+    sdk_ti = TaskInstanceSDK(
+        id=UUID(str(ti.id)), task_id=ti.task_id, dag_id=ti.dag_id, run_id=ti.run_id,  # type: ignore[attr-defined]
+        try_number=ti.try_number, map_index=ti.map_index, dag_version_id=UUID(str(ti.dag_version_id)),  # type: ignore[attr-defined]
+    )
+    result = run_task_in_process(ti=sdk_ti, task=task)
+    ti.set_state(result.ti.state)  # type: ignore[attr-defined]
+    ti.task = create_scheduler_operator(result.ti.task)  # type: ignore[attr-defined]
+    if ti.state == TaskInstanceState.DEFERRED and isinstance(result.msg, DeferTask):  # type: ignore[attr-defined]
+        trigger = import_string(result.msg.classpath)(**deserialize(result.msg.trigger_kwargs))
+        threading.Thread(target=_fire, args=(ti.id, trigger, result.msg.next_method), daemon=True).start()  # type: ignore[attr-defined]
+    return result
+
+
+def _dag() -> object:
+    from datetime import timedelta
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(REPO / "dags" / "pinflow_hpo.py")).dags["pinflow_hpo"]
+    for task in dag.tasks:  # type: ignore[attr-defined]
+        if task.task_id.endswith(".trial"):
+            task.partial_kwargs["retry_delay"] = timedelta(seconds=1)
+            task.partial_kwargs["retry_exponential_backoff"] = 0
+    return dag
+
+
+def _summary(dr: object) -> dict:
+    tis = dr.get_task_instances()  # type: ignore[attr-defined]
+    return {
+        "run_id": dr.run_id, "state": str(dr.state),  # type: ignore[attr-defined]
+        "tasks": {f"{t.task_id}[{t.map_index}]": [str(t.state), t.try_number] for t in tis},
+        "summary": next((t.xcom_pull(task_ids="summary") for t in tis if t.task_id == "summary"), None),
+    }
+
+
+def _rerun(dag: object) -> object:
+    """Clear the DAG run and run it again (what *Clear* on the run does), with ``dag.test()``'s loop: dag.test()
+    itself always makes a new run."""
+    from airflow import settings
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import clear_task_instances
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.state import DagRunState, TaskInstanceState
+
+    session = settings.Session()
+    dr = session.query(DagRun).filter(DagRun.dag_id == "pinflow_hpo").order_by(DagRun.id.desc()).first()
+    serialized = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+    clear_task_instances(dr.get_task_instances(session=session), session, dag_run_state=DagRunState.RUNNING)
+    session.commit()
+    run_pk = dr.id
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        session.expire_all()
+        dr = session.query(DagRun).filter(DagRun.id == run_pk).one()
+        if dr.state != DagRunState.RUNNING:
+            break
+        dr.dag = serialized
+        schedulable, _ = dr.update_state(session=session)
+        for ti in schedulable:
+            if ti.state != TaskInstanceState.UP_FOR_RESCHEDULE:
+                ti.try_number += 1
+            ti.state = TaskInstanceState.SCHEDULED
+        session.commit()
+        scheduled = [t for t in dr.get_task_instances(session=session) if t.state == TaskInstanceState.SCHEDULED]
+        for ti in scheduled:
+            _run_task(ti=ti, task=dag.task_dict[ti.task_id])  # type: ignore[attr-defined]
+        if not scheduled:
+            time.sleep(0.5)
+    return dr
+
+
+def main() -> None:
+    """Run the DAG (``dag.test()``), then clear and re-run the same DAG run: a ``SUMMARY <name>`` line after each."""
+    import datetime as dt
+
+    import airflow.sdk.definitions.dag as dag_module
+    from airflow.models.dagrun import DagRun, DagRunNote
+    from airflow.utils.session import create_session
+
+    dag_module._run_task = _run_task  # type: ignore[assignment]
+    dag = _dag()
+    runs = {"run": lambda: dag.test(logical_date=dt.datetime.fromisoformat(LOGICAL_DATE), run_conf=CONF),  # type: ignore[attr-defined]
+            "rerun": lambda: _rerun(dag)}
+    for name, run in runs.items():
+        dr = run()
+        with create_session() as session:
+            summary = _summary(session.query(DagRun).filter(DagRun.id == dr.id).one())
+            summary["note"] = session.query(DagRunNote.content).filter(DagRunNote.dag_run_id == dr.id).scalar()
+        print(f"SUMMARY {name} " + json.dumps(summary, default=str), flush=True)
+        if summary["state"] != "success":
+            break
+
+
+# -- the test -----------------------------------------------------------------------------------------------
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> dict[str, dict]:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summaries = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("SUMMARY "):
+            name, _, payload = line[len("SUMMARY "):].partition(" ")
+            summaries[name] = json.loads(payload)
+    assert summaries, f"driver printed no summary (exit {proc.returncode}):\n{log.read_text()[-8000:]}"
+    return summaries
+
+
+@pytest.fixture
+def hpo_env(airflow_db, pinflow_home, tmp_path):
+    """The driver's environment: its own storage root (a tiny world), MLflow store and study storage."""
+    from training.smoke_data import write_tiny_world
+
+    write_tiny_world(tmp_path / "storage", DAYS, rows_per_day=40, pins=160, row_group_size=16)
+    return {
+        # No PYTHONPATH: pinflow is installed (editable); the source tree on sys.path would also show Airflow its
+        # egg-info, and so every entry-point plugin twice.
+        **os.environ, "OMP_NUM_THREADS": "1",
+        "PINFLOW_STORAGE_ROOT": str(tmp_path / "storage"),
+        "PINFLOW_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "PINFLOW_MLFLOW__ARTIFACT_ROOT": str(tmp_path / "artifacts"),
+        "PINFLOW_HPO__STORAGE_URL": f"sqlite:///{tmp_path / 'optuna.db'}",
+        "PINFLOW_HPO__REPORT_EVERY_STEPS": "2",
+        "PINFLOW_HPO__PRUNE_WARMUP_STEPS": "10",  # of 40: the first steps' losses are alike
+        "PINFLOW_HPO__MAX_ROUNDS": "2",  # the 2 rounds of 3 trials, 2 at a time: no rounds to skip
+        "PINFLOW_TRAINING__POLL_SECONDS": "0.3",
+        "PINFLOW_TRAINING__PREFLIGHT": "false",
+    }
+
+
+def _driver(env: dict, log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, str(HERE)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def test_a_study_of_training_jobs_prunes_promotes_and_resumes(hpo_env, pinflow_home, tmp_path):
+    import optuna
+    from mlflow import MlflowClient
+
+    home = pinflow_home
+    log = tmp_path / "run.log"
+    summaries = _finish(_driver(hpo_env, log), log)
+    summary = summaries["run"]
+    assert summary["state"] == "success", json.dumps(summary["tasks"], indent=1)
+    text = log.read_text()
+
+    # The study: 3 trials, each a training job, values from their evaluation; the slow one pruned.
+    storage = optuna.storages.RDBStorage(hpo_env["PINFLOW_HPO__STORAGE_URL"])
+    study_names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    assert len(study_names) == 1, study_names
+    study = optuna.load_study(study_name=study_names[0], storage=storage)
+    states = {t.number: t.state.name for t in study.trials}
+    assert states == {0: "COMPLETE", 1: "COMPLETE", 2: "PRUNED"}, (states, text[-6000:])
+    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
+    for trial in complete:
+        result = trial.user_attrs["pinflow.result"]
+        assert trial.value == pytest.approx(result["metrics"]["mean_auc"])
+        assert trial.intermediate_values, trial.number  # its curve reached the study
+    assert study.trials[0].user_attrs.get("baseline") and study.trials[0].params == {"lr": 0.003}
+    assert [study.trials[1].params["lr"], study.trials[2].params["lr"]] == [0.05, 0.0002]
+    assert study.best_trial.value > study.trials[0].value  # beats the family's defaults
+
+    # Two trials at once: round 0's jobs overlapped in time.
+    jobs = {}
+    for run_dir in (home / "runs").glob("train-pinflow-hpo-*"):
+        config = json.loads((run_dir / "RUN.json").read_text())
+        jobs[(int(config["tags"]["hpo_trial"]), int(config["tags"]["try"]))] = run_dir
+    assert sorted(jobs) == [(0, 1), (1, 1), (2, 1)], sorted(jobs)
+
+    def span(run_dir: Path) -> tuple[float, float]:
+        end = run_dir / "result.json" if (run_dir / "result.json").exists() else max(run_dir.glob("heartbeat-*"))
+        return (run_dir / "RUN.json").stat().st_mtime, end.stat().st_mtime
+
+    (start0, end0), (start1, end1) = span(jobs[(0, 1)]), span(jobs[(1, 1)])
+    assert start1 < end0 and start0 < end1, "round 0's trials did not train at the same time"
+
+    # The pruned trial's job was cancelled; its task succeeded (a killed trial's retry and resume are the training
+    # operator's: tests/integration/test_training_operator.py; a trial's checkpoints are keyed by the trial and
+    # shared by its tries: tests/unit/test_hpo.py).
+    assert summary["tasks"]["round_1.trial[0]"] == ["success", 1], summary["tasks"]
+    assert not (jobs[(2, 1)] / "result.json").exists()  # cancelled before it finished
+    assert "pruned at step" in text
+
+    # The summary, promotion and MLflow: a parent run and a child run per trial.
+    result = summary["summary"]
+    assert result["trials"] == {"complete": 2, "pruned": 1}, result
+    assert result["best"]["number"] == study.best_trial.number and result["gain_over_baseline"] > 0
+    assert result["promotion"]["model_version"] and result["promotion"]["promoted"]
+    assert summary["note"] == result["note"] and f"best: trial {result['best']['number']}" in summary["note"]
+    client = MlflowClient(hpo_env["PINFLOW_MLFLOW__TRACKING_URI"], hpo_env["PINFLOW_MLFLOW__TRACKING_URI"])
+    parent = client.get_run(result["mlflow_parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(int(r.data.tags["pinflow.hpo.trial"]) for r in children) == [0, 1, 2]
+    assert all("lr" in r.data.params for r in children)
+    version = client.get_model_version("pin_content", result["promotion"]["model_version"])
+    assert version.run_id == study.best_trial.user_attrs["pinflow.result"]["mlflow_run_id"]
+    assert len(client.search_model_versions("name='pin_content'")) == 1  # trials do not register their models
+
+    # The driver then cleared and re-ran the DAG run: the same study went on, nothing was asked or trained twice.
+    rerun = summaries["rerun"]
+    assert rerun["state"] == "success", json.dumps(rerun["tasks"], indent=1)
+    study = optuna.load_study(study_name=study_names[0], storage=storage)
+    assert {t.number: t.state.name for t in study.trials} == states
+    assert len(list((home / "runs").glob("train-pinflow-hpo-*"))) == len(jobs)
+    assert rerun["summary"]["best"] == result["best"] and rerun["note"].count("**Optuna study**") == 1
+    assert len(client.search_model_versions("name='pin_content'")) == 1
+
+
+if __name__ == "__main__":
+    main()
