@@ -29,11 +29,11 @@ export AIRFLOW__CORE__PARALLELISM := 4
 export GX_ANALYTICS_ENABLED := False
 export PATH := $(BIN):$(PATH)
 
-.PHONY: help install demo test lint airflow constraints clean print-env secrets dev-tools pools screenshots
+.PHONY: help install demo test test-extended lint airflow constraints clean print-env secrets dev-tools pools screenshots
 
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
-	@echo "make test     - install if needed, then ruff, mypy and pytest"
+	@echo "make test     - install if needed, then ruff, mypy and pytest (TEST_WORKERS=2; make test-extended: the extended ones)"
 	@echo "make airflow  - airflow standalone on http://localhost:$(PORT) with these DAGs (PORT=... moves it)"
 	@echo "make secrets  - write .env with generated secrets for docker-compose.yaml (kept if it exists)"
 	@echo "make install  - .venv with the pinned constraints, an Airflow home on SQLite under $(PINFLOW_HOME), the teams' pools"
@@ -76,9 +76,14 @@ lint: $(VENV)/.installed
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole); each worker
 # has its own PINFLOW_HOME and Airflow home (tests/conftest.py). TEST_WORKERS=0 runs in one process.
+# Tests marked `extended` (DAG-level variants of what faster tests cover) run with `make test-extended`.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=25
 test: install dev-tools lint
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PYTEST) -m "not extended" $(PYTEST_ARGS)
+
+test-extended: install dev-tools
+	$(PYTEST) -m extended $(PYTEST_ARGS)
 
 # Debian's docker-compose 1.x validates docker-compose.yaml without a Docker engine (tests/unit/test_compose.py
 # skips that check without it), and Debian's chromium renders the pages in tests/integration/test_ui_pages.py

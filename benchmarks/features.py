@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/features.py --events 500000       # a quick run
 
 Setup (not timed): one synthetic day of about ``--events`` events (``features.synthetic``), and a cheap
-history of ``--window-days - 1`` days before it: copies of the same day shifted back by whole days (ids
+history of ``--window-days`` days before it (so that the incremental window has a day that leaves): copies of the same day shifted back by whole days (ids
 and timestamps), the daily aggregates of those days (the same aggregates, copied), and the window and
 sequences of the day before (built once from the raw history).
 
@@ -18,7 +18,10 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
 
 The last line printed is one JSON object: ``events_per_s`` (events of the day / incremental seconds),
 ``speedup_vs_pandas``, ``incremental_vs_full`` (incremental seconds / full seconds: the cost ratio),
-``peak_rss_mb`` (of the incremental build), with the seconds and peaks of every phase.
+``peak_rss_mb`` (of the incremental build), ``examples_bytes`` (the day's examples partition on disk), with
+the seconds and peaks of every phase. The synthetic raw data is not validated (``require_validation=False``);
+``validation_check_s`` is what checking the day's validation reports would add (fingerprinting its raw events
+and pins partitions).
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         )
     shutil.rmtree(generated)
 
-    history = day_range(shift_ds(DAY, -(args.window_days - 1)), shift_ds(DAY, -1))
+    history = day_range(shift_ds(DAY, -args.window_days), shift_ds(DAY, -1))
     say(f"writing {len(history)} history days (the day shifted back)")
     source = data_files(root, contracts.RAW_EVENTS, DAY)[0]
     with build.connect(engine) as con:
@@ -133,12 +136,15 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             shutil.copytree(partition(root, contracts.RAW_PINS, DAY), partition(root, contracts.RAW_PINS, day))
     # The history's daily aggregates: those of one history day, copied to the others (same events, shifted).
     say("building the history's daily aggregates, window and sequences of the day before")
-    build.build_daily(root, history[-1], engine=engine)
+    build.build_daily(root, history[-1], require_validation=False, engine=engine)
     for day in history[:-1]:
         for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
             shutil.copytree(partition(root, dataset, history[-1]), partition(root, dataset, day))
-    build.build_window(root, history[-1], args.window_days, engine=engine)
-    build.build_sequences(root, history[-1], args.sequence_length, args.window_days, recompute=True, engine=engine)
+    build.build_window(root, history[-1], args.window_days, require_validation=False, engine=engine)
+    build.build_sequences(
+        root, history[-1], args.sequence_length, args.window_days, recompute=True, require_validation=False,
+        engine=engine,
+    )
     events = pq.read_metadata(data_files(root, contracts.RAW_EVENTS, DAY)[0]).num_rows
     return {"events": int(events), "history_days": len(history), "users": users}
 
@@ -147,15 +153,17 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> dict[str, Any]:
+    from features.validation.report import content_fingerprint
+
     engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     steps = {
-        "daily": lambda: build.build_daily(root, DAY, engine=engine),
-        "window": lambda: build.build_window(root, DAY, args.window_days, recompute=recompute, engine=engine),
+        "daily": lambda: build.build_daily(root, DAY, require_validation=False, engine=engine),
+        "window": lambda: build.build_window(root, DAY, args.window_days, recompute=recompute, require_validation=False, engine=engine),
         "sequences": lambda: build.build_sequences(
-            root, DAY, args.sequence_length, args.window_days, recompute=recompute, engine=engine
+            root, DAY, args.sequence_length, args.window_days, recompute=recompute, require_validation=False, engine=engine
         ),
         "examples": lambda: build.build_examples(
-            root, DAY, negative_downsample=args.negative_downsample, seed=args.seed, engine=engine
+            root, DAY, negative_downsample=args.negative_downsample, seed=args.seed, require_validation=False, engine=engine
         ),
     }
     summary: dict[str, Any] = {}
@@ -164,10 +172,16 @@ def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> di
         started = time.perf_counter()
         summary |= run()
         step_seconds[step] = round(time.perf_counter() - started, 3)
+    started = time.perf_counter()
+    for dataset in (contracts.RAW_EVENTS, contracts.RAW_PINS):
+        content_fingerprint(partition(root, dataset, DAY))
+    check_s = time.perf_counter() - started
     return {
         "seconds": sum(step_seconds.values()),
         "step_seconds": step_seconds,
         "peak_rss_mb": peak_rss_mb(),
+        "validation_check_s": round(check_s, 4),
+        "window_mode": summary[contracts.USER_WINDOW]["mode"],
         "sequences_mode": summary[contracts.USER_SEQUENCE]["mode"],
         "rows": {dataset: summary[dataset]["rows"] for dataset in OUTPUTS},
     }
@@ -406,12 +420,12 @@ def link_inputs(source: Path, target: Path, window_days: int) -> None:
     (target / "raw").symlink_to(source / "raw")
     prev = shift_ds(DAY, -1)
     for dataset in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE):
-        link = partition(target, dataset, prev)
+        link = Path(partition(target, dataset, prev))
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(partition(source, dataset, prev))
     for day in day_range(shift_ds(DAY, -(window_days - 1)), prev):
         for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
-            link = partition(target, dataset, day)
+            link = Path(partition(target, dataset, day))
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(partition(source, dataset, day))
 
@@ -487,6 +501,14 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_vs_pandas": round(pandas["seconds"] / incremental["seconds"], 2),
             "incremental_vs_full": round(incremental["seconds"] / full["seconds"], 3),
             "peak_rss_mb": round(incremental["peak_rss_mb"]),
+            "examples_bytes": sum(
+                f.stat().st_size for f in Path(partition(root, contracts.EXAMPLES, DAY)).iterdir() if f.is_file()
+            ),
+            "modes": {
+                phase: {"window": result["window_mode"], "sequences": result["sequences_mode"]}
+                for phase, result in (("incremental", incremental), ("full", full))
+            },
+            "validation_check_s": incremental["validation_check_s"],
         }
         print(json.dumps(summary))
     finally:

@@ -10,8 +10,9 @@ A partition is the folder ``<root>/<dataset>/ds=YYYY-MM-DD/``. It exists for rea
 marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic and idempotent:
 
 * a folder (a partition, a report, a quarantine record) is written through :func:`publish`: on a local root
-  into a hidden temporary sibling that is renamed into place with its marker, so a crash never leaves partial
-  output and a rerun replaces exactly that folder; on an object store, which has no rename, the old marker goes
+  into a hidden temporary sibling that is swapped into place with its marker (an atomic exchange on Linux, so
+  a reader never finds the folder missing; writers of one folder take turns on its lock file), so a crash
+  never leaves partial output and a rerun replaces exactly that folder; on an object store, which has no rename, the old marker goes
   first, then the old objects, then the new data, and the marker last;
 * a single file (JSON, a report page) through :func:`write_bytes` / :func:`write_json`: locally a temporary
   sibling and a rename, on an object store one PUT, which S3 makes visible whole or not at all.
@@ -21,11 +22,14 @@ Listings are never served from fsspec's cache: other processes and nodes write t
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
+import errno
 import glob as globlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -258,13 +262,70 @@ def move_tree(source: Location, target: Location) -> None:
 
 # --- the one publishing rule ----------------------------------------------------------------------------
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc < 2.28, or another libc
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the filesystem or kernel cannot exchange
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+@contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock (``flock``) on the file ``lock``, created for the purpose and removed when
+    released, so nothing stays behind. The holder removes it while it still holds it; a waiter that then gets
+    the lock on the removed file sees that the path is no longer its file and starts over on the new one. Where
+    there is no ``fcntl`` (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                current = os.stat(lock)
+            except FileNotFoundError:
+                current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # the previous holder removed this file: take the lock on the one at the path now
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(lock)
+        finally:
+            os.close(fd)  # releases the lock
+
 
 @contextmanager
 def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
     """Yield a folder to fill; on success it replaces ``final`` whole, with ``marker`` written last.
 
-    Local: a hidden temporary sibling, then a rename over the old folder (which is removed afterwards); a
-    failure removes the temporary folder and leaves the old one. Object store: the old marker is deleted
+    Local: a hidden temporary sibling, filled without a lock; then, holding the folder's lock file
+    ``.<name>.lock`` beside it (so that concurrent writers of one folder take turns and the last one wins; the
+    file is removed with the lock), the
+    sibling is exchanged with the old folder in one atomic step (Linux ``renameat2``; elsewhere a rename pair,
+    during which the folder is briefly missing) and the old contents are removed. A failure removes the
+    temporary folder and leaves the old one. Object store: the old marker is deleted
     first (the folder stops existing for readers), then its other objects; the data goes straight under
     ``final`` and the marker is the last PUT. ``marker=None`` for folders that have none (reports).
     """
@@ -283,13 +344,16 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
         yield str(tmp)
         if marker:
             (tmp / marker).write_text(dt.datetime.now(dt.UTC).isoformat())
-        old = None
-        if path.exists():
-            old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old)
+        with _locked(path.parent / f".{path.name}.lock"):
+            if not path.exists():
+                tmp.rename(path)
+            elif not _exchange(tmp, path):
+                old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+                path.rename(old)
+                tmp.rename(path)
+                old.rename(tmp)
+        # tmp now holds the old folder (if there was one); the except clause below also removes it on a failure.
+        shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -83,7 +83,9 @@ data. Emits the `pinflow_examples` asset.
         "sequence_length": "{{ params.sequence_length }}",
     }
     daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS)
-    window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS)
+    # The window of ds is that of ds-1 plus ds minus the day that leaves (a full sum when ds-1's is missing, or when
+    # a day it summed is not there yet and has to be computed from raw): in a backfill, wait for the day before.
+    window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS, depends_on_past=True)
     # Sequences of ds extend those of ds-1 (a full recompute when they are missing gives the same result,
     # 30 times slower): in a backfill, wait for the day before so that each day is incremental.
     sequences = FeatureBuildOperator(

@@ -120,8 +120,9 @@ extra links open the job's console page and the MLflow run.
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]))
-        if ti is not None:  # the Training progress page shows the decision and its reason
+        if ti is not None:  # the Training progress page and the run's note (operators.run_notes) show it
             job_history.note(job_history.record_promotion, ti.dag_id, ti.run_id, decision)
+            ti.xcom_push(key="decision", value=decision)
         logging.getLogger(__name__).info(
             "%s version %s %s: %s", decision["model_name"], decision["model_version"],
             "promoted to champion" if decision["promoted"] else "not promoted", decision["reason"],

@@ -55,7 +55,7 @@ recorded as *pruned*; the task succeeds.
 the training DAG's promotion gate (a promotion starts corpus inference); `summary` returns the study's summary
 in its XCom: best trial and params, the gain over the baseline, trials completed / pruned / failed, parameter
 importance and the promotion decision; when the run ends the same summary becomes the run's note (a listener:
-`operators/hpo_plugin.py`). MLflow has a parent run for the study (family's experiment) with a child run per
+`operators/run_notes.py`). MLflow has a parent run for the study (family's experiment) with a child run per
 trial.
 
 **Re-running** the DAG run (clear it) continues the same study: trials that ended are kept and not trained

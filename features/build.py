@@ -7,6 +7,11 @@ Rerunning a day replaces that day's outputs and nothing else.
 
     python -m features.build --root /data/pinflow --ds 2024-01-31 --step all
 
+Builds only from validated data: every raw partition a step reads needs a passed validation report
+(``python -m features.validate``) for its current contents (the content fingerprint the report records);
+otherwise the step raises ``UnvalidatedInputError`` naming the partition and the command that validates it.
+``--skip-validation`` (``require_validation=False``) builds anyway and says so in the outputs' metadata.
+
 Point-in-time rule: the examples of day ``ds`` join features as of the end of ``ds-1`` only, so nothing
 of day ``ds`` leaks into its own features. Raw partitions are assumed to hold the events whose ``ts``
 lies in their day (the validation step checks it); sequences additionally cut on ``ts``.
@@ -59,6 +64,7 @@ from core.contracts import (
 from core.failures import DataError, PinflowError
 from core.storage import (
     DATA_FILE,
+    MARKER,
     METADATA_FILE,
     data_files,
     day_range,
@@ -70,12 +76,15 @@ from core.storage import (
     open_output,
     partition,
     read_metadata,
+    read_parquet,
     read_snapshot,
+    read_text,
     shift_ds,
     snapshot_days,
     write_json,
     write_partition,
 )
+from features.validation.report import unvalidated_reason
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,10 @@ class MissingInputError(DataError, FileNotFoundError):
 
 class InputDataError(DataError, ValueError):
     """An input partition is there but its content cannot be used (a DATA failure)."""
+
+
+class UnvalidatedInputError(DataError, ValueError):
+    """A raw input partition has no passed validation report for its current contents (a DATA failure)."""
 
 
 @dataclass(frozen=True)
@@ -190,9 +203,10 @@ per_category AS (
   GROUP BY ALL
 ),
 categories AS (
+  -- A struct sorts by its first field: category, unique per user (cheaper than list(... ORDER BY ...)).
   SELECT user_id,
-         list({{'category': category, 'impressions': impressions, 'engagements': engagements}}
-              ORDER BY category) AS categories
+         list_sort(list({{'category': category, 'impressions': impressions, 'engagements': engagements}}))
+           AS categories
   FROM per_category
   GROUP BY user_id
 )
@@ -211,27 +225,37 @@ GROUP BY pin_id
 ORDER BY pin_id
 """
 
-# Window features: sums of the daily aggregates of the window's days. Input view: user_daily / pin_daily.
-# Integer sums only, so the result does not depend on how the days were gathered (exactness).
+# Window features: signed sums of rows shaped like the daily aggregates. Input views: user_parts / pin_parts
+# (the count columns, the categories for users, and ``part_sign``). The full sum: every day of the window,
+# sign +1. The incremental one: the previous window (+1), the new day (+1) and the day that leaves (-1);
+# there a category or a pin whose sums all reach zero is dropped (DROP_ZERO), which equals the full sum
+# because every event counts in a category and in a pin count (no action outside ACTIONS: the incremental
+# path is taken only when no day of the window had one). Integer sums only, so the result does not depend on
+# how the days were gathered (exactness).
+_SIGNED_SUMS = _indent([f"sum(part_sign * {c})::BIGINT AS {c}" for c in COUNT_COLUMNS], 9)
+_ANY_SUM = " OR ".join(f"sum(part_sign * {c}) <> 0" for c in COUNT_COLUMNS)
+DROP_ZERO = "/* drop zero rows */"
+
 USER_WINDOW_SQL = f"""
 WITH sums AS (
   SELECT user_id,
-         {_WINDOW_SUMS}
-  FROM user_daily
+         {_SIGNED_SUMS}
+  FROM user_parts
   GROUP BY user_id
 ),
 per_category AS (
   SELECT user_id,
          c.category AS category,
-         sum(c.impressions)::BIGINT AS impressions,
-         sum(c.engagements)::BIGINT AS engagements
-  FROM (SELECT user_id, unnest(categories) AS c FROM user_daily)
+         sum(part_sign * c.impressions)::BIGINT AS impressions,
+         sum(part_sign * c.engagements)::BIGINT AS engagements
+  FROM (SELECT user_id, part_sign, unnest(categories) AS c FROM user_parts)
   GROUP BY ALL
+  {DROP_ZERO}
 ),
 categories AS (
   SELECT user_id,
-         list({{'category': category, 'impressions': impressions, 'engagements': engagements}}
-              ORDER BY category) AS categories
+         list_sort(list({{'category': category, 'impressions': impressions, 'engagements': engagements}}))
+           AS categories
   FROM per_category
   GROUP BY user_id
 )
@@ -242,6 +266,17 @@ FROM sums AS s
 JOIN categories AS g ON g.user_id = s.user_id
 ORDER BY s.user_id
 """
+USER_WINDOW_DROP_ZERO = "HAVING sum(part_sign * c.impressions) <> 0 OR sum(part_sign * c.engagements) <> 0"
+
+PIN_SUMS_SQL = f"""
+CREATE OR REPLACE TEMP TABLE pin_sums AS
+SELECT pin_id,
+       {_SIGNED_SUMS}
+FROM pin_parts
+GROUP BY pin_id
+{DROP_ZERO}
+"""
+PIN_SUMS_DROP_ZERO = f"HAVING {_ANY_SUM}"
 
 # Totals over every pin of the window: the global rates that smooth each pin's rates.
 PIN_TOTALS_SQL = """
@@ -249,7 +284,7 @@ SELECT coalesce(sum(impressions), 0)::BIGINT AS impressions,
        coalesce(sum(clicks), 0)::BIGINT AS clicks,
        coalesce(sum(repins), 0)::BIGINT AS repins,
        coalesce(sum(hides), 0)::BIGINT AS hides
-FROM pin_daily
+FROM pin_sums
 """
 
 # rate = (k + prior * global) / (n + prior): a pin with few impressions stays near the global rate.
@@ -258,20 +293,17 @@ CREATE OR REPLACE TEMP MACRO smoothed(k, n, prior, global_rate) AS
   CASE WHEN n + prior > 0 THEN (k + prior * global_rate) / (n + prior) ELSE global_rate END
 """
 
-PIN_WINDOW_SQL = f"""
-WITH sums AS (
-  SELECT pin_id,
-         {_WINDOW_SUMS}
-  FROM pin_daily
-  GROUP BY pin_id
-)
+PIN_WINDOW_SQL = """
 SELECT *,
        smoothed(clicks, impressions, $prior, $global_ctr) AS ctr,
        smoothed(repins, impressions, $prior, $global_repin_rate) AS repin_rate,
        smoothed(hides, impressions, $prior, $global_hide_rate) AS hide_rate
-FROM sums
+FROM pin_sums
 ORDER BY pin_id
 """
+
+# The columns of a daily aggregate that the window sums, by dataset.
+_PART_COLUMNS = {"user": ", ".join(["user_id", *COUNT_COLUMNS, "categories"]), "pin": ", ".join(["pin_id", *COUNT_COLUMNS])}
 
 # Sequences. One query for both ways of building them: ``engagements`` are the engagements of some raw
 # days, each with the category of its pin in the pins snapshot of the action's own day, and
@@ -292,31 +324,27 @@ WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts 
 """
 
 _SEQ_LISTS = ("seq_pin_ids", "seq_actions", "seq_categories", "seq_ts")
+_SEQ_FIELDS = ("pin_id", "action_idx", "category", "ts")
 _SEQ_TYPES = ("BIGINT", "INTEGER", "INTEGER", "TIMESTAMPTZ")
-_LATEST_LISTS = _indent(
-    [f"list({c} ORDER BY pos) AS {s}" for c, s in zip(("pin_id", "action_idx", "category", "ts"), _SEQ_LISTS, strict=True)],
-    9,
-)
 _MERGED_LISTS = _indent(
     [
-        f"list_concat(coalesce(l.{s}, []::{t}[]), coalesce(p.{s}, []::{t}[])) AS {s}"
-        for s, t in zip(_SEQ_LISTS, _SEQ_TYPES, strict=True)
+        f"list_concat(coalesce(list_transform(l.items, lambda x: x.{f}), []::{t}[]), coalesce(p.{s}, []::{t}[])) AS {s}"
+        for s, f, t in zip(_SEQ_LISTS, _SEQ_FIELDS, _SEQ_TYPES, strict=True)
     ],
     9,
 )
 _KEPT_LISTS = _indent([f"{s}[1:n] AS {s}" for s in _SEQ_LISTS], 7)
 
+# Each user's most recent engagements as one list of structs sorted descending: a struct compares field by
+# field, so (ts, pin_id, action_idx) descending is the total order (the category follows from the pin and the
+# day). Sorting each user's list is cheaper than a window function over all engagements.
 USER_SEQUENCE_SQL = f"""
-WITH ranked AS (
-  SELECT *,
-         row_number() OVER (PARTITION BY user_id ORDER BY ts DESC, pin_id DESC, action_idx DESC) AS pos
-  FROM ({{engagements}})
-),
-latest AS (
+WITH latest AS (
   SELECT user_id,
-         {_LATEST_LISTS}
-  FROM ranked
-  WHERE pos <= $sequence_length
+         (list_reverse_sort(list({{{{'ts': ts, 'pin_id': pin_id, 'action_idx': action_idx, 'category': category}}}})))[
+           1:$sequence_length
+         ] AS items
+  FROM ({{engagements}})
   GROUP BY user_id
 ),
 merged AS (
@@ -375,6 +403,20 @@ CREATE OR REPLACE TEMP MACRO keep_hash(impression_id, seed) AS
   / 4503599627370496.0
 """
 
+# The sampling condition of an impression without a positive label. At the rates 1 and 0 it is TRUE and FALSE
+# without hashing (u < 1 always, u < 0 never): the same rows, without an md5 per impression.
+KEEP_NEGATIVE = "/* keep negative */"
+KEEP_NEGATIVE_HASH = "keep_hash(i.impression_id, $seed) < $negative_downsample"
+
+
+def _keep_negative(negative_downsample: float) -> str:
+    if negative_downsample >= 1.0:
+        return "TRUE"
+    if negative_downsample <= 0.0:
+        return "FALSE"
+    return KEEP_NEGATIVE_HASH
+
+
 _LABEL_COLUMNS = _indent([f"max((action = '{a}')::TINYINT) AS {a}" for a in LABELS], 9)
 _USER_FEATURES = _indent(
     [f"coalesce(u.{c}, 0)::FLOAT AS u_{c}" for c in COUNT_COLUMNS] + ["coalesce(u.ctr, 0.0)::FLOAT AS u_ctr"],
@@ -409,7 +451,7 @@ sampled AS (
   FROM events AS i
   LEFT JOIN labels AS l ON l.impression_id = i.impression_id
   WHERE i.action = 'impression'
-    AND ({_ANY_POSITIVE_L} OR keep_hash(i.impression_id, $seed) < $negative_downsample)
+    AND ({_ANY_POSITIVE_L} OR {KEEP_NEGATIVE})
 )
 SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
        coalesce(p.category, $unknown)::INTEGER AS category,
@@ -539,26 +581,40 @@ def _write_query(
 def _attach_sequences(sequences: pa.Table) -> Callable[[pa.Table], pa.Table]:
     """A batch transform that replaces ``seq_row`` by the four sequence lists of that row of ``sequences``.
 
-    A NULL ``seq_row`` (a user without a sequence) gets empty lists: it points at an extra empty row.
+    A NULL ``seq_row`` (a user without a sequence) gets empty lists: it points at an extra empty row. The four
+    lists of a row have the same length, so one gather index of their values (computed once per batch from the
+    shared offsets) serves all four, and the ages come from the gathered timestamps.
     """
-    empty = pa.table({name: pa.array([[]], sequences.schema.field(name).type) for name in sequences.column_names})
-    padded = pa.concat_tables([sequences.select(empty.column_names).cast(empty.schema), empty]).combine_chunks()
-    pad_row = padded.num_rows - 1
+    names = list(sequences.column_names)
+    lists = {}
+    for name in names:
+        column = sequences[name]
+        empty = pa.array([[]], column.type)
+        lists[name] = pa.concat_arrays([*column.chunks, empty] if column.num_chunks else [empty])
+    pad_row = len(lists["seq_ts"]) - 1
+    offsets = lists["seq_ts"].offsets.to_numpy().astype(np.int64)
+    for name, array in lists.items():
+        if not np.array_equal(array.offsets.to_numpy(), offsets):
+            raise InputDataError(f"{USER_SEQUENCE}: the lists of a row differ in length ({name} and seq_ts)")
+    values = {name: array.values for name, array in lists.items()}
+    action_us = values["seq_ts"].cast(pa.int64()).to_numpy(zero_copy_only=False)
 
     def attach(batch: pa.Table) -> pa.Table:
-        rows = pc.fill_null(batch["seq_row"], pad_row)
-        taken = padded.take(rows)
-        seq_ts = taken["seq_ts"].combine_chunks()
-        lengths = pc.list_value_length(seq_ts).to_numpy(zero_copy_only=False)
-        action_us = pc.list_flatten(seq_ts).cast(pa.int64()).to_numpy(zero_copy_only=False)
-        impression_us = batch["ts"].cast(pa.int64()).to_numpy()
-        # The same arithmetic as DuckDB's epoch_us difference / 3600e6 as DOUBLE, then FLOAT.
-        ages = ((np.repeat(impression_us, lengths) - action_us) / 3600e6).astype(np.float32)
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        rows = pc.fill_null(batch["seq_row"], pad_row).to_numpy(zero_copy_only=False).astype(np.int64)
+        starts = offsets[rows]
+        lengths = offsets[rows + 1] - starts
+        out_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out_offsets[1:])
+        # The value index of each output element: its row's start plus its position inside the row.
+        index = np.arange(out_offsets[-1], dtype=np.int64) + np.repeat(starts - out_offsets[:-1], lengths)
+        list_offsets = pa.array(out_offsets.astype(np.int32))
         out = batch.drop_columns(["seq_row"])
         for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
-            out = out.append_column(name, taken[name])
-        return out.append_column("seq_age_hours", pa.ListArray.from_arrays(offsets, pa.array(ages)))
+            out = out.append_column(name, pa.ListArray.from_arrays(list_offsets, values[name].take(index)))
+        impression_us = batch["ts"].cast(pa.int64()).to_numpy()
+        # The same arithmetic as DuckDB's epoch_us difference / 3600e6 as DOUBLE, then FLOAT.
+        ages = ((np.repeat(impression_us, lengths) - action_us[index]) / 3600e6).astype(np.float32)
+        return out.append_column("seq_age_hours", pa.ListArray.from_arrays(list_offsets, pa.array(ages)))
 
     return attach
 
@@ -590,27 +646,90 @@ def _pins_hint(ds: str) -> str:
     return f"wait for the pin corpus snapshot of {ds} to land and pass validation, then rerun this day"
 
 
+def _check_validated(
+    root: str | os.PathLike[str], days: Sequence[str], *, require_validation: bool
+) -> dict[str, Any]:
+    """Check that the raw events and pins partitions of ``days`` passed validation for their current contents.
+
+    Returns the metadata entries that record it: ``skip_validation`` and, when checked, ``validated_inputs``
+    (each partition's content fingerprint, as its report records it). Raises ``UnvalidatedInputError`` naming
+    the first partition without a passed report for its current contents and the command that validates it.
+    The older partitions a pins view builds on (``raw/pins`` increments) were checked when their own day was.
+    """
+    if not require_validation:
+        return {"skip_validation": True}
+    fingerprints: dict[str, str] = {}
+    for day in days:
+        for dataset in (RAW_EVENTS, RAW_PINS):
+            if not is_complete(root, dataset, day):
+                continue  # a missing input is the step's own error (or a gap it records)
+            fingerprint, reason = unvalidated_reason(root, dataset, day)
+            if reason is not None:
+                name = dataset.removeprefix("raw/")
+                raise UnvalidatedInputError(
+                    f"{_ref(dataset, day)} ({partition(root, dataset, day)}) has no passed validation report for "
+                    f"its current contents: {reason}. Validate it with `python -m features.validate {name} "
+                    f"--root {os.fspath(root)} --ds {day}` and rerun this build; or, knowing what it holds, build "
+                    "with --skip-validation (recorded in the outputs' metadata)"
+                )
+            fingerprints[_ref(dataset, day)] = fingerprint
+    return {"skip_validation": False, "validated_inputs": fingerprints}
+
+
+def _daily_version(root: str | os.PathLike[str], day: str) -> str | None:
+    """The publish stamps (``_SUCCESS`` contents) of ``day``'s user_daily and pin_daily; None if one is incomplete.
+
+    A rebuild of either partition changes it: an incremental window subtracts a day only if its aggregates
+    are still those the previous window added.
+    """
+    try:
+        return "|".join(read_text(join(partition(root, d, day), MARKER)) for d in (USER_DAILY, PIN_DAILY))
+    except FileNotFoundError:
+        return None
+
+
+def _has_raw(root: str | os.PathLike[str], day: str) -> bool:
+    return is_complete(root, RAW_EVENTS, day) and is_complete(root, RAW_PINS, day)
+
+
 # --- steps ----------------------------------------------------------------------------------------------
 
 
 def build_daily(
-    root: str | os.PathLike[str], ds: str | dt.date, *, engine: DuckDBSettings | None = None
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    *,
+    require_validation: bool = True,
+    engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_daily`` and ``features/pin_daily`` of ``ds`` from that day's events only.
 
-    Per-category engagement takes the category of each pin from the pins snapshot of ``ds``.
+    Per-category engagement takes the category of each pin from the pins snapshot of ``ds``. The metadata
+    counts ``unknown_action_events`` (an action outside the contract's, possible only without validation):
+    a window over such a day is always a full sum.
     """
     ds = ds_str(ds)
     events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
     _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
-    base: dict[str, Any] = {"step": "daily", "ds": ds, "inputs": [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)], "missing_days": []}
+    base: dict[str, Any] = {
+        "step": "daily",
+        "ds": ds,
+        "inputs": [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)],
+        "missing_days": [],
+        **_check_validated(root, [ds], require_validation=require_validation),
+    }
     summary: dict[str, Any] = {}
     with connect(engine, root) as con:
         _view(con, "events", events, EVENTS_SCHEMA)
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
-        (events_rows,) = _row(con, "SELECT count(*) FROM events")
+        events_rows, unknown = _row(
+            con,
+            "SELECT count(*), count(*) FILTER (WHERE action IS NULL OR action NOT IN "
+            f"({_sql_list(ACTIONS)})) FROM events",
+        )
         base["events"] = int(events_rows)
+        base["unknown_action_events"] = int(unknown)
         for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
             summary[dataset] = _write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
@@ -619,16 +738,13 @@ def build_daily(
     return summary
 
 
-def _daily_sources(
-    con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str], *, recompute: bool
+def _classify_days(
+    root: str | os.PathLike[str], days: Sequence[str], *, recompute: bool
 ) -> tuple[list[str], list[str], list[str]]:
-    """Create views ``user_daily`` and ``pin_daily`` over the daily aggregates of ``days``.
+    """(days with complete daily partitions, days to compute from raw, missing days) of a full window sum.
 
     A day's aggregates come from its complete daily partitions; when those are missing (or ``recompute``),
-    they are computed here from that day's raw events and pins with the same SQL, in memory (the day's
-    own partitions are left to its own run, so nothing outside ``ds`` is written). A day without complete
-    raw events and pins is missing. Returns (days read from daily partitions, days computed from raw,
-    missing days).
+    from that day's raw events and pins; a day without complete raw events and pins is missing.
     """
     stored: list[str] = []
     computed: list[str] = []
@@ -636,10 +752,21 @@ def _daily_sources(
     for day in days:
         if not recompute and is_complete(root, USER_DAILY, day) and is_complete(root, PIN_DAILY, day):
             stored.append(day)
-        elif is_complete(root, RAW_EVENTS, day) and is_complete(root, RAW_PINS, day):
+        elif _has_raw(root, day):
             computed.append(day)
         else:
             missing.append(day)
+    return stored, computed, missing
+
+
+def _daily_sources(
+    con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], stored: Sequence[str], computed: Sequence[str]
+) -> None:
+    """Create views ``user_daily`` and ``pin_daily`` over the daily aggregates of ``stored`` and ``computed`` days.
+
+    Those of a computed day are computed here from its raw events and pins with the same SQL, in memory (the
+    day's own partitions are left to its own run, so nothing outside ``ds`` is written).
+    """
     for name, dataset, sql, schema in (
         ("user_daily", USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA),
         ("pin_daily", PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA),
@@ -659,7 +786,52 @@ def _daily_sources(
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS " + " UNION ALL BY NAME ".join(parts))
         else:
             _view(con, name, [], schema)
-    return stored, computed, missing
+
+
+def _incremental_window(
+    root: str | os.PathLike[str], ds: str, days: Sequence[str], window_days: int
+) -> tuple[dict[str, Any] | None, str]:
+    """The plan of an incremental window of ``ds`` and why; None (and why not) when it must be a full sum.
+
+    Incremental when the windows of ``ds-1`` are complete, were built with the same ``window_days`` from
+    daily partitions only, and every day they summed is still the same (the publish stamps of its daily
+    partitions, ``daily_versions``), every day they lacked still has no data, ``ds`` has its daily partitions,
+    and no day of the window has an action outside the contract (``unknown_action_days``).
+    """
+    previous_ds = shift_ds(ds, -1)
+    previous = _ref(USER_WINDOW, previous_ds)
+    if not (is_complete(root, USER_WINDOW, previous_ds) and is_complete(root, PIN_WINDOW, previous_ds)):
+        return None, f"{previous} is missing"
+    meta = read_metadata(root, USER_WINDOW, previous_ds)
+    versions = meta.get("daily_versions")
+    if meta.get("window_days") != window_days:
+        return None, f"{previous} was built with window_days={meta.get('window_days')}, not {window_days}"
+    if not isinstance(versions, dict) or read_metadata(root, PIN_WINDOW, previous_ds).get("daily_versions") != versions:
+        return None, f"{previous} and {_ref(PIN_WINDOW, previous_ds)} record no common daily_versions"
+    if meta.get("computed_from_raw"):
+        return None, f"{previous} computed {', '.join(meta['computed_from_raw'])} from raw events"
+    if meta.get("unknown_action_days") != []:
+        return None, f"{previous} sums days with actions outside the contract: {meta.get('unknown_action_days')}"
+    version = _daily_version(root, ds)
+    if version is None:
+        return None, f"the daily aggregates of {ds} are missing"
+    if read_metadata(root, USER_DAILY, ds).get("unknown_action_events") != 0:
+        return None, f"{_ref(USER_DAILY, ds)} counts events with actions outside the contract"
+    leaving = shift_ds(ds, -window_days)
+    for day in [leaving, *days[:-1]]:
+        recorded = versions.get(day)
+        if recorded is not None and _daily_version(root, day) != recorded:
+            return None, f"the daily aggregates of {day} were rebuilt since {previous} was built"
+        if recorded is None and day != leaving and (_daily_version(root, day) is not None or _has_raw(root, day)):
+            return None, f"{day} was missing from {previous} and has data now"
+    plan = {
+        "previous_ds": previous_ds,
+        "leaving": leaving if leaving in versions else None,
+        "daily_versions": {d: v for d, v in versions.items() if d >= days[0]} | {ds: version},
+        "missing_days": sorted(d for d in meta.get("missing_days", []) if d >= days[0]),
+    }
+    reason = f"{previous} + {ds}" + (f" - {leaving}" if plan["leaving"] else f" ({leaving} was missing)")
+    return plan, reason
 
 
 def build_window(
@@ -669,53 +841,97 @@ def build_window(
     prior_impressions: float = DEFAULTS.pin_prior_impressions,
     *,
     recompute: bool = False,
+    require_validation: bool = True,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_window`` and ``features/pin_window`` as of the end of ``ds``.
 
     Sums the daily aggregates of the days ``[ds-window_days+1, ds]`` (never rescans a window of raw
-    events). A day whose daily partitions are missing is computed on demand from its raw partitions and
-    listed in ``computed_from_raw``; a day without raw data either is listed in ``missing_days`` (a gap)
-    and logged; ``ds`` itself must be there. ``recompute`` computes every day from raw (the full
-    recompute that the incremental path must equal). Pin rates are smoothed towards the window's global
-    rates with ``prior_impressions`` pseudo-impressions; the global rates are recorded in the pin_window
-    metadata (``global_rates``).
+    events). Incremental when it can be (see ``_incremental_window``): the windows of ``ds-1`` plus the
+    aggregates of ``ds`` minus those of the day that leaves, which equals the full sum; otherwise the full
+    sum (``mode`` and ``mode_reason`` in the metadata say which and why). In a full sum, a day whose daily
+    partitions are missing is computed on demand from its raw partitions and listed in ``computed_from_raw``;
+    a day without raw data either is listed in ``missing_days`` (a gap) and logged; ``ds`` itself must be
+    there. ``recompute`` computes every day from raw (the full recompute that the incremental path must
+    equal). Pin rates are smoothed towards the window's global rates with ``prior_impressions``
+    pseudo-impressions; the global rates are recorded in the pin_window metadata (``global_rates``).
     """
     ds = ds_str(ds)
     _check_positive("window_days", window_days, "--window-days")
     _check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
     days = day_range(shift_ds(ds, -(window_days - 1)), ds)
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
+    plan, reason = (None, "recompute requested") if recompute else _incremental_window(root, ds, days, window_days)
+    inputs: dict[str, list[str]] = {}
     with connect(engine, root) as con:
-        stored, computed, missing = _daily_sources(con, root, days, recompute=recompute)
-        if ds in missing:
-            raise MissingInputError(
-                f"features/user_daily and features/pin_daily for ds={ds} are missing and so is raw data to "
-                f"compute them; run `python -m features.build --step daily --ds {ds}` once "
-                f"{RAW_EVENTS} and {RAW_PINS} of {ds} have landed"
-            )
+        if plan is not None:
+            computed: list[str] = []
+            stored, missing = sorted(plan["daily_versions"]), plan["missing_days"]
+            validation = _check_validated(root, [], require_validation=require_validation)  # reads no raw data
+            daily_versions, unknown_action_days = plan["daily_versions"], []
+            for name, window, daily in (("user", USER_WINDOW, USER_DAILY), ("pin", PIN_WINDOW, PIN_DAILY)):
+                signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
+                if plan["leaving"]:
+                    signed.append((daily, plan["leaving"], -1))
+                selects = [
+                    f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
+                    f"FROM read_parquet([{_quoted(data_files(root, dataset, day))}], hive_partitioning = false)"
+                    for dataset, day, sign in signed
+                ]
+                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts AS " + "\nUNION ALL\n".join(selects))
+                inputs[name] = [_ref(dataset, day) for dataset, day, _ in signed]
+        else:
+            stored, computed, missing = _classify_days(root, days, recompute=recompute)
+            if ds in missing:
+                raise MissingInputError(
+                    f"features/user_daily and features/pin_daily for ds={ds} are missing and so is raw data to "
+                    f"compute them; run `python -m features.build --step daily --ds {ds}` once "
+                    f"{RAW_EVENTS} and {RAW_PINS} of {ds} have landed"
+                )
+            validation = _check_validated(root, computed, require_validation=require_validation)
+            # Read before the aggregates are: a day rebuilt meanwhile then only makes the next day's window full.
+            daily_versions = {d: v for d in stored if (v := _daily_version(root, d)) is not None}
+            unknown_action_days = computed + [
+                d for d in stored if read_metadata(root, USER_DAILY, d).get("unknown_action_events") != 0
+            ]
+            _daily_sources(con, root, stored, computed)
+            for name in ("user", "pin"):
+                con.execute(
+                    f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
+                    f"FROM {name}_daily"
+                )
+                daily = USER_DAILY if name == "user" else PIN_DAILY
+                inputs[name] = [_ref(daily, d) for d in stored] + [
+                    ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
+                ]
         if missing:
             log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
+        mode = "incremental" if plan is not None else "recompute" if recompute else "full"
+        log.info("window of ds=%s: %s (%s)", ds, mode, reason)
         base = {
             "step": "window",
             "ds": ds,
-            "mode": "recompute" if recompute else "daily_aggregates",
+            "mode": mode,
+            "mode_reason": reason,
             "window_start": days[0],
             "window_end": ds,
             "computed_from_raw": computed,
             "missing_days": missing,
+            "daily_versions": daily_versions,
+            "unknown_action_days": unknown_action_days,
+            **validation,
             **params,
         }
-        summary: dict[str, Any] = {}
-        for name, daily in (("user", USER_DAILY), ("pin", PIN_DAILY)):
-            inputs = [_ref(daily, d) for d in stored] + [
-                ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
-            ]
-            summary[f"features/{name}_window"] = {**base, "dataset": f"features/{name}_window", "inputs": inputs}
-
+        summary: dict[str, Any] = {
+            f"features/{name}_window": {**base, "dataset": f"features/{name}_window", "inputs": inputs[name]}
+            for name in ("user", "pin")
+        }
+        drop_zero = plan is not None
         summary[USER_WINDOW] = _write_query(
-            con, USER_WINDOW_SQL, None, root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW]
+            con, USER_WINDOW_SQL.replace(DROP_ZERO, USER_WINDOW_DROP_ZERO if drop_zero else ""), None,
+            root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW],
         )
+        con.execute(PIN_SUMS_SQL.replace(DROP_ZERO, PIN_SUMS_DROP_ZERO if drop_zero else ""))
         totals_row = _row(con, PIN_TOTALS_SQL)
         totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
         if totals["impressions"] > 0:
@@ -747,6 +963,7 @@ def build_sequences(
     window_days: int = DEFAULTS.window_days,
     *,
     recompute: bool = False,
+    require_validation: bool = True,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_sequence`` as of the end of ``ds``: each user's last N engagements.
@@ -787,13 +1004,15 @@ def build_sequences(
         _check_unique_pins(con, ds)
         if mode == "incremental":
             _view(con, "previous_sequence", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
+            validation = _check_validated(root, [ds], require_validation=require_validation)
             engagements = _engagements_sql(con, root, [ds])
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
             carried = previous_meta.get("missing_days", [])
             missing_days = sorted(d for d in carried if d >= window_start)
         else:
             # A day needs its events and its pins snapshot (the categories of its actions).
-            present = [d for d in days[:-1] if is_complete(root, RAW_EVENTS, d) and is_complete(root, RAW_PINS, d)]
+            present = [d for d in days[:-1] if _has_raw(root, d)]
+            validation = _check_validated(root, [*present, ds], require_validation=require_validation)
             _view(con, "previous_sequence", [], USER_SEQUENCE_SCHEMA)
             engagements = _engagements_sql(con, root, [*present, ds])
             inputs = [_ref(raw, d) for d in [*present, ds] for raw in (RAW_EVENTS, RAW_PINS)]
@@ -810,6 +1029,7 @@ def build_sequences(
             "window_end": ds,
             "inputs": inputs,
             "missing_days": missing_days,
+            **validation,
             **params,
         }
         sql_params = {
@@ -830,6 +1050,7 @@ def build_examples(
     negative_downsample: float = DEFAULTS.negative_downsample,
     seed: int = DEFAULTS.negative_downsample_seed,
     *,
+    require_validation: bool = True,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Write ``examples`` of ``ds``: one row per impression of ds with its labels and its features.
@@ -865,18 +1086,24 @@ def build_examples(
             f"that day first (`python -m features.build --ds {features_ds}`), then rerun this day"
         )
 
+    validation = _check_validated(root, [ds], require_validation=require_validation)
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
         _view(con, "events", events, EVENTS_SCHEMA)
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
+        sequences = USER_SEQUENCE_SCHEMA.empty_table()
         for name, dataset, schema in feature_inputs:
             files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)
             if files:
                 inputs.append(_ref(dataset, features_ds))
-            _view(con, name, files, schema)
-        sequences = _query(con, f"SELECT {', '.join(USER_SEQUENCE_SCHEMA.names)} FROM user_sequence ORDER BY user_id")
+            if dataset == USER_SEQUENCE:
+                # Read as it is (no sort): a sequence is found by its row number, whatever the order.
+                if files:
+                    sequences = pa.concat_tables([_conform(read_parquet(f), schema) for f in files])
+            else:
+                _view(con, name, files, schema)
         con.register("sequence_rows", pa.table({"user_id": sequences["user_id"], "seq_row": np.arange(sequences.num_rows)}))
         if _ref(PIN_WINDOW, features_ds) in inputs:
             recorded = read_metadata(root, PIN_WINDOW, features_ds).get("global_rates")
@@ -886,13 +1113,13 @@ def build_examples(
         if missing_inputs:
             log.warning("examples of ds=%s: no features of %s (cold start): %s", ds, features_ds, missing_inputs)
         con.execute(SMOOTHED_MACRO)
-        con.execute(KEEP_HASH_MACRO)
-        params = {
-            "prior": prior_impressions,
-            "unknown": UNKNOWN_ID,
-            "seed": seed,
-            "negative_downsample": negative_downsample,
-        } | {f"global_{k}": v for k, v in global_rates.items()}
+        keep_negative = _keep_negative(negative_downsample)
+        params = {"prior": prior_impressions, "unknown": UNKNOWN_ID} | {
+            f"global_{k}": v for k, v in global_rates.items()
+        }
+        if keep_negative == KEEP_NEGATIVE_HASH:
+            con.execute(KEEP_HASH_MACRO)
+            params |= {"seed": seed, "negative_downsample": negative_downsample}
         counts = _row(con, IMPRESSION_COUNTS_SQL)
         metadata = {
             "step": "examples",
@@ -911,9 +1138,10 @@ def build_examples(
             "global_rates": global_rates,
             "global_rates_source": rates_source,
             "dense_features": list(DENSE_FEATURES),
+            **validation,
         }
         summary = _write_query(
-            con, EXAMPLES_SQL, params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
+            con, EXAMPLES_SQL.replace(KEEP_NEGATIVE, keep_negative), params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
             sums=LABELS, sums_key="positives", transform=_attach_sequences(sequences.drop_columns(["user_id"])),
         )
     return {EXAMPLES: summary}
@@ -929,18 +1157,20 @@ def build_day(
     negative_downsample: float = DEFAULTS.negative_downsample,
     seed: int = DEFAULTS.negative_downsample_seed,
     recompute: bool = False,
+    require_validation: bool = True,
     engine: DuckDBSettings | None = None,
 ) -> dict[str, Any]:
     """Run daily → window → sequences → examples for ``ds``; the summaries of every output, by dataset.
 
     ``recompute`` builds the window and the sequences from the raw events of the window's days instead of
-    the daily aggregates and the previous day's sequences (the full recompute).
+    the daily aggregates and the previous day's sequences (the full recompute). ``require_validation=False``
+    builds from raw partitions without a passed validation report (``skip_validation`` in the metadata).
     """
     return {
-        **build_daily(root, ds, engine=engine),
-        **build_window(root, ds, window_days, prior_impressions, recompute=recompute, engine=engine),
-        **build_sequences(root, ds, sequence_length, window_days, recompute=recompute, engine=engine),
-        **build_examples(root, ds, prior_impressions, negative_downsample, seed, engine=engine),
+        **build_daily(root, ds, require_validation=require_validation, engine=engine),
+        **build_window(root, ds, window_days, prior_impressions, recompute=recompute, require_validation=require_validation, engine=engine),
+        **build_sequences(root, ds, sequence_length, window_days, recompute=recompute, require_validation=require_validation, engine=engine),
+        **build_examples(root, ds, prior_impressions, negative_downsample, seed, require_validation=require_validation, engine=engine),
     }
 
 
@@ -976,6 +1206,12 @@ def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
         action="store_true",
         help="build the window and the sequences from the raw events of the window's days (full recompute)",
     )
+    parser.add_argument(
+        "--skip-validation",
+        action="store_true",
+        help="build even from raw partitions without a passed validation report for their current contents "
+        "(python -m features.validate); recorded as skip_validation in the outputs' metadata. For experts",
+    )
     parser.add_argument("--threads", type=int, default=defaults.duckdb_threads, help="DuckDB threads (default: %(default)s)")
     parser.add_argument("--memory-limit", default=defaults.duckdb_memory_limit,
                         help="DuckDB memory limit, e.g. 4GB (default: %(default)s)")
@@ -989,21 +1225,20 @@ def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit, temp_directory=args.temp_directory)
+    require = not args.skip_validation
+    if args.skip_validation:
+        log.warning("--skip-validation: building %s from raw partitions that may not have passed validation", args.ds)
     step: Step = args.step
     if step == "daily":
-        return build_daily(args.root, args.ds, engine=engine)
+        return build_daily(args.root, args.ds, require_validation=require, engine=engine)
     if step == "window":
-        return build_window(
-            args.root, args.ds, args.window_days, args.prior_impressions, recompute=args.recompute, engine=engine
-        )
+        return build_window(args.root, args.ds, args.window_days, args.prior_impressions, recompute=args.recompute, require_validation=require, engine=engine)
     if step == "sequences":
         return build_sequences(
-            args.root, args.ds, args.sequence_length, args.window_days, recompute=args.recompute, engine=engine
+            args.root, args.ds, args.sequence_length, args.window_days, recompute=args.recompute, require_validation=require, engine=engine
         )
     if step == "examples":
-        return build_examples(
-            args.root, args.ds, args.prior_impressions, args.negative_downsample, args.seed, engine=engine
-        )
+        return build_examples(args.root, args.ds, args.prior_impressions, args.negative_downsample, args.seed, require_validation=require, engine=engine)
     return build_day(
         args.root,
         args.ds,
@@ -1013,7 +1248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         negative_downsample=args.negative_downsample,
         seed=args.seed,
         recompute=args.recompute,
-        engine=engine,
+        require_validation=require, engine=engine,
     )
 
 

@@ -30,19 +30,31 @@ class FeatureBuildOperator(BaseOperator):
     :param ds: the partition day (templated).
     :param overrides: ``features:`` settings that win over the platform configuration for this run (templated),
         e.g. from params; validated by the same typed model (a bad value fails the task as USER).
+    :param skip_validation: build even from raw partitions without a passed validation report for their current
+        contents (for experts; recorded as ``skip_validation`` in the outputs' metadata). By default such a
+        partition fails the task as DATA, naming the command that validates it.
 
     A missing or unusable input partition raises the build's ``DataError`` (no retry, nothing downstream).
     """
 
     template_fields: Sequence[str] = ("ds", "overrides")
 
-    def __init__(self, *, step: str, ds: str, overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        step: str,
+        ds: str,
+        overrides: dict[str, Any] | None = None,
+        skip_validation: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if step not in FEATURE_STEPS:
             raise ValueError(f"unknown feature step {step!r}: choose one of {FEATURE_STEPS}")
         self.step = step
         self.ds = ds
         self.overrides = overrides or {}
+        self.skip_validation = skip_validation
         self._built: dict[str, Any] | None = None
 
     def execute(self, context: Context) -> dict[str, Any]:
@@ -51,22 +63,26 @@ class FeatureBuildOperator(BaseOperator):
         cfg = config.load()
         features = config.with_overrides(cfg.features, self.overrides, "the run's params")
         root, ds, engine = cfg.storage_root, self.ds, build.DuckDBSettings.from_config(features)
+        require = not self.skip_validation
+        if self.skip_validation:
+            self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, ds)
         if self.step == "daily":
-            summary = build.build_daily(root, ds, engine=engine)
+            summary = build.build_daily(root, ds, require_validation=require, engine=engine)
         elif self.step == "window":
             summary = build.build_window(
                 root, ds, window_days=features.window_days, prior_impressions=features.pin_prior_impressions,
-                engine=engine,
+                require_validation=require, engine=engine,
             )
         elif self.step == "sequences":
             summary = build.build_sequences(
-                root, ds, sequence_length=features.sequence_length, window_days=features.window_days, engine=engine
+                root, ds, sequence_length=features.sequence_length, window_days=features.window_days,
+                require_validation=require, engine=engine,
             )
         else:
             summary = build.build_examples(
                 root, ds, prior_impressions=features.pin_prior_impressions,
                 negative_downsample=features.negative_downsample, seed=features.negative_downsample_seed,
-                engine=engine,
+                require_validation=require, engine=engine,
             )
         for dataset, meta in summary.items():
             # Days left out or computed on demand are named in the task log, not only in the metadata.

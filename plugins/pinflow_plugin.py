@@ -97,16 +97,16 @@ EXTERNAL_VIEWS = [
 ]
 
 
-def _hpo_run_notes() -> Any:
-    """The listener that writes the HPO DAG's run note (operators/hpo_plugin.py)."""
-    from operators import hpo_plugin
+def _run_notes() -> Any:
+    """The listener that writes run notes: the HPO study's summary, the promotion decision (operators/run_notes.py)."""
+    from operators import run_notes
 
-    return hpo_plugin
+    return run_notes
 
 
 class PinflowPlugin(AirflowPlugin):
     name = "pinflow"
-    listeners = [sys.modules[__name__], _hpo_run_notes()]
+    listeners = [sys.modules[__name__], _run_notes()]
     operator_extra_links = _operator_extra_links()
     fastapi_apps = [{"app": PagesApp(), "url_prefix": URL_PREFIX, "name": "pinflow pages"}]
     external_views = EXTERNAL_VIEWS

@@ -19,7 +19,14 @@ import pyarrow.compute as pc
 
 from core import contracts, storage
 from core.config import ValidationConfig
-from features.validation.checks import EXAMPLES, STORAGE_CHECKS, Check, dataset_name, read_partition
+from features.validation.checks import (
+    EXAMPLES,
+    STORAGE_CHECKS,
+    Check,
+    dataset_name,
+    raw_dataset,
+    read_partition,
+)
 from features.validation.derived import DERIVED, derived_columns
 from features.validation.history import (
     HISTORY_CHECKS,
@@ -33,6 +40,7 @@ from features.validation.report import (
     HTML_FILE,
     RESULT_FILE,
     ValidationReport,
+    content_fingerprint,
     quarantine_partition,
     quarantine_records,
     record_quarantine,
@@ -94,6 +102,10 @@ def validate_partition(
     config = config.for_dataset(name)  # validation.per_dataset thresholds
     day = storage.ds_str(ds)
     out_dir = report_dir(root, name, day)
+    # Taken before the partition is read: if it changes while it is read, the verdict cannot vouch for the new
+    # contents (features.build compares this fingerprint with the partition's when it reads it).
+    location = storage.partition(root, raw_dataset(name), day)
+    fingerprint = content_fingerprint(location) if storage.exists(storage.join(location, storage.MARKER)) else None
     found = read_partition(root, name, day)
     checks = found.checks
     suite_names = suite_check_names(name)
@@ -165,6 +177,7 @@ def validate_partition(
             quarantine_history=quarantine_records(root, name, day),
             warnings=warnings,
             thresholds=config.model_dump(),
+            fingerprint=fingerprint,
         )
         # Only a complete partition is moved: an incomplete one may still be landing. The move comes before
         # the report is written, so that the report says where the partition went.

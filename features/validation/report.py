@@ -16,8 +16,11 @@ Every location is a ``core.storage`` string, on a local root or an object store 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import html
+import json
 import logging
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,8 @@ HTML_FILE = "index.html"
 PROFILE_FILE = "profile.json"
 DATA_DOCS_DIR = "data_docs"
 QUARANTINE_FILE = "QUARANTINE.json"
+# The scheme of ``content_fingerprint``; a report with another one (or none) does not vouch for the contents.
+FINGERPRINT_SCHEME = "parquet-footers-v1"
 
 
 def report_dir(root: storage.Location, dataset: str, ds: str | dt.date) -> str:
@@ -63,6 +68,8 @@ class ValidationReport:
     quarantine_history: list[str] = field(default_factory=list)  # earlier quarantines of this partition
     warnings: list[str] = field(default_factory=list)
     thresholds: dict[str, Any] = field(default_factory=dict)  # the validation: settings this run used
+    # ``content_fingerprint`` of the partition taken before it was read: what this verdict is about.
+    fingerprint: str | None = None
 
     @property
     def folder(self) -> str:
@@ -135,6 +142,82 @@ class ValidationReport:
         payload["failed_checks"] = [c.name for c in self.failed_checks]
         payload.pop("profile", None)  # profile.json beside the report holds it
         return payload
+
+
+# --- the content fingerprint -------------------------------------------------------------------------
+
+
+def _files_with_sizes(location: storage.Location) -> list[tuple[str, int]]:
+    """(name, size) of the plain files directly in a folder, sorted by name; [] if there is none."""
+    if not storage.is_remote(location):
+        try:
+            with os.scandir(storage.local_path(location)) as entries:
+                return sorted((e.name, e.stat().st_size) for e in entries if e.is_file())
+        except FileNotFoundError:
+            return []
+    fs, key = storage.filesystem(location)
+    try:
+        listing = fs.ls(key, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted((storage.name_of(e["name"]), int(e["size"])) for e in listing if e.get("type") == "file")
+
+
+def _read_range(location: str, start: int, end: int) -> bytes:
+    if not storage.is_remote(location):
+        with storage.local_path(location).open("rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, key = storage.filesystem(location)
+    return bytes(fs.cat_file(key, start=start, end=end))
+
+
+def content_fingerprint(location: storage.Location) -> str:
+    """A cheap fingerprint of a partition folder's current contents, ``parquet-footers-v1:<sha256>``.
+
+    Over every file but the marker and hidden ones: its name, its size and, for a Parquet file, the hash of its
+    footer (row counts, offsets and every column chunk's statistics), for another file (``_metadata.json``) the
+    hash of its bytes. A rewrite, an added, removed or replaced file changes it; reading it costs one small
+    ranged read per file, on a local root or an object store alike.
+    """
+    digest = hashlib.sha256(FINGERPRINT_SCHEME.encode())
+    for name, size in _files_with_sizes(location):
+        if name == storage.MARKER or name.startswith("."):
+            continue
+        path = storage.join(location, name)
+        content = b""
+        if name.endswith(".parquet") and size >= 12:
+            tail = _read_range(path, size - 8, size)
+            footer = int.from_bytes(tail[:4], "little")
+            if tail[4:] == b"PAR1" and footer <= size - 12:
+                content = _read_range(path, size - 8 - footer, size)
+        if not content:  # not Parquet, or not valid Parquet (validation fails it): the whole file
+            content = storage.read_bytes(path)
+        digest.update(json.dumps([name, size, hashlib.sha256(content).hexdigest()]).encode())
+    return f"{FINGERPRINT_SCHEME}:{digest.hexdigest()}"
+
+
+def unvalidated_reason(root: storage.Location, dataset: str, ds: str | dt.date) -> tuple[str, str | None]:
+    """The partition's current fingerprint, and why its report does not vouch for it (None when it does).
+
+    It does when ``result.json`` says the partition passed and records the fingerprint it has now.
+    """
+    day = storage.ds_str(ds)
+    fingerprint = content_fingerprint(storage.partition(root, raw_dataset(dataset), day))
+    result = storage.join(report_dir(root, dataset, day), RESULT_FILE)
+    try:
+        report = storage.read_json(result)
+    except FileNotFoundError:
+        return fingerprint, f"it has not been validated (no report at {result})"
+    if not report.get("success"):
+        failed = ", ".join(report.get("failed_checks") or []) or "see the report"
+        return fingerprint, f"its validation failed ({failed}; report {result})"
+    recorded = report.get("fingerprint")
+    if not recorded:
+        return fingerprint, f"its report {result} records no content fingerprint (validated by an older version)"
+    if recorded != fingerprint:
+        return fingerprint, f"its contents changed since it passed validation at {report.get('validated_at')} ({result})"
+    return fingerprint, None
 
 
 # --- the report folder ---------------------------------------------------------------------------------

@@ -306,6 +306,7 @@ def test_backfill_equals_day_by_day_build(backfilled: Backfilled, tmp_path: Path
         build.build_day(
             reference, day, window_days=FEATURES["window_days"], sequence_length=FEATURES["sequence_length"],
             negative_downsample=FEATURES["negative_downsample"], seed=FEATURES["negative_downsample_seed"],
+            require_validation=False,  # a copy of the raw data the DAG validated, without its reports
         )
 
     for day in DAYS:

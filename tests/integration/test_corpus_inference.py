@@ -179,8 +179,22 @@ def test_a_killed_shard_fails_the_array_job_as_infra_and_the_next_job_scores_onl
 
 
 @pytest.fixture
+def ray_temp() -> Iterator[Path]:
+    """A short temporary folder for Ray: its socket paths must fit in 107 bytes, which pytest's own temporary
+    folders (under a pytest-xdist worker's) do not leave room for."""
+    import shutil
+    import tempfile
+
+    temp = Path(tempfile.mkdtemp(prefix="pf-ray-"))
+    try:
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
 def local_ray(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, no_orphans: None  # noqa: F811
+    ray_temp: Path, monkeypatch: pytest.MonkeyPatch, no_orphans: None  # noqa: F811
 ) -> Iterator[Path]:
     """A local Ray cluster of 2 CPUs in this process (``training.ray_inference.start_ray``), stopped after the test
     and before ``no_orphans`` looks for leftovers; its environment (token auth with a token of its own, a home of
@@ -189,7 +203,7 @@ def local_ray(
 
     from training.ray_inference import start_ray
 
-    temp = tmp_path_factory.mktemp("ray")  # short: Ray's socket paths must fit in 107 bytes
+    temp = ray_temp
     monkeypatch.setenv("HOME", str(temp / "home"))
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
@@ -242,6 +256,7 @@ def test_the_ray_path_writes_the_parts_of_the_processes_path_row_for_row(world, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_shard_killed_half_way_is_infra_and_the_retry_scores_only_that_shard(world, tmp_path, airflow_db, no_orphans):  # noqa: F811
     # 630 pins, shards of at least 200 and 3 processes at once: three shards; batches of 20 pins, each followed by
     # a 0.2 s sleep (the test's fault injection), so that a shard scores for about 2 s.
@@ -283,13 +298,14 @@ def test_a_shard_killed_half_way_is_infra_and_the_retry_scores_only_that_shard(w
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_ray_engine_starts_its_own_cluster_and_publishes_the_rows_of_the_processes_engine(
-    world, tmp_path, tmp_path_factory, airflow_db, no_orphans  # noqa: F811
+    world, tmp_path, tmp_path_factory, airflow_db, no_orphans, ray_temp  # noqa: F811
 ):
     from training import inference
 
     shared_world(tmp_path_factory, ("pin_ranker",))
-    ray_tmp = tmp_path_factory.mktemp("ray")  # short: Ray's socket paths must fit in 107 bytes
+    ray_tmp = ray_temp
     env = stage_env(world, tmp_path, batch_size=50, ray_cpus=2, ray_actor_cpus=0.75, ray_temp_dir=ray_tmp)
     env.pop("RAY_AUTH_MODE", None)  # the job's default: token auth, with its own token in the environment
     log = tmp_path / "dag.log"

@@ -11,7 +11,7 @@ Trials are tiny (40 steps) and few: the suite's time budget allows the HPO tests
   and its task succeeds with the trial recorded as pruned;
 - the best trial beats the baseline (the family's defaults) on the metric; its model is registered and goes
   through the promotion gate; MLflow has the study's parent run with a child run per trial; the run's note is the
-  study's summary (the listener of ``operators.hpo_plugin``);
+  study's summary (the listener of ``operators.run_notes``);
 - the re-run of the DAG run continues the same study: no trial is asked or trained again.
 """
 

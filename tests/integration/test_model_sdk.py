@@ -76,9 +76,14 @@ def _run_dag() -> dict:
     assert "tiny_click" in dag.params.get_param("model").schema["enum"]
     dr = dag.test(run_conf={"model": "tiny_click", "train_days": 2, "epochs": 2, "batch_size": 32,
                             "nodes": 1, "procs_per_node": 1})
+    from airflow.models.dagrun import DagRunNote
+    from airflow.utils.session import create_session
+
     states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
+    with create_session() as session:
+        note = session.query(DagRunNote.content).filter(DagRunNote.dag_run_id == dr.id).scalar()
     return {"state": str(dr.state), "tasks": states,
-            "promote": dr.get_task_instance("promote").xcom_pull(task_ids="promote")}
+            "promote": dr.get_task_instance("promote").xcom_pull(task_ids="promote"), "note": note}
 
 
 def test_a_family_in_one_file_trains_through_the_training_dag(airflow_db, tmp_path: Path):
@@ -104,6 +109,8 @@ def test_a_family_in_one_file_trains_through_the_training_dag(airflow_db, tmp_pa
     summary = json.loads(lines[-1][len("SUMMARY "):])
     assert summary["state"] == "success", summary
     assert summary["promote"]["promoted"] and summary["promote"]["model_name"] == "tiny_click"
+    # The decision is the run's note too (operators.run_notes).
+    assert summary["note"].startswith("**Promotion**: tiny_click version 1 promoted to champion"), summary["note"]
 
     uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)

@@ -472,6 +472,7 @@ def run_embedded(root: Path, home: Path, run_config: dict[str, Any], model_versi
     for shard in range(SHARDS):
         inference.score_shard(model_uri=uri, tracking_uri=tracking, root=str(root), ds=DAYS[-1], shard=shard,
                               num_shards=SHARDS, out_dir=out_dir)
+    inference.publish_manifest(out_dir, SHARDS, uri, DAYS[-1])  # the parts move from their plan's staging folder
     return {
         "result": result,
         "features": {(d, ds): storage.read_table(root, d, ds) for d in contracts.FEATURE_OUTPUTS for ds in DAYS},

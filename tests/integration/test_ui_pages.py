@@ -207,7 +207,10 @@ class Stack:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not finish in {timeout:.0f}s:\n{self.log(name)[-5000:]}")
+            # Where it is stuck: the Python stacks of the process (py-spy, installed with Ray).
+            spy = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(proc.pid)],
+                                 capture_output=True, text=True, timeout=60, check=False)
+            pytest.fail(f"{name} did not finish in {timeout:.0f}s:\n{self.log(name)[-5000:]}\n{spy.stdout[-6000:]}")
         assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{self.log(name)[-5000:]}"
 
     def summary(self, name: str) -> dict[str, Any]:

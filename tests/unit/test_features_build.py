@@ -121,7 +121,7 @@ def rows_by(table: pa.Table, key: str) -> dict[int, dict]:
 
 def build_all(root: Path, **params) -> None:
     for day in DAYS:
-        build.build_day(root, day, engine=ENGINE, **params)
+        build.build_day(root, day, engine=ENGINE, require_validation=False, **params)
 
 
 # --- daily ----------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def build_all(root: Path, **params) -> None:
 
 @pytest.mark.unit
 def test_daily_counts_and_distinct(root: Path) -> None:
-    summary = build.build_daily(root, D1, engine=ENGINE)
+    summary = build.build_daily(root, D1, engine=ENGINE, require_validation=False)
 
     users = read_table(root, contracts.USER_DAILY, D1)
     pins = read_table(root, contracts.PIN_DAILY, D1)
@@ -167,8 +167,8 @@ def test_daily_counts_and_distinct(root: Path) -> None:
 @pytest.mark.unit
 def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
     for day in DAYS:
-        build.build_daily(root, day, engine=ENGINE)
-    summary = build.build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE)
+        build.build_daily(root, day, engine=ENGINE, require_validation=False)
+    summary = build.build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE, require_validation=False)
 
     users = read_table(root, contracts.USER_WINDOW, D4)
     pins = read_table(root, contracts.PIN_WINDOW, D4)
@@ -202,14 +202,14 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
 @pytest.mark.unit
 def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: Path) -> None:
     for day in DAYS:
-        build.build_daily(root, day, engine=ENGINE)
-    build.build_window(root, D4, window_days=3, engine=ENGINE)
+        build.build_daily(root, day, engine=ENGINE, require_validation=False)
+    build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     expected = {d: read_table(root, d, D4) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW)}
 
     # D2's daily aggregates are missing: computed from its raw partitions, same result, nothing written for D2.
     for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
         storage.remove_tree(partition(root, dataset, D2))
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["computed_from_raw"] == [D2]
     assert summary[contracts.USER_WINDOW]["missing_days"] == []
     assert f"raw/events/ds={D2}" in summary[contracts.PIN_WINDOW]["inputs"]
@@ -219,11 +219,69 @@ def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: 
 
     # No raw events of D2 either (a gap): the day is named in missing_days and left out.
     storage.remove_tree(partition(root, contracts.RAW_EVENTS, D2))
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE)
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["missing_days"] == [D2]
     assert read_metadata(root, contracts.PIN_WINDOW, D4)["missing_days"] == [D2]
     u1 = rows_by(read_table(root, contracts.USER_WINDOW, D4), "user_id")[1]
     assert (u1["impressions"], u1["repins"], u1["hides"]) == (4, 0, 0)
+
+
+def build_window_days(root: Path, days: Sequence[str], window_days: int) -> dict[str, str]:
+    """Daily aggregates and window of each day, in order, as the DAG does; the window's mode by day."""
+    modes = {}
+    for day in days:
+        build.build_daily(root, day, engine=ENGINE, require_validation=False)
+        summary = build.build_window(root, day, window_days=window_days, engine=ENGINE, require_validation=False)
+        modes[day] = summary[contracts.USER_WINDOW]["mode"]
+        assert summary[contracts.PIN_WINDOW]["mode"] == modes[day]
+    return modes
+
+
+def assert_window_equals_recompute(root: Path, day: str, window_days: int) -> None:
+    expected = {d: read_table(root, d, day) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW)}
+    meta = read_metadata(root, contracts.PIN_WINDOW, day)
+    build.build_window(root, day, window_days=window_days, recompute=True, engine=ENGINE, require_validation=False)
+    for dataset, table in expected.items():
+        assert read_table(root, dataset, day).equals(table), (dataset, day)
+    recomputed = read_metadata(root, contracts.PIN_WINDOW, day)
+    for key in ("totals", "global_rates", "missing_days"):
+        assert recomputed[key] == meta[key], key
+
+
+@pytest.mark.unit
+def test_window_incremental_equals_full_sum_across_a_missing_day(root: Path) -> None:
+    # D2 never lands: D3's window is a full sum (no window of D2); D4's is D3's + D4 - D1, with D2 still missing.
+    storage.remove_tree(partition(root, contracts.RAW_EVENTS, D2))
+    modes = build_window_days(root, (D1, D3, D4), window_days=3)
+    assert modes == {D1: "full", D3: "full", D4: "incremental"}
+    meta = read_metadata(root, contracts.USER_WINDOW, D4)
+    assert meta["inputs"] == [f"features/user_window/ds={D3}", f"features/user_daily/ds={D4}", f"features/user_daily/ds={D1}"]
+    assert meta["missing_days"] == [D2] and sorted(meta["daily_versions"]) == [D3, D4]
+    # User 4 (D1 only) left with D1: its row reached zero and is gone, as in the full sum.
+    assert 4 not in rows_by(read_table(root, contracts.USER_WINDOW, D4), "user_id")
+    assert_window_equals_recompute(root, D4, window_days=3)
+
+    # D2 lands late: its days' windows must include it, so D4's window is a full sum again.
+    write_events(root, D2)
+    build.build_window(root, D3, window_days=3, engine=ENGINE, require_validation=False)
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    assert summary[contracts.USER_WINDOW]["mode"] == "full"  # D3's window computed D2 from raw
+    assert_window_equals_recompute(root, D4, window_days=3)
+
+
+@pytest.mark.unit
+def test_window_is_a_full_sum_when_a_summed_day_was_rebuilt_or_parameters_differ(root: Path) -> None:
+    assert build_window_days(root, DAYS, window_days=2) == {D1: "full", D2: "incremental", D3: "incremental", D4: "incremental"}
+    # D3's daily aggregates are rebuilt from changed raw events after D3's window summed them.
+    write_events(root, D3, extra=[(24, 17, 2, 11, "repin", D3, "09:10")])
+    build.build_daily(root, D3, engine=ENGINE, require_validation=False)
+    summary = build.build_window(root, D4, window_days=2, engine=ENGINE, require_validation=False)
+    assert summary[contracts.USER_WINDOW]["mode"] == "full"
+    assert "rebuilt" in summary[contracts.USER_WINDOW]["mode_reason"]
+    assert_window_equals_recompute(root, D4, window_days=2)
+    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    assert summary[contracts.USER_WINDOW]["mode"] == "full"
+    assert "window_days=2, not 3" in summary[contracts.USER_WINDOW]["mode_reason"]
 
 
 # --- sequences ------------------------------------------------------------------------------------------
@@ -231,7 +289,7 @@ def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: 
 
 @pytest.mark.unit
 def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
-    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
+    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
     assert summary[contracts.USER_SEQUENCE]["missing_days"] == []
 
@@ -252,13 +310,13 @@ def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
 def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
     incremental = {}
     for day in DAYS:
-        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
+        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
         assert summary[contracts.USER_SEQUENCE]["mode"] == ("full" if day == D1 else "incremental")
         incremental[day] = read_table(root, contracts.USER_SEQUENCE, day)
 
     for day in (D4, D3, D2):
         storage.remove_tree(partition(root, contracts.USER_SEQUENCE, build.shift_ds(day, -1)))
-        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE)
+        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
         assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
         assert read_table(root, contracts.USER_SEQUENCE, day).equals(incremental[day]), day
 
@@ -269,8 +327,8 @@ def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
 
 @pytest.mark.unit
 def test_sequences_recompute_when_parameters_change(root: Path) -> None:
-    build.build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE)
-    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE)
+    build.build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
+    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
 
 
@@ -328,8 +386,8 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
     # An extra click of user 2 on pin 10 during D4, before impression 21 (11:00) and under its id.
     write_events(root, D4, extra=[(24, 21, 2, 10, "click", D4, "10:30")])
-    build.build_day(root, D3, window_days=2, sequence_length=3, engine=ENGINE)
-    build.build_day(root, D4, window_days=2, sequence_length=3, engine=ENGINE)
+    build.build_day(root, D3, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
+    build.build_day(root, D4, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
 
     for dataset, table in features_d3.items():
         assert read_table(root, dataset, D3).equals(table)
@@ -341,7 +399,7 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
 @pytest.mark.unit
 def test_examples_without_previous_features_use_priors_and_record_missing(root: Path) -> None:
-    summary = build.build_examples(root, D1, engine=ENGINE)[contracts.EXAMPLES]
+    summary = build.build_examples(root, D1, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
     prev = "2023-12-31"
     assert summary["missing_inputs"] == [
         f"features/user_window/ds={prev}",
@@ -359,18 +417,54 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
 @pytest.mark.unit
 def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) -> None:
     positives = {1, 3, 6}  # D1 impressions with a click; impression 5 is the only negative
-    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE)[contracts.EXAMPLES]
+    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
     assert set(read_table(root, contracts.EXAMPLES, D1)["impression_id"].to_pylist()) == positives
     assert zero["negative_downsample"] == 0.0 and zero["impressions"] == 4 and zero["rows"] == 3
 
     for seed in (0, 1, 2, 3):
-        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
+        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
         first = read_table(root, contracts.EXAMPLES, D1)
-        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE)
+        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
         assert read_table(root, contracts.EXAMPLES, D1).equals(first)
         digest = hashlib.md5(f"{seed}:5".encode()).hexdigest()
         kept_5 = int(digest[:13], 16) / 2**52 < 0.5
         assert set(first["impression_id"].to_pylist()) == positives | ({5} if kept_5 else set())
+
+
+# --- validation -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_build_needs_a_passed_validation_report_for_the_current_contents(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from core.config import ValidationConfig
+    from features.validation.partition import validate_partition
+    from features.validation.report import RESULT_FILE, report_dir
+
+    command = f"python -m features.validate events --root {root} --ds {D1}"
+    with pytest.raises(build.UnvalidatedInputError, match=rf"raw/events/ds={D1} .*has not been validated") as err:
+        build.build_daily(root, D1, engine=ENGINE)
+    assert command in str(err.value) and "--skip-validation" in str(err.value)
+    assert not storage.exists(partition(root, contracts.USER_DAILY, D1))
+
+    for dataset in ("events", "pins"):
+        report = validate_partition(root, dataset, D1, config=ValidationConfig(), data_docs=False)
+        assert report.success, report.failure_message()
+    summary = build.build_daily(root, D1, engine=ENGINE)[contracts.USER_DAILY]
+    recorded = storage.read_json(storage.join(report_dir(root, "events", D1), RESULT_FILE))["fingerprint"]
+    assert summary["skip_validation"] is False
+    assert summary["validated_inputs"][f"raw/events/ds={D1}"] == recorded
+
+    # The partition is replaced after it passed (one more event): refused until validated again.
+    write_events(root, D1, extra=[(24, 5, 1, 11, "click", D1, "10:05")])
+    with pytest.raises(build.UnvalidatedInputError, match="contents changed since it passed validation"):
+        build.build_examples(root, D1, engine=ENGINE)
+    assert build.main(["--root", str(root), "--ds", D1, "--step", "examples"]) == ExitCode.DATA
+    assert command in capsys.readouterr().err
+    assert build.main(["--root", str(root), "--ds", D1, "--step", "examples", "--skip-validation"]) == 0
+    assert read_metadata(root, contracts.EXAMPLES, D1)["skip_validation"] is True
+    assert "validated_inputs" not in read_metadata(root, contracts.EXAMPLES, D1)
 
 
 # --- errors and CLI -------------------------------------------------------------------------------------
@@ -379,14 +473,14 @@ def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) 
 @pytest.mark.unit
 def test_missing_events_partition_names_the_day(root: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"raw/events for ds=2024-01-05"):
-        build.build_daily(root, "2024-01-05", engine=ENGINE)
+        build.build_daily(root, "2024-01-05", engine=ENGINE, require_validation=False)
     with pytest.raises(build.MissingInputError, match=r"--step daily --ds 2024-01-05"):
-        build.build_window(root, "2024-01-05", engine=ENGINE)
+        build.build_window(root, "2024-01-05", engine=ENGINE, require_validation=False)
 
 
 @pytest.mark.unit
 def test_cli_prints_summary_and_exits_data_on_missing_input(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert build.main(["--root", str(root), "--ds", D1, "--step", "daily"]) == 0
+    assert build.main(["--root", str(root), "--ds", D1, "--step", "daily", "--skip-validation"]) == 0
     assert '"features/user_daily"' in capsys.readouterr().out
     assert build.main(["--root", str(root), "--ds", "2024-02-01"]) == ExitCode.DATA
     assert "ds=2024-02-01" in capsys.readouterr().err

@@ -53,9 +53,9 @@ def daily_root(raw_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     for day in DAYS:
         if day == GAP:
             with pytest.raises(build.MissingInputError, match=f"raw/events for ds={GAP}"):
-                build.build_day(root, day, engine=ENGINE, **PARAMS)
+                build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
             continue
-        build.build_day(root, day, engine=ENGINE, **PARAMS)
+        build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
     return root
 
 
@@ -68,12 +68,12 @@ def recompute_day(raw_world: Path, root: Path, day: str) -> None:
     previous = shift_ds(day, -1)
     window, length = PARAMS["window_days"], PARAMS["sequence_length"]
     if previous in BUILT:
-        build.build_window(root, previous, window, recompute=True, engine=ENGINE)
-        build.build_sequences(root, previous, length, window, recompute=True, engine=ENGINE)
-    build.build_daily(root, day, engine=ENGINE)
-    build.build_window(root, day, window, recompute=True, engine=ENGINE)
-    build.build_sequences(root, day, length, window, recompute=True, engine=ENGINE)
-    build.build_examples(root, day, negative_downsample=PARAMS["negative_downsample"], seed=PARAMS["seed"], engine=ENGINE)
+        build.build_window(root, previous, window, recompute=True, engine=ENGINE, require_validation=False)
+        build.build_sequences(root, previous, length, window, recompute=True, engine=ENGINE, require_validation=False)
+    build.build_daily(root, day, engine=ENGINE, require_validation=False)
+    build.build_window(root, day, window, recompute=True, engine=ENGINE, require_validation=False)
+    build.build_sequences(root, day, length, window, recompute=True, engine=ENGINE, require_validation=False)
+    build.build_examples(root, day, negative_downsample=PARAMS["negative_downsample"], seed=PARAMS["seed"], engine=ENGINE, require_validation=False)
 
 
 @pytest.mark.unit
@@ -92,6 +92,13 @@ def test_daily_outputs_equal_full_recompute_from_raw(raw_world: Path, daily_root
 def test_incremental_path_was_taken_and_gap_is_named(daily_root: Path) -> None:
     seq = {d: read_metadata(daily_root, contracts.USER_SEQUENCE, d) for d in BUILT}
     assert [seq[d]["mode"] for d in BUILT] == ["full", "incremental", "incremental", "full", "incremental", "incremental"]
+    # The windows too: the previous window + the day - the day that leaves (none when it is the gap), equal to a
+    # full recompute from raw (test_daily_outputs_equal_full_recompute_from_raw), across the gap.
+    window_modes = [read_metadata(daily_root, contracts.USER_WINDOW, day)["mode"] for day in BUILT]
+    assert window_modes == ["full", "incremental", "incremental", "full", "incremental", "incremental"]
+    assert read_metadata(daily_root, contracts.PIN_WINDOW, DAYS[6])["inputs"] == [
+        f"{contracts.PIN_WINDOW}/ds={DAYS[5]}", f"{contracts.PIN_DAILY}/ds={DAYS[6]}"  # the gap left: nothing to subtract
+    ]
     # The gap stays named while it lies in the 3-day window, then leaves it.
     assert [seq[d]["missing_days"] for d in DAYS[4:]] == [[GAP], [GAP], []]
     window = {d: read_metadata(daily_root, contracts.USER_WINDOW, d) for d in DAYS[4:]}
@@ -109,7 +116,7 @@ def test_incremental_path_was_taken_and_gap_is_named(daily_root: Path) -> None:
 def test_examples_need_the_features_of_the_day_before_when_it_has_data(raw_world: Path, tmp_path: Path) -> None:
     root = copy_raw(raw_world, tmp_path)
     with pytest.raises(build.MissingInputError, match=rf"features/user_window/ds={DAYS[1]}.*--ds {DAYS[1]}"):
-        build.build_examples(root, DAYS[2], engine=ENGINE)
+        build.build_examples(root, DAYS[2], engine=ENGINE, require_validation=False)
 
 
 def feature_columns(table: pa.Table) -> list[str]:
@@ -146,7 +153,7 @@ def test_no_example_carries_information_from_its_own_day(daily_root: Path, tmp_p
     before = read_table(root, contracts.EXAMPLES, day)
 
     perturb_day(root, day)
-    build.build_day(root, day, engine=ENGINE, **PARAMS)
+    build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
     after = read_table(root, contracts.EXAMPLES, day)
 
     # Every label changed meaning (all clicked and repinned now), every feature stayed exactly the same.
@@ -174,8 +181,8 @@ def test_rerun_replaces_exactly_that_day(daily_root: Path, tmp_path: Path) -> No
     }
     tables = {(d, day): read_table(root, d, day) for d in OUTPUTS for day in BUILT}
 
-    build.build_day(root, DAYS[4], engine=ENGINE, **PARAMS)
-    build.build_day(root, DAYS[4], engine=ENGINE, **PARAMS)
+    build.build_day(root, DAYS[4], engine=ENGINE, require_validation=False, **PARAMS)
+    build.build_day(root, DAYS[4], engine=ENGINE, require_validation=False, **PARAMS)
 
     changed = {p.relative_to(root).parent.as_posix() for p, text in markers.items() if p.read_text() != text}
     assert changed == {f"{d}/ds={DAYS[4]}" for d in OUTPUTS}
@@ -191,7 +198,7 @@ def test_small_memory_limit_spills_instead_of_failing(daily_root: Path, tmp_path
     spill = tmp_path / "spill"
     spill.mkdir()
     tight = build.DuckDBSettings(threads=1, memory_limit="32MB", temp_directory=str(spill))
-    build.build_day(root, DAYS[6], engine=tight, **PARAMS)
+    build.build_day(root, DAYS[6], engine=tight, require_validation=False, **PARAMS)
     for dataset in OUTPUTS:
         assert read_table(root, dataset, DAYS[6]).equals(read_table(daily_root, dataset, DAYS[6])), dataset
     assert list(spill.iterdir()) == []  # each connection's spill folder is removed afterwards

@@ -69,3 +69,12 @@ def test_a_bad_param_fails_as_user_error_naming_it(calls: list[Any]) -> None:
     with pytest.raises(ConfigError, match="the run's params: features.negative_downsample = 5: .*less than or equal to 1") as err:
         op.execute({})  # type: ignore[arg-type]
     assert err.value.failure_class is FailureClass.USER and not calls
+
+
+@pytest.mark.unit
+def test_validation_is_required_unless_the_task_skips_it(calls: list[Any]) -> None:
+    for step in ("daily", "window", "sequences", "examples"):
+        FeatureBuildOperator(task_id=step, step=step, ds="2026-11-02").execute({})  # type: ignore[arg-type]
+        assert calls[-1][2]["require_validation"] is True, step
+        FeatureBuildOperator(task_id=step, step=step, ds="2026-11-02", skip_validation=True).execute({})  # type: ignore[arg-type]
+        assert calls[-1][2]["require_validation"] is False, step

@@ -275,7 +275,7 @@ def test_the_dag_has_rounds_of_ask_trial_tell_then_promote_and_summary():
 
 
 def test_the_run_note_keeps_the_users_note_above_the_latest_summary():
-    from operators.hpo_plugin import merged_note
+    from operators.run_notes import merged_note
 
     first = merged_note(None, "**Optuna study** `s`: best trial 1")
     assert first == "**Optuna study** `s`: best trial 1"
@@ -283,3 +283,19 @@ def test_the_run_note_keeps_the_users_note_above_the_latest_summary():
     assert mine == "wider lr range than last week\n\n---\n**Optuna study** `s`: best trial 1"
     assert merged_note(mine, "**Optuna study** `s`: best trial 4").endswith("---\n**Optuna study** `s`: best trial 4")
     assert merged_note(mine, "**Optuna study** x").count("Optuna study") == 1
+
+
+def test_the_promotion_decision_becomes_the_training_runs_note():
+    from operators.run_notes import NOTES, PROMOTION_MARK, merged_note, promotion_note
+
+    source = NOTES["pin_ranker_training"]
+    assert (source.task_id, source.key) == ("promote", "decision")
+    note = promotion_note({"model_name": "pin_ranker", "model_version": "3", "promoted": False,
+                           "reason": "mean AUC 0.801 < champion v2 0.812 - 0.002"})
+    assert note == (f"{PROMOTION_MARK}: pin_ranker version 3 not promoted: "
+                    "mean AUC 0.801 < champion v2 0.812 - 0.002")
+    # The user's own note stays above it; a rerun's decision replaces the earlier one.
+    mine = merged_note("retrained after the logging fix", note, PROMOTION_MARK)
+    again = merged_note(mine, note.replace("not promoted", "promoted to champion"), PROMOTION_MARK)
+    assert again.startswith("retrained after the logging fix") and again.count(PROMOTION_MARK) == 1
+    assert promotion_note(None) is None and promotion_note({"reason": "x"}) is None
