@@ -46,3 +46,21 @@ def airflow_db(pinflow_home: Path) -> Path:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session's homes go with it (each pytest-xdist worker has its own): tests leave no file behind."""
     shutil.rmtree(_HOME, ignore_errors=True)
+
+
+# The longest files first, so that two pytest-xdist workers finish together (the many short unit tests fill in
+# at the end); within a file the order is kept.
+_LONG_FIRST = (
+    "test_chain.py", "test_training_operator.py", "test_production_stack.py", "test_backfill.py", "test_hpo_dag.py",
+    "test_corpus_inference.py", "test_local_agent_kill.py", "test_own_data.py", "test_model_sdk.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        if name in _LONG_FIRST:
+            return _LONG_FIRST.index(name)
+        return len(_LONG_FIRST) + (0 if "/unit/" not in str(item.path) else 1)
+
+    items.sort(key=rank)  # stable: a file's tests stay in their order

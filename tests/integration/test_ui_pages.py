@@ -109,6 +109,17 @@ def _run(tag: str, scratch: Path) -> dict[str, Any]:
             return submit(self, context)
 
         DistributedTrainingOperator.submit_job = submit_once_mlflow_is_ready  # type: ignore[method-assign]
+        # What dag.test() imports while it serialises the DAG, imported before the thread starts: the thread's
+        # first query configures the ORM mappers (importing every model under SQLAlchemy's configure lock)
+        # while this thread, importing airflow.models.dagbag, held that module's import lock and waited for the
+        # configure lock: a deadlock, seen twice under load (py-spy showed both stacks).
+        from airflow.models import import_all_models
+        from airflow.serialization.serialized_objects import DagSerialization
+        from sqlalchemy.orm import configure_mappers
+
+        import_all_models()
+        DagSerialization.serialize_dag(dag)
+        configure_mappers()
         threading.Thread(target=_announce_run, args=(scratch / "run-a-created", since), daemon=True).start()
         dr = dag.test(run_conf=conf)
     else:
