@@ -1,12 +1,14 @@
 """The HPO DAG through Airflow's own machinery on the local backend, with real torchrun jobs.
 
-One study of 3 trials, 2 at a time (two rounds), of the content family on a tiny world (``pinflow_hpo`` run with
+One study of 6 trials, 2 at a time (three rounds), of the content family on a tiny world (``pinflow_hpo`` run with
 ``dag.test()`` in a subprocess: this file is also its driver, ``python test_hpo_dag.py``). Deferred trial tasks
 get their triggers run in background threads, as a triggerer would, so the two trials of a round train at once.
 The driver then clears and re-runs the whole DAG run (in the same process: one Airflow start-up, not two).
-Trials are tiny (40 steps) and few: the suite's time budget allows the HPO tests about a minute and a half.
+Trials are tiny (40 steps, a checkpoint every 5).
 
 - trials run as training jobs (one per trial, in parallel per round) and their evaluation reaches the study;
+- a trial whose training worker is SIGKILLed once its first checkpoint exists (trial 1, round 0) fails its try
+  (INFRA), is retried, and its second try's job resumes from the checkpoint: one MLflow run for the trial;
 - a trial that learns slowly (enqueued: lr 0.0002) is pruned from its intermediate losses: its job is cancelled
   and its task succeeds with the trial recorded as pruned;
 - the best trial beats the baseline (the family's defaults) on the metric; its model is registered and goes
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,9 +35,10 @@ REPO = HERE.parents[2]
 DAYS = ["2026-11-01", "2026-11-02", "2026-11-03"]
 LOGICAL_DATE = "2026-11-10T00:00:00+00:00"
 CONF = {
-    "model": "pin_content", "n_trials": 3, "parallel_trials": 2, "metric": "mean_auc", "direction": "maximize",
+    "model": "pin_content", "n_trials": 6, "parallel_trials": 2, "metric": "mean_auc", "direction": "maximize",
     "search_space": {"lr": {"type": "float", "low": 0.0002, "high": 0.1, "log": True}},
     # Trial 1 (round 0) learns fast, trial 2 (round 1, after two completed trials) slowly: it is pruned.
+    # Trials 3-5 are the sampler's.
     "enqueue": [{"lr": 0.05}, {"lr": 0.0002}],
     "fixed": {"epochs": 4, "batch_size": 16, "checkpoint_every": 5, "heartbeat_every_s": 0.5,
               "debug_step_sleep_s": 0.05, "params": {"width": 32}},
@@ -209,7 +213,7 @@ def hpo_env(airflow_db, pinflow_home, tmp_path):
         "PINFLOW_HPO__STORAGE_URL": f"sqlite:///{tmp_path / 'optuna.db'}",
         "PINFLOW_HPO__REPORT_EVERY_STEPS": "2",
         "PINFLOW_HPO__PRUNE_WARMUP_STEPS": "10",  # of 40: the first steps' losses are alike
-        "PINFLOW_HPO__MAX_ROUNDS": "2",  # the 2 rounds of 3 trials, 2 at a time: no rounds to skip
+        "PINFLOW_HPO__MAX_ROUNDS": "3",  # the 3 rounds of 6 trials, 2 at a time: no rounds to skip
         "PINFLOW_TRAINING__POLL_SECONDS": "0.3",
         "PINFLOW_TRAINING__PREFLIGHT": "false",
     }
@@ -220,24 +224,60 @@ def _driver(env: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(HERE)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
-def test_a_study_of_training_jobs_prunes_promotes_and_resumes(hpo_env, pinflow_home, tmp_path):
+def _trial_job(home: Path, trial: int, try_number: int) -> Path | None:
+    """The run folder (and job name) of a trial's try, once its job has been submitted."""
+    for run_json in (home / "runs").glob("train-pinflow-hpo-*/RUN.json"):
+        tags = json.loads(run_json.read_text())["tags"]
+        if (tags["hpo_trial"], tags["try"]) == (str(trial), str(try_number)):
+            return run_json.parent if (home / "jobs" / run_json.parent.name / "request.json").exists() else None
+    return None
+
+
+def _kill_after_first_checkpoint(home: Path, trial: int, proc: subprocess.Popen, log: Path) -> None:
+    """SIGKILL the training worker (torchrun's child) of the trial's first try once it has a checkpoint."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"driver ended before trial {trial} was killed:\n{log.read_text()[-6000:]}"
+        run_dir = _trial_job(home, trial, 1)
+        if run_dir is not None:
+            assert not (run_dir / "result.json").exists(), f"trial {trial} trained to its end before the kill"
+            checkpoints = Path(json.loads((run_dir / "RUN.json").read_text())["checkpoint_dir"])
+            run_json = json.loads((home / "jobs" / run_dir.name / "request.json").read_text())["nodes"][0]["argv"][-1]
+            if list(checkpoints.glob("step-*/COMPLETE.json")):
+                for pid_dir in Path("/proc").glob("[0-9]*"):
+                    try:
+                        argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                    except OSError:
+                        continue
+                    if b"training.train" in argv and run_json.encode() in argv and b"training.launch" not in argv:
+                        os.kill(int(pid_dir.name), signal.SIGKILL)
+                        return
+        time.sleep(0.1)
+    raise AssertionError(f"trial {trial}: no worker with a checkpoint to kill:\n{log.read_text()[-6000:]}")
+
+
+def test_a_study_of_training_jobs_prunes_resumes_and_promotes(hpo_env, pinflow_home, tmp_path):
     import optuna
     from mlflow import MlflowClient
 
     home = pinflow_home
     log = tmp_path / "run.log"
-    summaries = _finish(_driver(hpo_env, log), log)
+    proc = _driver(hpo_env, log)
+    _kill_after_first_checkpoint(home, 1, proc, log)
+    summaries = _finish(proc, log)
     summary = summaries["run"]
     assert summary["state"] == "success", json.dumps(summary["tasks"], indent=1)
     text = log.read_text()
 
-    # The study: 3 trials, each a training job, values from their evaluation; the slow one pruned.
+    # The study: 6 trials, each a training job, values from their evaluation; the slow one pruned (a sampled one
+    # may be too).
     storage = optuna.storages.RDBStorage(hpo_env["PINFLOW_HPO__STORAGE_URL"])
     study_names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     assert len(study_names) == 1, study_names
     study = optuna.load_study(study_name=study_names[0], storage=storage)
     states = {t.number: t.state.name for t in study.trials}
-    assert states == {0: "COMPLETE", 1: "COMPLETE", 2: "PRUNED"}, (states, text[-6000:])
+    assert sorted(states) == list(range(6)) and [states[n] for n in range(3)] == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert {states[n] for n in range(3, 6)} <= {"COMPLETE", "PRUNED"}, (states, text[-6000:])
     complete = [t for t in study.trials if t.state.name == "COMPLETE"]
     for trial in complete:
         result = trial.user_attrs["pinflow.result"]
@@ -252,7 +292,7 @@ def test_a_study_of_training_jobs_prunes_promotes_and_resumes(hpo_env, pinflow_h
     for run_dir in (home / "runs").glob("train-pinflow-hpo-*"):
         config = json.loads((run_dir / "RUN.json").read_text())
         jobs[(int(config["tags"]["hpo_trial"]), int(config["tags"]["try"]))] = run_dir
-    assert sorted(jobs) == [(0, 1), (1, 1), (2, 1)], sorted(jobs)
+    assert sorted(jobs) == [(0, 1), (1, 1), (1, 2), (2, 1), (3, 1), (4, 1), (5, 1)], sorted(jobs)
 
     def span(run_dir: Path) -> tuple[float, float]:
         end = run_dir / "result.json" if (run_dir / "result.json").exists() else max(run_dir.glob("heartbeat-*"))
@@ -261,16 +301,21 @@ def test_a_study_of_training_jobs_prunes_promotes_and_resumes(hpo_env, pinflow_h
     (start0, end0), (start1, end1) = span(jobs[(0, 1)]), span(jobs[(1, 1)])
     assert start1 < end0 and start0 < end1, "round 0's trials did not train at the same time"
 
-    # The pruned trial's job was cancelled; its task succeeded (a killed trial's retry and resume are the training
-    # operator's: tests/integration/test_training_operator.py; a trial's checkpoints are keyed by the trial and
-    # shared by its tries: tests/unit/test_hpo.py).
+    # The killed trial: its first job died, its task's try 2 resumed from the trial's checkpoint and finished.
+    assert summary["tasks"]["round_0.trial[1]"] == ["success", 2], summary["tasks"]
+    assert not (jobs[(1, 1)] / "result.json").exists() and (jobs[(1, 2)] / "result.json").exists()
+    resumed = "".join(p.read_text(errors="replace") for p in (home / "jobs" / jobs[(1, 2)].name).glob("node-*.log"))
+    assert "resumed from" in resumed, resumed[-3000:]
+
+    # The pruned trial's job was cancelled; its task succeeded.
     assert summary["tasks"]["round_1.trial[0]"] == ["success", 1], summary["tasks"]
     assert not (jobs[(2, 1)] / "result.json").exists()  # cancelled before it finished
     assert "pruned at step" in text
 
     # The summary, promotion and MLflow: a parent run and a child run per trial.
     result = summary["summary"]
-    assert result["trials"] == {"complete": 2, "pruned": 1}, result
+    counts = {s.lower(): list(states.values()).count(s) for s in set(states.values())}
+    assert result["trials"] == counts, result
     assert result["best"]["number"] == study.best_trial.number and result["gain_over_baseline"] > 0
     assert result["promotion"]["model_version"] and result["promotion"]["promoted"]
     assert summary["note"] == result["note"] and f"best: trial {result['best']['number']}" in summary["note"]
@@ -279,7 +324,8 @@ def test_a_study_of_training_jobs_prunes_promotes_and_resumes(hpo_env, pinflow_h
     assert parent.info.status == "FINISHED"
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(int(r.data.tags["pinflow.hpo.trial"]) for r in children) == [0, 1, 2]
+    # One run per trial: the killed trial's second try went on with its first try's run.
+    assert sorted(int(r.data.tags["pinflow.hpo.trial"]) for r in children) == list(range(6))
     assert all("lr" in r.data.params for r in children)
     version = client.get_model_version("pin_content", result["promotion"]["model_version"])
     assert version.run_id == study.best_trial.user_attrs["pinflow.result"]["mlflow_run_id"]
