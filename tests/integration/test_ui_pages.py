@@ -325,8 +325,9 @@ def stack(airflow_db, pinflow_home, tmp_path_factory):
     from training.smoke_data import write_tiny_world
 
     root = pinflow_home / "storage"
-    if not (root / "examples" / f"ds={DAYS[-1]}" / "_SUCCESS").exists():
-        write_tiny_world(root, DAYS, rows_per_day=200)
+    # Always this tiny world (it replaces only its days): the session's storage root may hold the e2e demo's
+    # bigger world for the same days, which made each training job here ~7x longer.
+    write_tiny_world(root, DAYS, rows_per_day=200)
     s = Stack(pinflow_home, tmp_path_factory.mktemp("ui-pages"))
     py = sys.executable
     try:
