@@ -15,10 +15,12 @@ URL_PREFIX = "/pinflow"
 
 
 def base_url() -> str:
-    """Airflow's public URL (``[api] base_url``), without a trailing slash."""
+    """Airflow's public URL (``[api] base_url``; unset: the API server's port on localhost), without a trailing
+    slash."""
     from airflow.configuration import conf
 
-    return (conf.get("api", "base_url", fallback="") or "http://localhost:8080").rstrip("/")
+    url = conf.get("api", "base_url", fallback="") or f"http://localhost:{conf.get('api', 'port', fallback='8080')}"
+    return url.rstrip("/")
 
 
 def page_url(*parts: str) -> str:
