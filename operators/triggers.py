@@ -77,6 +77,10 @@ class ComputeJobTrigger(BaseTrigger):
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)
             if status.state.terminal:
+                if self.output_dir:  # the job's last progress, however short its last phases were between polls
+                    beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
+                    if beats:
+                        self.log.info("job %s ended: %s", self.job_id, describe_beats(beats))
                 yield TriggerEvent({
                     **self._job(),
                     "state": status.state.value,
