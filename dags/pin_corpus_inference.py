@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import pendulum
@@ -11,7 +10,7 @@ from airflow.sdk import DAG, Param, task
 from core import config
 from operators.assets import CHAMPION_MODEL_ASSET, CORPUS_SCORES_ASSET
 from operators.backends import BACKENDS
-from operators.errors import retry_policy
+from operators.errors import default_args
 from operators.inference import ENGINES, CorpusScoringOperator
 
 _cfg = config.load()
@@ -43,13 +42,7 @@ version.
     catchup=False,
     max_active_runs=1,
     tags=["pinflow", "inference"],
-    default_args={
-        "owner": "ml-eng",
-        "retries": 2,
-        "retry_delay": timedelta(minutes=1),
-        "retry_exponential_backoff": 2.0,
-        "retry_policy": retry_policy(),
-    },
+    default_args=default_args("ml-eng"),
     params={
         "model": Param(_cfg.training.model, enum=sorted(_cfg.families), description="The model family whose model scores the corpus."),
         "model_version": Param("champion", type="string", description="A version number, or the alias 'champion'."),

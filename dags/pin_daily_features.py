@@ -10,7 +10,7 @@ from airflow.timetables.interval import CronDataIntervalTimetable
 
 from core import config
 from operators.assets import EXAMPLES_ASSET
-from operators.errors import retry_policy
+from operators.errors import default_args
 from operators.features import FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
 from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
@@ -49,13 +49,7 @@ data. Emits the `pinflow_examples` asset.
     catchup=False,
     max_active_runs=4,
     tags=["pinflow", "features"],
-    default_args={
-        "owner": "data-eng",
-        "retries": 2,
-        "retry_delay": timedelta(minutes=2),
-        "retry_exponential_backoff": 2.0,
-        "retry_policy": retry_policy(),
-    },
+    default_args=default_args("data-eng", retry_delay=timedelta(minutes=2)),
     params={
         "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),

@@ -11,7 +11,7 @@ from airflow.sdk import DAG, Param, task
 from core import config
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
-from operators.errors import retry_policy
+from operators.errors import default_args
 from operators.quotas import team_param
 from operators.training import DistributedTrainingOperator
 
@@ -61,13 +61,7 @@ extra links open the job's console page and the MLflow run.
     catchup=False,
     max_active_runs=1,
     tags=["pinflow", "training"],
-    default_args={
-        "owner": "ml-eng",
-        "retries": 2,
-        "retry_delay": timedelta(minutes=1),
-        "retry_exponential_backoff": 2.0,
-        "retry_policy": retry_policy(),
-    },
+    default_args=default_args("ml-eng"),
     params={
         "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to train (families: in the platform configuration)."),
         "team": team_param(_cfg),

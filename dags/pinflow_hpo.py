@@ -11,7 +11,7 @@ from airflow.sdk import DAG, Param, TaskGroup, task
 from core import config
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.backends import BACKENDS
-from operators.errors import retry_policy
+from operators.errors import default_args
 from operators.hpo import HpoTrialOperator
 
 _cfg = config.load()
@@ -66,13 +66,7 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
     catchup=False,
     max_active_runs=2,
     tags=["pinflow", "training", "hpo"],
-    default_args={
-        "owner": "ml-eng",
-        "retries": 2,
-        "retry_delay": timedelta(minutes=1),
-        "retry_exponential_backoff": 2.0,
-        "retry_policy": retry_policy(),
-    },
+    default_args=default_args("ml-eng"),
     params={
         "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to tune (families: in the platform configuration)."),
         "search_space": Param(EXAMPLE_SPACE, type="object", description='One entry per searched parameter (the family\'s params, or lr, batch_size, epochs, weight_decay, warmup_steps, min_lr_ratio, grad_clip): {"type": "float", "low": ..., "high": ..., "log": true}, {"type": "int", "low": ..., "high": ..., "step": ...} or {"type": "categorical", "choices": [...]}.'),

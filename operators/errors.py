@@ -8,6 +8,7 @@ its last checkpoint), every other class fails the task at once with its reason. 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule
 
@@ -27,3 +28,15 @@ def retry_policy(infra_delay: timedelta | None = None) -> ExceptionRetryPolicy:
             RetryRule(UserError, RetryAction.FAIL, reason="user error in model code or config: retrying cannot help"),
         ]
     )
+
+
+def default_args(owner: str, retry_delay: timedelta = timedelta(minutes=1)) -> dict[str, Any]:
+    """Every pinflow DAG's task defaults: two retries with exponential backoff from ``retry_delay``, and the
+    failure-class policy above (only INFRA is retried)."""
+    return {
+        "owner": owner,
+        "retries": 2,
+        "retry_delay": retry_delay,
+        "retry_exponential_backoff": 2.0,
+        "retry_policy": retry_policy(),
+    }
