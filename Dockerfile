@@ -15,7 +15,10 @@ COPY training ./training
 # The CPU build of torch; a GPU image installs torch from the CUDA index instead (build arg). The `production`
 # extra: the Celery provider (with Redis), psycopg2 and asyncpg for PostgreSQL.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-RUN pip install --extra-index-url ${TORCH_INDEX} -c constraints.txt ".[production]"
+# TorchRec (strategy torchrec) with the CPU fbgemm and --no-deps: it declares the CUDA fbgemm-gpu (500 MB).
+RUN pip install --extra-index-url ${TORCH_INDEX} -c constraints.txt ".[production,cpu]" \
+ && pip install --no-deps -c constraints.txt torchrec==1.8.0 \
+ && python -c "import torchrec, fbgemm_gpu"
 COPY dags ./dags
 COPY plugins ./plugins
 COPY config ./config

@@ -43,10 +43,15 @@ help:
 
 install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db $(AIRFLOW_HOME)/.pools-synced
 
+# TorchRec is installed without its declared dependency on the CUDA fbgemm-gpu (a 500 MB wheel): the extra `cpu`
+# (in dev) brings fbgemm-gpu-cpu. `pip check` then reports only that declaration ("torchrec 1.8.0 requires
+# fbgemm-gpu, which is not installed"); nothing else is missing.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt torchrec==1.8.0
+	$(BIN)/python -c "import torchrec, fbgemm_gpu"
 	touch $@
 
 $(AIRFLOW_HOME)/airflow.db: $(VENV)/.installed

@@ -159,7 +159,14 @@ class TrainingConfig(Section):
     )
     batch_size: int = Field(512, ge=8, le=65536, description="examples per rank per step")
     lr: float = Field(0.003, gt=0, le=1, description="peak learning rate (AdamW, warmup then cosine)")
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: replicated model; fsdp: FSDP2, tables sharded across ranks")
+    strategy: Literal["ddp", "torchrec", "fsdp"] = Field(
+        "ddp", description="ddp: replicated model; torchrec: embedding tables sharded model-parallel by TorchRec, the "
+        "rest under DDP; fsdp (a fallback): FSDP2 per table"
+    )
+    sharding: Literal["row_wise", "table_wise", "column_wise"] = Field(
+        "row_wise", description="strategy torchrec: how the tables are split over the ranks (row_wise: a table larger "
+        "than one rank's memory trains)"
+    )
     promotion_tolerance: float = Field(0.002, ge=0, le=0.1, description="how much worse than the champion's mean AUC a new model may be and still be promoted")
     heartbeat_timeout_seconds: float = Field(300, gt=0, description="no heartbeat progress this long: cancel the job as INFRA (retried)")
     poll_seconds: float = Field(10, gt=0, description="between job status checks of the operator and its trigger")

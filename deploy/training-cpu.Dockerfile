@@ -16,6 +16,8 @@ COPY features ./features
 COPY training ./training
 COPY config ./config
 # The DLC's CPU torch 2.13.0 satisfies the pin (constraints.txt); see training.Dockerfile for the Python note.
-RUN pip install --ignore-requires-python -c constraints.txt ".[inference]" \
- && python -c "import ray.data, torch, training.launch, training.train, training.ray_inference; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# TorchRec with the CPU fbgemm (pinned in constraints.txt), torchrec itself --no-deps (it declares the CUDA fbgemm-gpu).
+RUN pip install --ignore-requires-python -c constraints.txt ".[inference]" "fbgemm-gpu-cpu==1.8.0" \
+ && pip install --ignore-requires-python --no-deps -c constraints.txt torchrec==1.8.0 \
+ && python -c "import ray.data, torch, torchrec, fbgemm_gpu, training.launch, training.train, training.ray_inference; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 WORKDIR /opt/pinflow

@@ -24,7 +24,10 @@ COPY config ./config
 # Into the DLC's own environment (/opt/venv), with the pinned versions: its torch 2.13.0 (CUDA build) already
 # satisfies the pin and stays. The DLC's Python is 3.12 and pyproject.toml still says <3.12, hence
 # --ignore-requires-python (the code has no 3.11-only construct); the check below proves the pieces load.
-RUN pip install --ignore-requires-python -c constraints.txt ".[inference]" \
- && python -c "import ray.data, torch, training.launch, training.train, training.ray_inference; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+# TorchRec (strategy torchrec): the CUDA fbgemm-gpu 1.8.0 (the extra `cuda`; 1.8 pairs with torch 2.13), then
+# torchrec itself with --no-deps, as on CPU nodes (never fbgemm-gpu-cpu here: both install the module fbgemm_gpu).
+RUN pip install --ignore-requires-python -c constraints.txt ".[inference]" "fbgemm-gpu==1.8.0" \
+ && pip install --ignore-requires-python --no-deps -c constraints.txt torchrec==1.8.0 \
+ && python -c "import ray.data, torch, torchrec, fbgemm_gpu, training.launch, training.train, training.ray_inference; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
  && test -e /opt/amazon/efa/bin/fi_info
 WORKDIR /opt/pinflow

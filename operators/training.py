@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
-    "epochs", "batch_size", "lr", "strategy", "seed", "max_steps", "target_examples", "checkpoint_every", "heartbeat_every_s",
+    "epochs", "batch_size", "lr", "strategy", "sharding", "seed", "max_steps", "target_examples", "checkpoint_every", "heartbeat_every_s",
     "fail_nan_at_step", "debug_step_sleep_s",
 )
 
@@ -205,6 +205,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "batch_size": family.batch_size or training.batch_size,
             "lr": family.lr or training.lr,
             "strategy": training.strategy,
+            "sharding": training.sharding,
             "max_steps": training.max_steps,
             "target_examples": training.target_examples,
             "min_steps": training.min_steps,

@@ -10,10 +10,11 @@ listing of the markers).
 
 The state is ``{"model", "optim"}`` through ``torch.distributed.checkpoint.state_dict`` (the same code
 serves DDP and FSDP2: keys are unwrapped FQNs, sharded tables are saved shard by shard and resharded on
-load), the LR scheduler's state, the loop position ``{"step", "epoch", "examples_seen"}``, the input
-pipeline's position ``data`` and every rank's RNG states ``rng.rank<r>``; other trained parts (the
-ablation model) are saved alongside under their name as a prefix. ``checkpoint_dir`` must
-be visible to every node.
+load; a TorchRec ``DistributedModelParallel`` part gives its own state dicts, its tables and their fused
+optimizer state as ShardedTensors, which DCP reshards the same way), the LR scheduler's state, the loop
+position ``{"step", "epoch", "examples_seen"}``, the input pipeline's position ``data`` and every rank's RNG
+states ``rng.rank<r>``; other trained parts (the ablation model) are saved alongside under their name as a
+prefix. ``checkpoint_dir`` must be visible to every node.
 
 Loading a DCP checkpoint unpickles its ``.metadata`` (``pickle.load``) and its non-tensor items
 (``torch.load(weights_only=False)``): a file crafted by anyone who can write under the storage root's
@@ -223,10 +224,27 @@ def _prefix(name: str) -> str:
     return "" if name == "model" else f"{name}_"
 
 
-def _state(parts: dict[str, Part]) -> dict[str, Any]:
+def _is_torchrec(model: nn.Module) -> bool:
+    return type(model).__name__ == "DistributedModelParallel"
+
+
+def _state(parts: dict[str, Part], loading: bool = False) -> dict[str, Any]:
+    """Every part's state by its prefix. A TorchRec part (``DistributedModelParallel``) gives its own state
+    dicts: sharded tables and the fused optimizer's state as ShardedTensors (DCP saves each rank's shards and
+    reshards on load), the dense AdamW's keyed by FQN; ``loading`` first creates that AdamW's lazy state, so
+    that DCP can load into it in place."""
     state: dict[str, Any] = {}
     for name, (model, optimizer, scheduler) in parts.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if _is_torchrec(model):
+            from training.torchrec_sharding import init_optimizer_state
+
+            if loading:
+                for _, child in getattr(optimizer, "optimizers", []):
+                    if not child.state or len(child.state) < len(child.params):
+                        init_optimizer_state(child)
+            model_sd, optim_sd = dict(model.state_dict()), dict(optimizer.state_dict())
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         p = _prefix(name)
         state.update({f"{p}model": model_sd, f"{p}optim": optim_sd, f"{p}scheduler": scheduler.state_dict()})
     return state
@@ -316,7 +334,7 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
     """
     path = os.fspath(path)
     _verified_on_every_rank(path)
-    state = _state(parts)
+    state = _state(parts, loading=True)
     state["train"] = {"step": 0, "epoch": 0, "examples_seen": 0}
     if restore_rng:
         state["rng"] = {_rank_key(): rng_state()}
@@ -330,8 +348,15 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
         raise _failed("load", path, e) from e
     for name, (model, optimizer, scheduler) in parts.items():
         p = _prefix(name)
-        set_state_dict(model, optimizer, model_state_dict=state[f"{p}model"], optim_state_dict=state[f"{p}optim"])
+        if _is_torchrec(model):
+            model.load_state_dict(state[f"{p}model"])
+            optimizer.load_state_dict(state[f"{p}optim"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state[f"{p}model"], optim_state_dict=state[f"{p}optim"])
         scheduler.load_state_dict(state[f"{p}scheduler"])
+        # The learning rates the schedule had set (TorchRec's optimizers do not save their param groups).
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
     if restore_rng:
         set_rng_state(state["rng"][_rank_key()])
     position: dict[str, Any] = {k: int(v) for k, v in state["train"].items()}

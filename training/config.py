@@ -101,10 +101,27 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = _f(
         "auto: CUDA (nccl, bf16 autocast) when available, else CPU (gloo)", "auto"
     )
-    strategy: Literal["ddp", "fsdp"] = _f(
-        "ddp: DistributedDataParallel, every rank holds the whole model; fsdp: FSDP2 fully_shard, the "
-        "embedding tables (and every other parameter and its optimizer state) are sharded across ranks",
+    strategy: Literal["ddp", "fsdp", "torchrec"] = _f(
+        "ddp: DistributedDataParallel, every rank holds the whole model; torchrec: the family's sparse_features "
+        "(embedding tables) sharded model-parallel by TorchRec (DistributedModelParallel: all-to-all lookups, a "
+        "row-wise Adagrad fused into the backward pass), the rest under DDP; fsdp (a fallback): FSDP2 "
+        "fully_shard per table, every step gathers each whole table and reduces a dense gradient of its size",
         _TRAINING.strategy,
+    )
+    sharding: Literal["table_wise", "column_wise", "row_wise"] = _f(
+        "strategy torchrec: how the tables are split over the ranks. table_wise and column_wise are planned by "
+        "TorchRec's planner (topology: the ranks, their device and embedding_memory_mb); row_wise (each rank a "
+        "slice of every table's rows: a table larger than one rank's memory trains) is planned on CUDA and "
+        "built by hand on CPU, where the planner does not offer it",
+        "row_wise",
+    )
+    sparse_lr: float = _f(
+        "strategy torchrec: peak learning rate of the tables' fused row-wise Adagrad (the LR schedule scales it "
+        "as it scales lr)", 0.05,
+    )
+    embedding_memory_mb: float = _f(
+        "strategy torchrec: memory per rank (MiB) the sharding plan may fill with tables and their optimizer "
+        "state (0: TorchRec's default for the device); a plan that does not fit is a USER error", 0.0,
     )
     deterministic: bool = _f(
         "torch.use_deterministic_algorithms: a resumed run is bitwise equal to an uninterrupted one (CPU)", False
@@ -157,6 +174,10 @@ class RunConfig:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.lr <= 0:
             problems.append(f"lr={self.lr} must be positive")
+        if self.sparse_lr <= 0:
+            problems.append(f"sparse_lr={self.sparse_lr} must be positive")
+        if self.embedding_memory_mb < 0:
+            problems.append(f"embedding_memory_mb={self.embedding_memory_mb} must not be negative")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.heartbeat_every_s <= 0:

@@ -18,8 +18,12 @@ configuration (``families:``). The family declares
   as its two halves ``corpus_inputs`` (rows → input arrays, CPU only) and ``score_inputs`` (the forward pass
   → rows), which corpus inference can run on different workers (Ray Data: readers and an actor pool).
 
+Optionally it declares ``sparse_features``: its embedding tables that strategy ``torchrec`` shards (TorchRec
+``EmbeddingBagConfig`` s, see :func:`embedding_configs`).
+
 The platform supplies everything else, the same for every family: the input pipeline with exact resume
-(``training.data.ExampleStream``), DDP / FSDP2, checkpoints, preflight, heartbeats, MLflow logging and
+(``training.data.ExampleStream``), DDP, TorchRec sharding (FSDP2 as a fallback), checkpoints, preflight,
+heartbeats, MLflow logging and
 registration (one registered model per family), the promotion gate, the backends and corpus inference.
 ``README.md`` ("Add a model family") walks through writing one.
 """
@@ -81,6 +85,17 @@ class ModelFamily:
         """The total loss to minimise and its parts per head (logged)."""
         raise NotImplementedError
 
+    def sparse_features(self, variant: str = "model") -> tuple[str, ...]:
+        """The sparse features of ``build_model(variant)``: names (dotted paths) of its ``nn.Embedding`` tables.
+
+        Under strategy ``torchrec`` each becomes a TorchRec ``EmbeddingBagConfig`` (:func:`embedding_configs`:
+        name, rows, width, one feature of the same name, sum pooling) sharded across the ranks, its lookups
+        all-to-all, its optimizer fused into the backward pass; the model calls it as before (rows in, vectors
+        out). ``padding_idx`` may be None or 0 (row 0: absent, a zero vector that never trains). The default,
+        none, leaves every table to DDP; ``strategy: torchrec`` then refuses the run.
+        """
+        return ()
+
     # --- evaluation -----------------------------------------------------------------------------
     def evaluate(
         self,
@@ -131,6 +146,14 @@ class ModelFamily:
         """Whether the family implements ``corpus_inputs`` and ``score_inputs`` (else only ``score_corpus``)."""
         cls = type(self)
         return cls.corpus_inputs is not ModelFamily.corpus_inputs and cls.score_inputs is not ModelFamily.score_inputs
+
+
+def embedding_configs(family: ModelFamily, variant: str = "model", model: nn.Module | None = None) -> list[Any]:
+    """The family's ``sparse_features`` of ``variant`` as TorchRec ``EmbeddingBagConfig`` s (imports torchrec)."""
+    from training.torchrec_sharding import table_config
+
+    model = model if model is not None else family.build_model(variant)
+    return [table_config(model, name) for name in family.sparse_features(variant)]
 
 
 def load_family(name: str, module: str = "", params: dict[str, Any] | None = None) -> ModelFamily:

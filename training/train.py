@@ -4,8 +4,12 @@ The platform half of the model SDK (``training.sdk``): RUN.json names the ``fami
 the family supplies its input rows, ``encode``, models, loss, evaluation and serving form; everything here
 is the same for every family. Runs under ``torchrun`` (any number of nodes and processes; it reads RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them) or alone as a world of one. CPU:
-gloo; CUDA: nccl and bf16 autocast. ``strategy``: DDP, or FSDP2 (``fully_shard``: embedding tables and
-optimizer state sharded across ranks). AdamW, warmup + cosine LR, gradient clipping. A family's extra
+gloo; CUDA: nccl and bf16 autocast. ``strategy``: DDP (the default); TorchRec (``torchrec``: the family's
+``sparse_features`` sharded model-parallel by ``DistributedModelParallel`` with the plan of ``sharding``, a
+row-wise Adagrad fused into their backward, the dense rest under DDP; ``training.torchrec_sharding``); or, as
+a fallback, FSDP2 per table (``fsdp``: ``fully_shard``, each step gathers whole tables: on one 1M-row table
+60x to 300x slower per step than TorchRec, ``benchmarks/embeddings.py``). AdamW for dense parameters, warmup +
+cosine LR, gradient clipping. A family's extra
 ``variants`` (the ranker's ablation without the action sequence) train in lockstep on the same batches.
 
 Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, when it fails,
@@ -32,6 +36,7 @@ import os
 import random
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,7 +66,7 @@ Exit codes (core.failures.ExitCode), one per failure class (DESIGN.md section 4)
   75   INFRA     a lost peer, a collective (gloo/NCCL) timeout, MLflow not answering, killed from outside:
                  retry; the job resumes exactly from the newest complete checkpoint
   76   NAN_LOSS  (class USER) the loss or the gradient norm became NaN/Inf on some rank: fail now; lower lr
-  137  OOM       out of (GPU) memory, or the kernel's OOM killer: fail; lower batch_size or shard (fsdp)
+  137  OOM       out of (GPU) memory, or the kernel's OOM killer: fail; lower batch_size or shard (torchrec)
 Under torchrun the launcher's own exit code is 1 for any worker failure: start it with `python -m
 training.launch --nproc-per-node=N ... -- -m training.train --config RUN.json`, which exits with the
 failing worker's code (a worker killed by a signal: 75), or read <output_dir>/failure-rank*.json.
@@ -105,7 +110,9 @@ def wrap(model: Any, strategy: str, device: Any) -> Any:
     ``ddp``: DistributedDataParallel (every rank holds every parameter). ``fsdp``: FSDP2 ``fully_shard``
     with each embedding table and each transformer layer its own unit, then the rest: every parameter,
     the big tables first, and its optimizer state are split by rows across the ranks; a unit is gathered
-    only while it computes. On CUDA its parameters compute in bf16 and gradients reduce in fp32.
+    only while it computes. On CUDA its parameters compute in bf16 and gradients reduce in fp32. ``fsdp`` is
+    the fallback for tables TorchRec cannot take: every step gathers each whole table (strategy ``torchrec``,
+    ``training.torchrec_sharding``, looks up only the rows a batch needs).
     """
     import torch
     from torch import nn
@@ -316,12 +323,37 @@ class Trainer:
         cfg, device = self.config, self.device
         for name in self.family.variants():
             torch.manual_seed(cfg.seed)  # the same initialisation on every rank
-            module = wrap(self.family.build_model(name).to(device), cfg.strategy, device)
-            optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            if cfg.strategy == "torchrec":
+                module, optimizer = self.build_torchrec(name)
+            else:
+                module = wrap(self.family.build_model(name).to(device), cfg.strategy, device)
+                optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(self.total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
             )
             self.parts[name] = (module, optimizer, scheduler)
+
+    def build_torchrec(self, variant: str) -> tuple[Any, Any]:
+        """``variant`` with its sparse features sharded by TorchRec (DMP) and its optimizer (fused sparse + AdamW)."""
+        from training import torchrec_sharding as ts
+
+        ts.quiet_library_logs()  # before torchrec's import: fbgemm logs every library it loads
+        try:
+            import fbgemm_gpu  # noqa: F401
+            import torchrec  # noqa: F401
+        except ImportError as e:  # torchrec is installed --no-deps by make install and the images
+            raise ConfigError(
+                f"strategy torchrec needs torchrec and fbgemm ({e}): pip install -c constraints.txt "
+                "'.[cpu]' (or '.[cuda]') && pip install --no-deps torchrec==1.8.0"
+            ) from e
+        cfg = self.config
+        model = ts.to_torchrec(self.family.build_model(variant), self.family.sparse_features(variant))
+        dmp = ts.shard(
+            model.to(self.device), sharding=cfg.sharding, device=self.device, lr=cfg.sparse_lr,
+            weight_decay=cfg.weight_decay,
+            memory_per_rank=int(cfg.embedding_memory_mb * 2**20) if cfg.embedding_memory_mb else None,
+        )
+        return dmp, ts.make_optimizer(dmp, lr=cfg.lr, weight_decay=cfg.weight_decay).optimizer
 
     def seed_rank_stream(self) -> None:
         """From here each rank draws its own random numbers (dropout); every checkpoint saves them."""
@@ -480,6 +512,9 @@ class Trainer:
         norms = []
         for (name, (module, optimizer, scheduler)), loss in zip(self.parts.items(), losses, strict=True):
             optimizer.zero_grad(set_to_none=True)
+            if cfg.strategy == "torchrec":
+                # The fused sparse optimizer updates the tables inside backward: give it this step's LR first.
+                typing.cast(Any, module).fused_optimizer.step()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip or math.inf)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -535,11 +570,17 @@ class Trainer:
         import torch.distributed as dist
 
         total_seen = self.examples_seen()
-        # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here.
-        full = {
-            name: gather_full(module, lambda name=name: self.family.build_model(name))
-            for name, (module, _, _) in self.parts.items()
-        }
+        # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here. The result is the
+        # family's plain model under every strategy: what is registered loads without a process group or TorchRec.
+        full = {}
+        for name, (module, _, _) in self.parts.items():
+            build = lambda name=name: self.family.build_model(name)  # noqa: E731
+            if self.config.strategy == "torchrec":
+                from training import torchrec_sharding as ts
+
+                full[name] = ts.gather_full(module, self.family.sparse_features(name), build)
+            else:
+                full[name] = gather_full(module, build)
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
         dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         if not self.env.is_main:

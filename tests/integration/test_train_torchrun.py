@@ -226,7 +226,7 @@ def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "torchrec"])
 def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_run(
     tmp_path: Path, world, strategy: str
 ):
@@ -241,7 +241,9 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
         "batch_size": 16,
         "checkpoint_every": 3,
         "keep_checkpoints": 1,
-        "params": {"ablation": strategy == "ddp"},
+        "params": {"ablation": strategy != "fsdp"},
+        # TorchRec: the tables row-wise (by hand on CPU), each rank holding half of every table's rows.
+        **({"sharding": "row_wise"} if strategy == "torchrec" else {}),
     }
     launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config"]
 
@@ -287,14 +289,15 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     assert "resumed from" in proc.stderr
     assert "not an exact resume" not in proc.stderr
 
-    # FSDP2 saves each rank's rows of a table (sharded at rest); DDP one replicated copy.
+    # FSDP2 and TorchRec row-wise save each rank's rows of a table (sharded at rest); DDP one replicated copy.
     import torch.distributed.checkpoint as dcp
 
     from training.checkpoint import complete_checkpoints
 
     metadata = dcp.FileSystemReader(str(complete_checkpoints(killed / "checkpoints")[-1][1])).read_metadata()
-    chunks = metadata.state_dict_metadata["model.pin_emb.weight"].chunks
-    assert len(chunks) == (2 if strategy == "fsdp" else 1)
+    key = "model.pin_emb.ebc.embedding_bags.pin_emb.weight" if strategy == "torchrec" else "model.pin_emb.weight"
+    chunks = metadata.state_dict_metadata[key].chunks
+    assert len(chunks) == (1 if strategy == "ddp" else 2)
     a = final_state(straight / "checkpoints", tmp_path, "straight")
     b = final_state(killed / "checkpoints", tmp_path, "killed")
     assert a["step"] == b["step"] and a["step"] > killed_at

@@ -192,6 +192,10 @@ class PinContentFamily(ModelFamily):
     def build_model(self, variant: str = "model") -> nn.Module:
         return ContentEncoder(self.params)
 
+    def sparse_features(self, variant: str = "model") -> tuple[str, ...]:
+        """The text-token and category tables (no padding row: every id is a row), for strategy torchrec."""
+        return ("tokens", "category")
+
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         heads = {
             "safety": F.binary_cross_entropy_with_logits(outputs["safety"].float(), batch["is_unsafe"].float()),

@@ -479,6 +479,12 @@ class PinRankerFamily(ModelFamily):
     def build_model(self, variant: str = "model") -> nn.Module:
         return PinRanker(self.params.model_config(use_sequence=variant != "ablation"))
 
+    def sparse_features(self, variant: str = "model") -> tuple[str, ...]:
+        """The hashed-id tables (row 0: absent, as their padding_idx): sharded under strategy torchrec. The tiny
+        action and surface vocabularies stay dense."""
+        tables = ("pin_emb", "user_emb", "category_emb", "creator_emb", "user_taste")
+        return tables if variant == "ablation" else (*tables, "seq_category_emb")
+
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         weights = {label: float(self.params.loss_weights.get(label, 1.0)) for label in LABELS}
         return multitask_loss(outputs, batch["labels"], weights)
