@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -60,6 +59,7 @@ from core.contracts import (
     USER_SEQUENCE_SCHEMA,
     USER_WINDOW,
     USER_WINDOW_SCHEMA,
+    SequenceDigest,
 )
 from core.failures import DataError, PinflowError
 from core.storage import (
@@ -459,19 +459,21 @@ SELECT i.impression_id, i.ts, i.user_id, i.pin_id,
        i.surface,
        {_USER_FEATURES},
        {_PIN_FEATURES},
-       s.seq_row,
+       $seq_ds::DATE AS seq_ds,
+       coalesce(s.seq_len, 0)::INTEGER AS seq_len,
        {_LABEL_NAMES}
 FROM sampled AS i
 LEFT JOIN pins AS p ON p.pin_id = i.pin_id
 LEFT JOIN user_window AS u ON u.user_id = i.user_id
 LEFT JOIN pin_window AS pw ON pw.pin_id = i.pin_id
-LEFT JOIN sequence_rows AS s ON s.user_id = i.user_id
+LEFT JOIN (SELECT user_id, len(seq_ts) AS seq_len FROM user_sequence) AS s ON s.user_id = i.user_id
 ORDER BY i.impression_id
 """
-# The user's sequence is attached to each example by ``seq_row`` (its row in the ds-1 sequences, NULL when
-# the user has none) after the query, with an Arrow gather: sorting and copying lists of 50 inside the
-# query cost more than everything else of the day. ``_attach_sequences`` does it, with the age of each
-# action at the impression: seq_age_hours = (impression ts - action ts) in hours, as FLOAT.
+# The user's sequence is referenced, not copied: ``seq_ds`` (= ds-1) and ``seq_len`` (the number of its actions
+# the example sees, all of them: every action of ds-1 is before the impression) point at the user's row of
+# ``features/user_sequence`` of ds-1, and readers (``training.data``) resolve them into the four lists, with
+# seq_age_hours = (impression ts - action ts) in hours as FLOAT. Copying lists of 50 into every example was
+# most of the day's time and of its bytes.
 
 IMPRESSION_COUNTS_SQL = """
 SELECT count(*) AS impressions,
@@ -544,12 +546,14 @@ def _write_query(
     sums: Sequence[str] = (),
     sums_key: str = "sums",
     transform: Callable[[pa.Table], pa.Table] | None = None,
+    digest: SequenceDigest | None = None,
 ) -> dict[str, Any]:
     """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
 
     Batches (passed through ``transform`` first, if given) are cast to the contract ``schema`` as they
     come, so the result never sits whole in memory.
-    Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``).
+    Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
+    ``content_digest`` of what was written when a ``digest`` is given).
     """
     relation = con.sql(sql, params=params)
     assert relation is not None, "a SELECT returns a relation"
@@ -573,50 +577,24 @@ def _write_query(
                 rows += conformed.num_rows
                 for column in sums:
                     totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
+                if digest is not None:
+                    digest.update(conformed)
         summary = {**metadata, "rows": rows} | ({sums_key: totals} if sums else {})
+        if digest is not None:
+            summary["content_digest"] = digest.hexdigest()
         write_json(join(staging, METADATA_FILE), summary)
     return summary
 
 
-def _attach_sequences(sequences: pa.Table) -> Callable[[pa.Table], pa.Table]:
-    """A batch transform that replaces ``seq_row`` by the four sequence lists of that row of ``sequences``.
-
-    A NULL ``seq_row`` (a user without a sequence) gets empty lists: it points at an extra empty row. The four
-    lists of a row have the same length, so one gather index of their values (computed once per batch from the
-    shared offsets) serves all four, and the ages come from the gathered timestamps.
-    """
-    names = list(sequences.column_names)
-    lists = {}
-    for name in names:
-        column = sequences[name]
-        empty = pa.array([[]], column.type)
-        lists[name] = pa.concat_arrays([*column.chunks, empty] if column.num_chunks else [empty])
-    pad_row = len(lists["seq_ts"]) - 1
-    offsets = lists["seq_ts"].offsets.to_numpy().astype(np.int64)
-    for name, array in lists.items():
-        if not np.array_equal(array.offsets.to_numpy(), offsets):
-            raise InputDataError(f"{USER_SEQUENCE}: the lists of a row differ in length ({name} and seq_ts)")
-    values = {name: array.values for name, array in lists.items()}
-    action_us = values["seq_ts"].cast(pa.int64()).to_numpy(zero_copy_only=False)
-
-    def attach(batch: pa.Table) -> pa.Table:
-        rows = pc.fill_null(batch["seq_row"], pad_row).to_numpy(zero_copy_only=False).astype(np.int64)
-        starts = offsets[rows]
-        lengths = offsets[rows + 1] - starts
-        out_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=out_offsets[1:])
-        # The value index of each output element: its row's start plus its position inside the row.
-        index = np.arange(out_offsets[-1], dtype=np.int64) + np.repeat(starts - out_offsets[:-1], lengths)
-        list_offsets = pa.array(out_offsets.astype(np.int32))
-        out = batch.drop_columns(["seq_row"])
-        for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
-            out = out.append_column(name, pa.ListArray.from_arrays(list_offsets, values[name].take(index)))
-        impression_us = batch["ts"].cast(pa.int64()).to_numpy()
-        # The same arithmetic as DuckDB's epoch_us difference / 3600e6 as DOUBLE, then FLOAT.
-        ages = ((np.repeat(impression_us, lengths) - action_us[index]) / 3600e6).astype(np.float32)
-        return out.append_column("seq_age_hours", pa.ListArray.from_arrays(list_offsets, pa.array(ages)))
-
-    return attach
+def _sequence_digest(root: str | os.PathLike[str], ds: str, files: Sequence[str]) -> str:
+    """The content digest of ``features/user_sequence`` of ``ds``: the one its build recorded, else computed."""
+    recorded = read_metadata(root, USER_SEQUENCE, ds).get("content_digest")
+    if isinstance(recorded, str):
+        return recorded
+    digest = SequenceDigest()
+    for f in files:
+        digest.update(_conform(read_parquet(f), USER_SEQUENCE_SCHEMA))
+    return digest.hexdigest()
 
 
 def _day_start(ds: str) -> dt.datetime:
@@ -1039,7 +1017,9 @@ def build_sequences(
             "unknown": UNKNOWN_ID,
         }
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
-        summary = _write_query(con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata)
+        summary = _write_query(
+            con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest()
+        )
     return {USER_SEQUENCE: summary}
 
 
@@ -1093,18 +1073,14 @@ def build_examples(
         _view(con, "events", events, EVENTS_SCHEMA)
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
-        sequences = USER_SEQUENCE_SCHEMA.empty_table()
+        sequence_digest: str | None = None
         for name, dataset, schema in feature_inputs:
             files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)
             if files:
                 inputs.append(_ref(dataset, features_ds))
-            if dataset == USER_SEQUENCE:
-                # Read as it is (no sort): a sequence is found by its row number, whatever the order.
-                if files:
-                    sequences = pa.concat_tables([_conform(read_parquet(f), schema) for f in files])
-            else:
-                _view(con, name, files, schema)
-        con.register("sequence_rows", pa.table({"user_id": sequences["user_id"], "seq_row": np.arange(sequences.num_rows)}))
+                if dataset == USER_SEQUENCE:
+                    sequence_digest = _sequence_digest(root, features_ds, files)
+            _view(con, name, files, schema)
         if _ref(PIN_WINDOW, features_ds) in inputs:
             recorded = read_metadata(root, PIN_WINDOW, features_ds).get("global_rates")
             if recorded:
@@ -1114,12 +1090,13 @@ def build_examples(
             log.warning("examples of ds=%s: no features of %s (cold start): %s", ds, features_ds, missing_inputs)
         con.execute(SMOOTHED_MACRO)
         keep_negative = _keep_negative(negative_downsample)
-        params = {"prior": prior_impressions, "unknown": UNKNOWN_ID} | {
+        params: dict[str, Any] = {"prior": prior_impressions, "unknown": UNKNOWN_ID} | {
             f"global_{k}": v for k, v in global_rates.items()
         }
         if keep_negative == KEEP_NEGATIVE_HASH:
             con.execute(KEEP_HASH_MACRO)
             params |= {"seed": seed, "negative_downsample": negative_downsample}
+        params["seq_ds"] = dt.date.fromisoformat(features_ds)
         counts = _row(con, IMPRESSION_COUNTS_SQL)
         metadata = {
             "step": "examples",
@@ -1138,11 +1115,14 @@ def build_examples(
             "global_rates": global_rates,
             "global_rates_source": rates_source,
             "dense_features": list(DENSE_FEATURES),
+            # The reference of every example's sequence (seq_ds, seq_len): what a reader checks it resolves against.
+            "sequence_ds": features_ds,
+            "sequence_digest": sequence_digest,
             **validation,
         }
         summary = _write_query(
             con, EXAMPLES_SQL.replace(KEEP_NEGATIVE, keep_negative), params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
-            sums=LABELS, sums_key="positives", transform=_attach_sequences(sequences.drop_columns(["user_id"])),
+            sums=LABELS, sums_key="positives",
         )
     return {EXAMPLES: summary}
 

@@ -8,7 +8,10 @@ batches each rank will produce and all stop at the same step (:meth:`ExampleStre
 no rank waits in a collective for a rank that ran out of data.
 
 Which dataset and columns are read, and how rows become tensors, is the model family's (``training.sdk``):
-the stream hands each table of ``batch_size`` rows to the family's ``encode``. Pin content embeddings (for
+the stream hands each table of ``batch_size`` rows to the family's ``encode``. Examples store each user's action
+sequence by reference (``seq_ds``, ``seq_len``: see ``core.contracts``); the stream resolves a reference into the four
+sequence lists (:class:`SequenceResolver`), so an ``encode`` sees the same columns and values as if they had been
+copied into every row. Pin content embeddings (for
 families that join the pin snapshot) come from a :class:`PinEmbeddings` table of one ``raw/pins`` snapshot.
 The storage root is a local path or a URL (``s3://bucket/prefix``, through ``core.storage``): on
 an object store a row group is read with ranged GETs of its column chunks, never the whole file.
@@ -26,9 +29,28 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from core.contracts import EXAMPLES, RAW_PINS
+from core.contracts import (
+    EXAMPLES,
+    RAW_PINS,
+    SEQUENCE_COLUMNS,
+    SEQUENCE_FIELDS,
+    SEQUENCE_REF_COLUMNS,
+    USER_SEQUENCE,
+    USER_SEQUENCE_SCHEMA,
+    SequenceDigest,
+)
 from core.failures import DataError
-from core.storage import complete_days, data_files, ds_str, parquet_file
+from core.storage import (
+    METADATA_FILE,
+    complete_days,
+    data_files,
+    ds_str,
+    is_complete,
+    join,
+    parquet_file,
+    read_json,
+    read_metadata,
+)
 
 
 def latest_complete_day(root: str | os.PathLike[str], dataset: str, ds: str) -> str | None:
@@ -108,6 +130,210 @@ class PinEmbeddings:
         return out
 
 
+# --- sequences referenced by examples ------------------------------------------------------------
+
+
+def _has_refs(names: Sequence[str]) -> bool:
+    return all(c in names for c in SEQUENCE_REF_COLUMNS)
+
+
+def _needs_resolving(wanted: Sequence[str], names: Sequence[str]) -> bool:
+    """Whether reading ``wanted`` from a file with columns ``names`` takes resolving its sequence references."""
+    return _has_refs(names) and any(c in SEQUENCE_COLUMNS and c not in names for c in wanted)
+
+
+def _check_sequence_partition(root: str | os.PathLike[str], dataset: str, ds: str) -> None:
+    """DataError when the examples of ``ds`` reference a ``features/user_sequence`` partition that is not there."""
+    meta = read_metadata(root, dataset, ds)
+    seq_ds = meta.get("sequence_ds")
+    if meta.get("sequence_digest") and seq_ds and not is_complete(root, USER_SEQUENCE, seq_ds):
+        raise DataError(
+            f"{dataset} ds={ds} references the sequences of {USER_SEQUENCE} ds={seq_ds}, which is missing or "
+            f"incomplete under {root}: rebuild that day (`python -m features.build --step sequences --ds {seq_ds}`)"
+        )
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """One ``features/user_sequence`` partition, loaded for lookups: users sorted, lists as offsets + values."""
+
+    user_ids: np.ndarray  # int64, sorted
+    offsets: np.ndarray  # int64 [n + 1], into the values, in user_ids order
+    values: dict[str, pa.Array]  # seq_pin_ids, seq_actions, seq_categories values
+    ts_us: np.ndarray  # int64 microseconds of each value
+    digest: str
+
+
+class SequenceResolver:
+    """Resolves examples' sequence references into the lists a model family reads.
+
+    An example's ``seq_ds`` and ``seq_len`` name the first ``seq_len`` actions of its user's row in
+    ``features/user_sequence`` of ``seq_ds`` (the day before the example's). :meth:`resolve` replaces them by
+    ``seq_pin_ids``, ``seq_actions``, ``seq_categories`` and ``seq_age_hours`` (impression ts - action ts, hours,
+    float32: the arithmetic the feature build used when it copied the lists), equal to the copied lists. Each
+    sequence partition is loaded once per process and checked against the content digest the examples recorded
+    (a partition rebuilt with other content since is a DataError, not silently other features); every action must
+    be strictly before its impression (point in time), else a DataError.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = str(root)
+        self._loaded: dict[str, _Sequences] = {}
+
+    def sequences(self, seq_ds: str) -> _Sequences:
+        if seq_ds not in self._loaded:
+            try:
+                files = data_files(self.root, USER_SEQUENCE, seq_ds)
+            except FileNotFoundError as e:
+                raise DataError(f"examples reference the sequences of ds={seq_ds}, but {e}") from None
+            digest = SequenceDigest()
+            tables = []
+            for path in files:
+                with parquet_file(path) as parquet:
+                    table = parquet.read().select(USER_SEQUENCE_SCHEMA.names).cast(USER_SEQUENCE_SCHEMA)
+                digest.update(table)
+                tables.append(table)
+            table = pa.concat_tables(tables) if tables else USER_SEQUENCE_SCHEMA.empty_table()
+            user_ids = table.column("user_id").to_numpy()
+            order = np.argsort(user_ids, kind="stable")
+            if len(order) and np.any(np.diff(user_ids[order]) == 0):
+                raise DataError(f"{USER_SEQUENCE} ds={seq_ds} has more than one row for a user")
+            if not np.array_equal(order, np.arange(len(order))):
+                table = table.take(pa.array(order))
+            lists = {name: table.column(name).combine_chunks() for name in USER_SEQUENCE_SCHEMA.names[1:]}
+            offsets = lists["seq_ts"].offsets.to_numpy().astype(np.int64)
+            for name, array in lists.items():
+                if not np.array_equal(array.offsets.to_numpy(), offsets):
+                    raise DataError(f"{USER_SEQUENCE} ds={seq_ds}: the lists of a row differ in length ({name}, seq_ts)")
+            base = int(offsets[0])
+            values = {name: lists[name].values.slice(base, int(offsets[-1]) - base) for name in lists}
+            self._loaded[seq_ds] = _Sequences(
+                user_ids=np.ascontiguousarray(user_ids[order], dtype=np.int64),
+                offsets=offsets - base,
+                values={name: values[name] for name in ("seq_pin_ids", "seq_actions", "seq_categories")},
+                ts_us=values["seq_ts"].cast(pa.int64()).to_numpy(zero_copy_only=False),
+                digest=digest.hexdigest(),
+            )
+        return self._loaded[seq_ds]
+
+    def resolve(self, table: pa.Table, digest: str | None, where: str = "examples") -> pa.Table:
+        """``table`` (with ``user_id``, ``ts``, ``seq_ds``, ``seq_len``) with the four lists inserted before the
+        references (callers select the columns they want).
+
+        ``digest``: the ``sequence_digest`` the examples recorded (None: they reference no sequences). ``where``
+        names the examples in errors.
+        """
+        seq_len = table.column("seq_len").to_numpy().astype(np.int64)
+        days = pc.unique(table.column("seq_ds").filter(pc.greater(table.column("seq_len"), 0))).to_pylist()
+        if len(days) > 1:  # never written so; resolved day by day, then put back in order
+            groups = [pc.indices_nonzero(pc.equal(table.column("seq_ds"), day)) for day in days]
+            rest = pc.indices_nonzero(pc.invert(pc.is_in(table.column("seq_ds"), pa.array(days))))
+            index = pa.concat_arrays([*groups, rest])
+            parts = [self.resolve(table.take(rows), digest, where) for rows in [*groups, rest]]
+            return pa.concat_tables(parts).take(pc.sort_indices(index))
+        n = table.num_rows
+        lengths = seq_len
+        out_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out_offsets[1:])
+        impression_us = table.column("ts").cast(pa.int64()).to_numpy()
+        if days:
+            seq_ds = days[0].isoformat()
+            sequences = self.sequences(seq_ds)
+            if digest != sequences.digest:
+                raise DataError(
+                    f"{where} reference the sequences of {USER_SEQUENCE} ds={seq_ds} with content digest {digest}, "
+                    f"but that partition now holds {sequences.digest}: it was rebuilt from other data after these "
+                    f"examples; rebuild the examples (`python -m features.build --step examples --ds <the examples' day>`)"
+                )
+            users = table.column("user_id").to_numpy()
+            if len(sequences.user_ids):
+                pos = np.minimum(np.searchsorted(sequences.user_ids, users), len(sequences.user_ids) - 1)
+                found = sequences.user_ids[pos] == users
+                available = np.where(found, sequences.offsets[pos + 1] - sequences.offsets[pos], 0)
+            else:
+                pos, available = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            bad = np.flatnonzero(lengths > available)
+            if bad.size:
+                i = int(bad[0])
+                raise DataError(
+                    f"{where}: user {int(users[i])} references {int(lengths[i])} actions of {USER_SEQUENCE} "
+                    f"ds={seq_ds}, which holds {int(available[i])} for them ({bad.size} such rows)"
+                )
+            starts = np.where(lengths > 0, sequences.offsets[pos], 0)
+            index = np.arange(out_offsets[-1], dtype=np.int64) + np.repeat(starts - out_offsets[:-1], lengths)
+            values = {name: array.take(pa.array(index)) for name, array in sequences.values.items()}
+            action_us = sequences.ts_us[index]
+        else:  # no row references a sequence
+            values = {name: array.slice(0, 0) for name, array in self._empty_values().items()}
+            action_us = np.zeros(0, dtype=np.int64)
+        impression_of_value = np.repeat(impression_us, lengths)
+        late = np.flatnonzero(action_us >= impression_of_value)
+        if late.size:
+            raise DataError(
+                f"{where}: {late.size} referenced actions are not before their impression (point in time), e.g. "
+                f"action at {int(action_us[late[0]])} us for an impression at {int(impression_of_value[late[0]])} us"
+            )
+        # The same arithmetic as the copied lists had: microseconds difference / 3600e6 as float64, then float32.
+        ages = pa.array(((impression_of_value - action_us) / 3600e6).astype(np.float32))
+        offsets = pa.array(out_offsets.astype(np.int32))
+        resolved = {
+            **{name: pa.ListArray.from_arrays(offsets, values[name]) for name in ("seq_pin_ids", "seq_actions", "seq_categories")},
+            "seq_age_hours": pa.ListArray.from_arrays(offsets, ages),
+        }
+        at = table.column_names.index("seq_ds")
+        out = table
+        for i, field in enumerate(SEQUENCE_FIELDS):
+            out = out.add_column(at + i, field, resolved[field.name].cast(field.type))
+        return out
+
+    @staticmethod
+    def _empty_values() -> dict[str, pa.Array]:
+        return {name: pa.array([], USER_SEQUENCE_SCHEMA.field(name).type.value_type)
+                for name in ("seq_pin_ids", "seq_actions", "seq_categories")}
+
+
+def resolved_columns(names: Sequence[str]) -> list[str]:
+    """The columns a reader sees of a file with columns ``names``: the sequence lists where the references are."""
+    if not _has_refs(names):
+        return list(names)
+    return [c for name in names if name != "seq_len" for c in (SEQUENCE_COLUMNS if name == "seq_ds" else [name])]
+
+
+def read_columns(wanted: Sequence[str], names: Sequence[str]) -> list[str]:
+    """The columns to read from a file with ``names`` to produce ``wanted`` (references instead of lists)."""
+    if not _needs_resolving(wanted, names):
+        return list(wanted)
+    need = [c for c in wanted if c not in SEQUENCE_COLUMNS] + ["user_id", "ts", *SEQUENCE_REF_COLUMNS]
+    return list(dict.fromkeys(need))
+
+
+def read_examples(
+    root: str | os.PathLike[str], ds: str, columns: Sequence[str] = (), *, dataset: str = EXAMPLES
+) -> pa.Table:
+    """A whole examples partition as readers see it: sequence references resolved (:class:`SequenceResolver`).
+
+    ``columns``: the columns wanted, in order (default: every column, the sequence lists where the references
+    were). For tests, tools and small days; training streams row groups (:class:`ExampleStream`).
+    """
+    ds = ds_str(ds)
+    try:
+        files = data_files(root, dataset, ds)
+    except FileNotFoundError as e:
+        raise DataError(str(e)) from None
+    resolver = SequenceResolver(root)
+    digest = read_metadata(root, dataset, ds).get("sequence_digest")
+    tables = []
+    for path in files:
+        with parquet_file(path) as parquet:
+            names = parquet.schema_arrow.names
+            wanted = list(columns) or resolved_columns(names)
+            table = parquet.read(columns=read_columns(wanted, names))
+        if _needs_resolving(wanted, names):
+            table = resolver.resolve(table, digest, f"{dataset} ds={ds}")
+        tables.append(table.select(wanted))
+    return pa.concat_tables(tables)
+
+
 # --- planning the work ---------------------------------------------------------------------------
 
 
@@ -149,9 +375,11 @@ def example_units(
         for path in files:
             with parquet_file(path) as parquet:
                 meta, names = parquet.metadata, parquet.schema_arrow.names
-            missing = [c for c in columns if c not in names]
+            missing = [c for c in columns if c not in names and not (c in SEQUENCE_COLUMNS and _has_refs(names))]
             if missing:
                 raise DataError(f"{path} lacks the {dataset} column(s) {', '.join(missing)}")
+            if _needs_resolving(columns or names, names):
+                _check_sequence_partition(root, dataset, ds)
             for rg in range(meta.num_row_groups):
                 rows = meta.row_group(rg).num_rows
                 if rows:
@@ -174,6 +402,27 @@ def balance(units: Sequence[WorkUnit], parts: int) -> list[list[WorkUnit]]:
         bins[i].append(unit)
         load[i] += unit.rows
     return bins
+
+
+def read_unit(
+    root: str | os.PathLike[str], unit: WorkUnit, columns: Sequence[str] = (), resolver: SequenceResolver | None = None
+) -> pa.Table:
+    """The rows of one work unit as readers see them (sequence references resolved; ``columns`` as in
+    :func:`read_examples`). For checks of a few rows (the preflight); training streams (:class:`ExampleStream`)."""
+    with parquet_file(unit.path) as parquet:
+        names = parquet.schema_arrow.names
+        wanted = list(columns) or resolved_columns(names)
+        resolve = _needs_resolving(wanted, names)
+        table = parquet.read_row_group(unit.row_group, columns=read_columns(wanted, names))
+    table = table.slice(unit.start, unit.rows)
+    if resolve:
+        folder = str(unit.path).replace(os.sep, "/").rsplit("/", 1)[0]
+        try:
+            digest = read_json(join(folder, METADATA_FILE)).get("sequence_digest")
+        except FileNotFoundError:
+            digest = None
+        table = (resolver or SequenceResolver(root)).resolve(table, digest, folder)
+    return table.select(wanted)
 
 
 class ExampleStream(IterableDataset):
@@ -220,6 +469,9 @@ class ExampleStream(IterableDataset):
             root, self.days, min_units=4 * world_size * max(1, num_workers), dataset=dataset, columns=columns
         )
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
+        self._day_of = {path: ds for ds in self.days for path in data_files(root, dataset, ds)}
+        self._digests: dict[str, str | None] = {}
+        self._resolver = SequenceResolver(root)
 
     @property
     def total_rows(self) -> int:
@@ -311,11 +563,19 @@ class ExampleStream(IterableDataset):
     # ----------------------------------------------------------------------------------------------
     def _read(self, unit: WorkUnit, epoch: int) -> pa.Table:
         with parquet_file(unit.path) as parquet:
-            table = parquet.read_row_group(unit.row_group, columns=self.columns or None)
+            names = parquet.schema_arrow.names
+            wanted = self.columns or resolved_columns(names)
+            resolve = _needs_resolving(wanted, names)
+            table = parquet.read_row_group(unit.row_group, columns=read_columns(wanted, names) if resolve else self.columns or None)
         table = table.slice(unit.start, unit.rows)
         if self.shuffle:
             key = self._unit_index[unit]
             table = table.take(pa.array(self._rng(epoch, key).permutation(table.num_rows)))
+        if resolve:  # after the slice and the shuffle: a row's resolved lists depend on that row only
+            ds = self._day_of[unit.path]
+            if ds not in self._digests:
+                self._digests[ds] = read_metadata(self.root, self.dataset, ds).get("sequence_digest")
+            table = self._resolver.resolve(table, self._digests[ds], f"{self.dataset} ds={ds}").select(wanted)
         return table
 
     def iter_tables(self, units: Sequence[WorkUnit], epoch: int, skip_batches: int = 0) -> Iterator[pa.Table]:

@@ -158,7 +158,7 @@ def check_object_store(url: str, env: DistEnv) -> dict[str, Any]:
 
 def check_data(config: RunConfig) -> dict[str, Any]:
     """The family's dataset has rows on the training and evaluation days, its columns, and encodes."""
-    from training.data import example_units
+    from training.data import example_units, read_unit
 
     family = config.family_instance()
     context = family.prepare(config.root, list(config.train_days), config.eval_ds)
@@ -170,8 +170,7 @@ def check_data(config: RunConfig) -> dict[str, Any]:
         which = "train_days" if not units else "eval_ds"
         raise DataError(f"no rows in {family.dataset} of {which} under {config.root}")
     first = units[0]
-    with storage.parquet_file(first.path) as parquet:
-        table = parquet.read_row_group(first.row_group, columns=list(family.columns))
+    table = read_unit(config.root, first, list(family.columns))  # examples' sequence references resolved
     family.encode(table.slice(0, 8), context)  # the rows join what they need (pins of the snapshot)
     return {
         "dataset": family.dataset,

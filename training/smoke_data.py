@@ -147,7 +147,7 @@ def write_tiny_world(
         )
         for label, values in labels.items():
             cols[label] = values
-        examples = pa.table(cols, schema=contracts.EXAMPLES_SCHEMA)
+        examples = pa.table(cols, schema=contracts.RESOLVED_EXAMPLES_SCHEMA)  # the sequence inline (per example)
         with write_partition(root, contracts.EXAMPLES, ds) as staging, open_output(join(staging, DATA_FILE)) as f:
             pq.write_table(examples, f, row_group_size=row_group_size)
         truth_table = pa.table({"impression_id": ids, **truth}, schema=contracts.TRUTH_SCHEMA)

@@ -27,6 +27,7 @@ from core.contracts import (
 from core.failures import ExitCode
 from core.storage import partition, read_metadata, read_table, write_table
 from features import build
+from training.data import read_examples
 
 D1, D2, D3, D4 = "2024-01-01", "2024-01-02", "2024-01-03", "2024-01-04"
 DAYS = (D1, D2, D3, D4)
@@ -349,8 +350,13 @@ FEATURE_COLUMNS = [
 def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> None:
     build_all(root, window_days=2, sequence_length=3)
 
-    table = read_table(root, contracts.EXAMPLES, D4)
-    assert table.schema.equals(EXAMPLES_SCHEMA)
+    stored = read_table(root, contracts.EXAMPLES, D4)
+    assert stored.schema.equals(EXAMPLES_SCHEMA)
+    # The sequence is stored by reference: the day of the sequences (D3) and how many of the user's actions.
+    assert set(stored["seq_ds"].to_pylist()) == {dt.date.fromisoformat(D3)}
+    assert stored["seq_len"].to_pylist() == [3, 1, 0, 3]
+    table = read_examples(root, D4)  # as training reads it: the references resolved into the lists
+    assert table.schema.equals(contracts.RESOLVED_EXAMPLES_SCHEMA)
     assert table["impression_id"].to_pylist() == [19, 21, 22, 23]
     rows = rows_by(table, "impression_id")
     assert [rows[i]["click"] for i in (19, 21, 22, 23)] == [1, 0, 0, 0]
@@ -381,7 +387,7 @@ def test_examples_labels_features_of_previous_day_and_cold_start(root: Path) -> 
 @pytest.mark.unit
 def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
     build_all(root, window_days=2, sequence_length=3)
-    before = read_table(root, contracts.EXAMPLES, D4)
+    before = read_examples(root, D4)
     features_d3 = {d: read_table(root, d, D3) for d in (contracts.USER_WINDOW, contracts.USER_SEQUENCE)}
 
     # An extra click of user 2 on pin 10 during D4, before impression 21 (11:00) and under its id.
@@ -391,7 +397,7 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
     for dataset, table in features_d3.items():
         assert read_table(root, dataset, D3).equals(table)
-    after = read_table(root, contracts.EXAMPLES, D4)
+    after = read_examples(root, D4)
     assert after.select(["impression_id", *FEATURE_COLUMNS]).equals(before.select(["impression_id", *FEATURE_COLUMNS]))
     assert rows_by(after, "impression_id")[21]["click"] == 1
     assert rows_by(before, "impression_id")[21]["click"] == 0
@@ -410,7 +416,8 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
     table = read_table(root, contracts.EXAMPLES, D1)
     assert table.schema.equals(EXAMPLES_SCHEMA)
     assert set(table["p_ctr"].to_pylist()) == {build.DEFAULT_GLOBAL_RATES["ctr"]}
-    assert set(map(len, table["seq_pin_ids"].to_pylist())) == {0}
+    assert set(table["seq_len"].to_pylist()) == {0} and summary["sequence_digest"] is None
+    assert set(map(len, read_examples(root, D1)["seq_pin_ids"].to_pylist())) == {0}
     assert table["click"].to_pylist() == [1, 1, 0, 1]
 
 

@@ -10,6 +10,7 @@ import datetime as dt
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -19,6 +20,7 @@ from core.contracts import EVENTS_SCHEMA
 from core.storage import MARKER, day_range, partition, read_metadata, read_table, shift_ds, write_table
 from features import build
 from features.synthetic import WorldConfig, generate_world
+from training.data import read_examples
 
 START = "2026-03-01"
 DAYS = day_range(START, shift_ds(START, 6))
@@ -84,6 +86,8 @@ def test_daily_outputs_equal_full_recompute_from_raw(raw_world: Path, daily_root
         incremental, full = read_table(daily_root, dataset, day), read_table(tmp_path, dataset, day)
         assert incremental.num_rows > 0, (dataset, day)
         assert incremental.equals(full), f"{dataset} ds={day}: incremental != full recompute"
+    # And what training reads: the examples with their sequence references resolved.
+    assert read_examples(daily_root, day).equals(read_examples(tmp_path, day))
     for dataset in (contracts.USER_WINDOW, contracts.USER_SEQUENCE, contracts.EXAMPLES):
         assert read_metadata(daily_root, dataset, day)["missing_days"] == read_metadata(tmp_path, dataset, day)["missing_days"]
 
@@ -150,11 +154,11 @@ def test_no_example_carries_information_from_its_own_day(daily_root: Path, tmp_p
     day = DAYS[5]
     root = tmp_path / "root"
     shutil.copytree(daily_root, root)
-    before = read_table(root, contracts.EXAMPLES, day)
+    before = read_examples(root, day)  # the sequences resolved, as training reads them
 
     perturb_day(root, day)
     build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
-    after = read_table(root, contracts.EXAMPLES, day)
+    after = read_examples(root, day)
 
     # Every label changed meaning (all clicked and repinned now), every feature stayed exactly the same.
     kept = pc.is_in(before["impression_id"], after["impression_id"])
@@ -202,3 +206,112 @@ def test_small_memory_limit_spills_instead_of_failing(daily_root: Path, tmp_path
     for dataset in OUTPUTS:
         assert read_table(root, dataset, DAYS[6]).equals(read_table(daily_root, dataset, DAYS[6])), dataset
     assert list(spill.iterdir()) == []  # each connection's spill folder is removed afterwards
+
+
+# --- examples reference their sequence --------------------------------------------------------------------
+
+
+def copied_examples(root: Path, day: str) -> pa.Table:
+    """The examples of ``day`` with their user's whole sequence of the day before copied into every row, the way
+    the build wrote them before it stored references (computed here independently, row by row in Python)."""
+    stored = read_table(root, contracts.EXAMPLES, day)
+    previous = shift_ds(day, -1)
+    sequences = {}
+    if storage.is_complete(root, contracts.USER_SEQUENCE, previous):
+        table = read_table(root, contracts.USER_SEQUENCE, previous)
+        table = table.set_column(4, "seq_ts", pc.cast(table["seq_ts"], pa.list_(pa.int64())))
+        sequences = {row["user_id"]: row for row in table.to_pylist()}
+    lists: dict[str, list[list[float]]] = {name: [] for name in contracts.SEQUENCE_COLUMNS}
+    for user, impression_us in zip(stored["user_id"].to_pylist(), pc.cast(stored["ts"], pa.int64()).to_pylist(), strict=True):
+        seq = sequences.get(user, {"seq_pin_ids": [], "seq_actions": [], "seq_categories": [], "seq_ts": []})
+        for name in ("seq_pin_ids", "seq_actions", "seq_categories"):
+            lists[name].append(seq[name])
+        lists["seq_age_hours"].append([float(np.float32((impression_us - t) / 3600e6)) for t in seq["seq_ts"]])
+    columns = {name: stored[name] for name in stored.column_names if name not in contracts.SEQUENCE_REF_COLUMNS}
+    columns |= {field.name: pa.array(lists[field.name], field.type) for field in contracts.SEQUENCE_FIELDS}
+    return pa.table(columns).select(contracts.RESOLVED_EXAMPLES_SCHEMA.names).cast(contracts.RESOLVED_EXAMPLES_SCHEMA)
+
+
+@pytest.mark.unit
+def test_resolved_examples_equal_the_copied_ones(daily_root: Path) -> None:
+    for day in BUILT:
+        resolved = read_examples(daily_root, day)
+        assert resolved.num_rows > 0
+        assert resolved.equals(copied_examples(daily_root, day)), day
+        assert resolved.schema.equals(contracts.RESOLVED_EXAMPLES_SCHEMA)
+    assert any(len(s) for s in read_examples(daily_root, DAYS[6])["seq_pin_ids"].to_pylist())
+    # The stored rows are narrower than the copied ones (sequences of 6 here; of 50 by default).
+    stored = read_table(daily_root, contracts.EXAMPLES, DAYS[6])
+    assert stored.nbytes < copied_examples(daily_root, DAYS[6]).nbytes
+
+
+@pytest.mark.unit
+def test_example_stream_resolves_references_exactly_and_resumes(daily_root: Path, tmp_path: Path) -> None:
+    """The stream over referenced examples gives the same tables as over the same examples copied inline, with a
+    shuffle, two ranks and a resume in the middle of an epoch."""
+    from training.data import ExampleStream
+    from training.models.pin_ranker import EXAMPLE_COLUMNS
+
+    days = BUILT[1:]
+    inline = tmp_path / "inline"
+    for day in days:
+        write_table(inline, contracts.EXAMPLES, day, copied_examples(daily_root, day))
+
+    def tables(root: Path, skip: int) -> list[pa.Table]:
+        stream = ExampleStream(root, days, lambda t: {}, batch_size=16, columns=EXAMPLE_COLUMNS, rank=1,
+                               world_size=2, seed=3)
+        return list(stream.iter_tables(stream.rank_units(1), 1, skip))
+
+    for skip in (0, 2):
+        referenced, copied = tables(daily_root, skip), tables(inline, skip)
+        assert len(referenced) == len(copied) > 0
+        for a, b in zip(referenced, copied, strict=True):
+            assert a.column_names == list(EXAMPLE_COLUMNS)
+            assert a.equals(b)
+
+
+@pytest.mark.unit
+def test_a_changed_sequence_partition_is_refused_and_a_rerun_is_not(daily_root: Path, tmp_path: Path) -> None:
+    from core.failures import DataError
+
+    root = tmp_path / "root"
+    shutil.copytree(daily_root, root)
+    day, previous = DAYS[6], DAYS[5]
+    expected = read_examples(root, day)
+    # A rerun of the day before rewrites its sequences with the same content: the references still resolve.
+    build.build_sequences(root, previous, PARAMS["sequence_length"], PARAMS["window_days"], engine=ENGINE,
+                          require_validation=False)
+    assert read_examples(root, day).equals(expected)
+    # Other content (a shorter sequence length) under the same day: refused, naming the partition and what to do.
+    build.build_sequences(root, previous, 2, PARAMS["window_days"], recompute=True, engine=ENGINE, require_validation=False)
+    with pytest.raises(DataError, match=rf"features/user_sequence ds={previous} with content digest .* rebuild the examples"):
+        read_examples(root, day)
+    # A missing one: named by the preflight's planning (example_units) as well.
+    storage.remove_tree(partition(root, contracts.USER_SEQUENCE, previous))
+    from training.data import example_units
+
+    with pytest.raises(DataError, match=rf"features/user_sequence ds={previous}, which is missing"):
+        example_units(root, [day], columns=("seq_pin_ids",))
+    assert example_units(root, [day], columns=("click",))  # a reader of other columns does not need it
+
+
+@pytest.mark.unit
+def test_a_reference_to_actions_after_the_impression_is_refused(daily_root: Path, tmp_path: Path) -> None:
+    """Point in time holds in the reader too: a sequence partition holding an action at or after an impression that
+    references it is a DataError (here: the sequences of ds-1 shifted two days later, their digest re-recorded)."""
+    from core.failures import DataError
+
+    root = tmp_path / "root"
+    shutil.copytree(daily_root, root)
+    day, previous = DAYS[6], DAYS[5]
+    table = read_table(root, contracts.USER_SEQUENCE, previous)
+    lists = table["seq_ts"].combine_chunks()
+    later = pc.add(pc.list_flatten(lists), pa.scalar(dt.timedelta(days=2), pa.duration("us")))
+    offsets = lists.offsets
+    table = table.set_column(4, "seq_ts", pa.ListArray.from_arrays(offsets, later)).cast(contracts.USER_SEQUENCE_SCHEMA)
+    write_table(root, contracts.USER_SEQUENCE, previous, table)
+    meta = read_metadata(root, contracts.EXAMPLES, day)
+    meta["sequence_digest"] = contracts.sequence_digest(table)
+    storage.write_json(Path(partition(root, contracts.EXAMPLES, day)) / "_metadata.json", meta)
+    with pytest.raises(DataError, match="not before their impression"):
+        read_examples(root, day)
