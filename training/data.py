@@ -430,7 +430,7 @@ class ExampleStream(IterableDataset):
 
     Use it with ``DataLoader(stream, batch_size=None, num_workers=stream.num_workers)``: the stream batches
     by itself, every worker reads its own units and yields full batches, the last one of each worker may be
-    short. Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
+    short (``drop_last``: dropped). Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
     number on every rank; ranks with more data drop their tail for that epoch).
     """
 
@@ -448,6 +448,7 @@ class ExampleStream(IterableDataset):
         num_workers: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         if not 0 <= rank < world_size:
@@ -463,6 +464,9 @@ class ExampleStream(IterableDataset):
         self.num_workers = num_workers
         self.seed = seed
         self.shuffle = shuffle
+        # Full batches only (each worker's short tail is dropped): TorchRec's all-to-all lookups need the same
+        # batch size on every rank at every step.
+        self.drop_last = drop_last
         self.epoch = 0
         self.skip = 0  # batches of this epoch already trained on (a resumed run starts after them)
         self.units = example_units(
@@ -512,8 +516,11 @@ class ExampleStream(IterableDataset):
 
     def worker_batches(self, epoch: int) -> list[int]:
         """Batches each loader worker of this rank yields in ``epoch``."""
-        bs = self.batch_size
-        return [-(-sum(u.rows for u in units) // bs) for units in self.plan(epoch)[self.rank]]
+        return [self._batches(sum(u.rows for u in units)) for units in self.plan(epoch)[self.rank]]
+
+    def _batches(self, rows: int) -> int:
+        """Batches a worker yields from ``rows`` rows (a short last one unless ``drop_last``)."""
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def resume_order(self, epoch: int, skip: int) -> list[tuple[int, int]]:
         """(planned worker, batches it skips) for each loader worker, so a loader resumes after ``skip`` batches.
@@ -553,8 +560,7 @@ class ExampleStream(IterableDataset):
         return [u for worker in self.plan(epoch)[self.rank if rank is None else rank] for u in worker]
 
     def batches_per_rank(self, epoch: int) -> list[int]:
-        bs = self.batch_size
-        return [sum(-(-sum(u.rows for u in w) // bs) for w in workers) for workers in self.plan(epoch)]
+        return [sum(self._batches(sum(u.rows for u in w)) for w in workers) for workers in self.plan(epoch)]
 
     def steps_per_epoch(self, epoch: int) -> int:
         """Batches every rank yields in ``epoch``: the smallest count of any rank."""
@@ -600,7 +606,7 @@ class ExampleStream(IterableDataset):
                 yield merged.slice(0, self.batch_size)
                 rest = merged.slice(self.batch_size)
                 pending, have = ([rest] if rest.num_rows else []), rest.num_rows
-        if have:
+        if have and not self.drop_last:
             yield pa.concat_tables(pending) if len(pending) > 1 else pending[0]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

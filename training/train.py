@@ -271,6 +271,7 @@ class Trainer:
             world_size=env.world_size,
             num_workers=cfg.num_workers,
             seed=cfg.seed,
+            drop_last=cfg.strategy == "torchrec",  # its lookups need one batch size on every rank
         )
         self.epochs, budget = cfg.epochs, 0
         if cfg.target_examples:  # a budget in examples: as many epochs as it takes (each epoch has its own order)

@@ -215,6 +215,27 @@ def test_every_rank_has_the_same_step_count(world: Path):
         assert all(s.steps_per_epoch(epoch) == min(counts) for s in ranks)
 
 
+def test_drop_last_gives_every_rank_only_full_batches_and_resumes_exactly(world: Path):
+    # TorchRec's lookups need one batch size on every rank at every step: each worker's short tail is dropped.
+    for workers in (0, 2):
+        ranks = [stream(world, rank=r, world_size=2, num_workers=workers, drop_last=True) for r in range(2)]
+        for s in ranks:
+            s.set_epoch(1)
+        sizes = [[len(b["impression_id"]) for b in torch.utils.data.DataLoader(s, batch_size=None, num_workers=workers)]
+                 for s in ranks]
+        assert all(size == 16 for rank in sizes for size in rank), sizes
+        assert [len(rank) for rank in sizes] == ranks[0].batches_per_rank(1)
+        kept = stream(world, rank=0, world_size=2, num_workers=workers)
+        kept.set_epoch(1)
+        assert sum(ranks[0].batches_per_rank(1)) < sum(kept.batches_per_rank(1))  # the world has short tails
+        full = [b["impression_id"].tolist() for b in torch.utils.data.DataLoader(ranks[0], batch_size=None,
+                                                                                  num_workers=workers)]
+        resumed = stream(world, rank=0, world_size=2, num_workers=workers, drop_last=True)
+        resumed.load_position(ranks[0].position(1, 2))
+        assert [b["impression_id"].tolist() for b in torch.utils.data.DataLoader(
+            resumed, batch_size=None, num_workers=workers)] == full[2:], workers
+
+
 def test_workers_split_a_ranks_share_disjointly(world: Path):
     s = stream(world, num_workers=2)
     plan = s.plan(0)
