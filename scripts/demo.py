@@ -210,10 +210,11 @@ def run_chain(
 
     stages: dict[str, float] = {"features": round(time.monotonic() - features_started, 1)}
     train_days = min(args.train_days, len(days) - 1)
+    strategy = config.load().training.strategy
     trained: dict[str, Any] = {}
     for family in ("pin_ranker", "pin_content"):
         t0 = time.monotonic()
-        say(f"pin_ranker_training model={family}: torchrun, 2 processes (DDP, gloo), {train_days} training days, "
+        say(f"pin_ranker_training model={family}: torchrun, 2 processes ({strategy}, gloo), {train_days} training days, "
             f"evaluated on {days[-1]}")
         train_run = run_dag(
             dags["pin_ranker_training"], log_file, run_id_for(days[-1], family),
