@@ -26,13 +26,16 @@ import ctypes
 import datetime as dt
 import errno
 import glob as globlib
+import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -368,17 +371,29 @@ def partition(root: Location, dataset: str, ds: str | dt.date) -> str:
 
 
 def is_complete(root: Location, dataset: str, ds: str | dt.date) -> bool:
-    return exists(join(partition(root, dataset, ds), MARKER))
+    pin = pinned(root, dataset, ds)
+    return exists(join(pin.location if pin else partition(root, dataset, ds), MARKER))
 
 
 def complete_days(root: Location, dataset: str) -> list[str]:
-    """The days of ``dataset`` whose partition is complete (has its marker), sorted."""
+    """The days of ``dataset`` whose partition is complete (has its marker), sorted (a dataset this process
+    pinned: its pinned days, :func:`use_pins`)."""
+    days = _pinned_days(root, dataset)
+    if days is not None:
+        return days
     markers = glob(join(root, *dataset.split("/")), f"ds=*/{MARKER}")
     return sorted(marker.replace(os.sep, "/").rsplit("/", 2)[-2].removeprefix("ds=") for marker in markers)
 
 
 def data_files(root: Location, dataset: str, ds: str | dt.date) -> list[str]:
-    """The Parquet files of a complete partition; FileNotFoundError naming the partition if it is incomplete."""
+    """The Parquet files of a complete partition; FileNotFoundError naming the partition if it is incomplete.
+
+    A partition this process pinned (:func:`use_pins`): the files of the pinned version (a DataError if an
+    object store's partition holds another one now).
+    """
+    pin = pinned(root, dataset, ds)
+    if pin is not None:
+        return _pinned_files(pin)
     path = partition(root, dataset, ds)
     if not exists(join(path, MARKER)):
         raise FileNotFoundError(
@@ -423,15 +438,25 @@ def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[st
     files = data_files(root, dataset, ds)
     if not files:
         raise FileNotFoundError(f"{dataset} partition ds={ds_str(ds)} has a marker but no Parquet file")
-    return pa.concat_tables([read_parquet(f, columns=columns) for f in files])
+    table = pa.concat_tables([read_parquet(f, columns=columns) for f in files])
+    pin = pinned(root, dataset, ds)
+    if pin is not None:
+        check_pin(pin)  # on an object store: still the pinned version after the read (checked before it too)
+    return table
 
 
 def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
-    """The partition's ``_metadata.json``; {} if it has none."""
+    """The partition's ``_metadata.json``; {} if it has none (of the pinned version if this process pinned it)."""
+    pin = pinned(root, dataset, ds)
+    if pin is not None:
+        check_pin(pin)
     try:
-        return dict(read_json(join(partition(root, dataset, ds), METADATA_FILE)))
+        meta = dict(read_json(join(pin.location if pin else partition(root, dataset, ds), METADATA_FILE)))
     except FileNotFoundError:
-        return {}
+        meta = {}
+    if pin is not None:
+        check_pin(pin)
+    return meta
 
 
 @contextmanager
@@ -448,8 +473,27 @@ def parquet_file(location: Location) -> Iterator[pq.ParquetFile]:
             yield parquet
         return
     fs, key = filesystem(location)
-    with fs.open(key, "rb", cache_type="none") as f, pq.ParquetFile(f) as parquet:
-        yield parquet
+    entry = _PINNED_OBJECTS.get(os.fspath(location)) if _PINNED_OBJECTS else None
+    if entry is None:
+        with fs.open(key, "rb", cache_type="none") as f, pq.ParquetFile(f) as parquet:
+            yield parquet
+        return
+    # A pinned file: the object must be the pinned one when opened, and s3fs reads every range with If-Match on
+    # the ETag it opened, so a replacement afterwards fails the read instead of mixing two versions.
+    from core.failures import DataError
+
+    pin, name = entry
+    try:
+        with fs.open(key, "rb", cache_type="none") as f:
+            etag = getattr(f, "details", {}).get("ETag")
+            if etag != pin.files[name].get("etag"):
+                raise DataError(_rebuilt(pin, f"its {name} has ETag {etag} instead of {pin.files[name].get('etag')}"))
+            with pq.ParquetFile(f) as parquet:
+                yield parquet
+    except (FileNotFoundError, OSError) as err:
+        if isinstance(err, FileNotFoundError) or type(err).__name__ == "FileExpired":
+            raise DataError(_rebuilt(pin, f"its {name} was replaced while it was read ({err})")) from None
+        raise
 
 
 # --- snapshots (raw/pins, raw/users) --------------------------------------------------------------------
@@ -494,3 +538,263 @@ def read_snapshot(
     last = pc.not_equal(keys.slice(0, len(keys) - 1), keys.slice(1)) if len(keys) > 1 else pa.array([], pa.bool_())
     keep = pa.concat_arrays([last.combine_chunks() if isinstance(last, pa.ChunkedArray) else last, pa.array([True])])
     return order.filter(keep).drop_columns(["_rank"]), days[-1]
+
+
+# --- pinned inputs: a run's frozen view of the partitions it reads ----------------------------------------
+
+PINS_FILE = "PINS.json"
+_PIN_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One input partition as a run pinned it: the version it reads, wherever it reads it.
+
+    ``version`` identifies what was published (a digest of the marker's content, its publish time, and the
+    files' names, sizes and, on an object store, ETags). ``location`` is where readers read it: on a local root a
+    folder of hard links to the files of that version (``source`` is the live partition), which stays as it is
+    whatever is published at ``source`` later, because published files are never modified in place; on an object
+    store, which has nothing as cheap, the partition itself (``location == source``), checked against ``files``
+    and ``marker`` when it is read.
+    """
+
+    dataset: str
+    ds: str
+    version: str
+    location: str
+    source: str
+    marker: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"size": int, "etag": str | None}
+
+    @property
+    def frozen(self) -> bool:
+        """Whether ``location`` is a copy of its own (True), or the live partition, checked on read (False)."""
+        return self.location != self.source
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "location": self.location, "source": self.source, "marker": self.marker,
+                "files": {name: dict(info) for name, info in self.files.items()}}
+
+    @classmethod
+    def from_dict(cls, dataset: str, ds: str, data: dict[str, Any]) -> Pin:
+        """A pin from its entry in a pin manifest (RUN.json ``inputs``); ValueError naming what is wrong."""
+        missing = [k for k in ("version", "location", "source", "marker", "files") if k not in data]
+        if missing:
+            raise ValueError(f"pinned input {dataset} ds={ds} lacks {', '.join(missing)}")
+        return cls(dataset, ds_str(ds), str(data["version"]), str(data["location"]), str(data["source"]),
+                   str(data["marker"]), {str(k): dict(v) for k, v in dict(data["files"]).items()})
+
+
+def _version(marker: str, files: dict[str, dict[str, Any]]) -> str:
+    payload = json.dumps({"marker": marker, "files": files}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class _Replaced(Exception):
+    """The folder being pinned was replaced by a publish while its files were linked: pin it again."""
+
+
+def _link_or_copy(dir_fd: int, name: str, target: Path) -> None:
+    """A hard link of ``name`` (in the open folder ``dir_fd``) at ``target``; a copy where links fail (another
+    filesystem). _Replaced if the file is gone (the folder was replaced and is being removed)."""
+    try:
+        os.link(name, target, src_dir_fd=dir_fd, follow_symlinks=False)
+        return
+    except FileNotFoundError:
+        raise _Replaced from None
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EACCES):
+            raise
+    try:
+        source = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise _Replaced from None
+    with os.fdopen(source, "rb") as fin, target.open("wb") as fout:
+        shutil.copyfileobj(fin, fout, 8 << 20)
+
+
+def _pin_local(source: Path, target: Path, what: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Hard-link the files of one published version of the folder ``source`` into ``target``; (marker, files).
+
+    The folder is opened once and its files are linked through that handle, so they all come from one version. That
+    version is taken only if the folder is still the one at ``source`` once every file is linked: a published folder
+    is never changed while it is in place, whereas one that a publish exchanged meanwhile is being deleted (some of
+    its files may be gone already), so the pin starts over on the new version.
+    """
+
+    def still_in_place(fd: int) -> bool:
+        held = os.fstat(fd)
+        try:
+            now = os.stat(source)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+    for _ in range(_PIN_ATTEMPTS):
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"{what} is missing: no folder {source}") from None
+        try:
+            names = sorted(n for n in os.listdir(fd) if not n.startswith("."))
+            if MARKER not in names:
+                if not still_in_place(fd):
+                    continue
+                raise FileNotFoundError(f"{what} is incomplete: no {MARKER} marker in {source}")
+            target.mkdir(parents=True)
+            files = {}
+            for name in names:
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    continue  # readers read the files directly in the partition only
+                _link_or_copy(fd, name, target / name)
+                files[name] = {"size": info.st_size, "etag": None}
+            if still_in_place(fd):
+                return (target / MARKER).read_text(), files
+        except (_Replaced, FileNotFoundError) as err:  # a file of a replaced version deleted under us
+            if still_in_place(fd):
+                if isinstance(err, _Replaced):
+                    raise FileNotFoundError(f"{what}: a file vanished from {source} while it was pinned") from None
+                raise
+        finally:
+            os.close(fd)
+    shutil.rmtree(target, ignore_errors=True)
+    raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was being pinned: pin it again later")
+
+
+def _remote_state(folder: str, what: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(marker content, files with sizes and ETags) of a published folder on an object store, read consistently
+    (the listing is read again after the marker; a publish in between is retried)."""
+    fs, key = filesystem(folder)
+
+    def listing() -> dict[str, dict[str, Any]]:
+        try:
+            entries = fs.ls(key, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {name_of(e["name"]): {"size": int(e.get("size") or 0), "etag": e.get("ETag") or e.get("etag")}
+                for e in entries if e.get("type") == "file" and not name_of(e["name"]).startswith(".")}
+
+    for _ in range(_PIN_ATTEMPTS):
+        files = listing()
+        if MARKER not in files:
+            raise FileNotFoundError(f"{what} is missing or incomplete: no {MARKER} marker in {folder}")
+        try:
+            marker = bytes(fs.cat_file(f"{key.rstrip('/')}/{MARKER}")).decode()
+        except FileNotFoundError:
+            continue
+        fs.invalidate_cache()
+        if listing() == files:
+            return marker, files
+    raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was being pinned: pin it again later")
+
+
+def pin_partition(root: Location, dataset: str, ds: str | dt.date, pins_root: Location) -> Pin:
+    """Pin the version of one complete partition that is published now (see :class:`Pin`).
+
+    Local: its files are hard-linked (copied where links fail) into ``<pins_root>/<dataset>/ds=<day>/``, the
+    layout of a storage root; an object store: its version is recorded, nothing copied. FileNotFoundError naming
+    the partition when it is missing or incomplete.
+    """
+    day = ds_str(ds)
+    source = partition(root, dataset, day)
+    what = f"{dataset} partition ds={day}"
+    if is_remote(root):
+        marker, files = _remote_state(source, what)
+        return Pin(dataset, day, _version(marker, files), source, source, marker, files)
+    target = partition(pins_root, dataset, day)
+    marker, files = _pin_local(local_path(source), local_path(target), what)
+    return Pin(dataset, day, _version(marker, files), target, source, marker, files)
+
+
+def pins_intact(inputs: dict[str, dict[str, dict[str, Any]]]) -> bool:
+    """Whether every frozen copy of a pin manifest (``dataset -> day -> Pin.to_dict()``) is still complete."""
+    for dataset, days in inputs.items():
+        for ds, entry in days.items():
+            pin = Pin.from_dict(dataset, ds, entry)
+            if pin.frozen and not all(exists(join(pin.location, name)) for name in pin.files):
+                return False
+    return True
+
+
+def check_pin(pin: Pin) -> None:
+    """DataError unless the partition of a pin that is not a copy (object store) still holds the pinned version."""
+    if pin.frozen:
+        return
+    from core.failures import DataError
+
+    what = f"{pin.dataset} partition ds={pin.ds}"
+    try:
+        marker, files = _remote_state(pin.location, what)
+    except (FileNotFoundError, OSError) as err:
+        raise DataError(_rebuilt(pin, f"it is being rebuilt or was removed ({err})")) from None
+    if marker != pin.marker or files != pin.files:
+        raise DataError(_rebuilt(pin, f"it now holds version {_version(marker, files)}"))
+
+
+def _rebuilt(pin: Pin, now: str) -> str:
+    return (
+        f"{pin.dataset} partition ds={pin.ds} ({pin.location}) changed during this run: the run pinned version "
+        f"{pin.version} when it was planned and {now}. An object store keeps no copy of a pinned version, so the run "
+        "stops rather than mix versions: start a new run of the training (the tries of one run share its pins, "
+        f"in {PINS_FILE} beside its checkpoints)"
+    )
+
+
+# The pins of this process's readers: (root, dataset, day) -> Pin, installed by a training job (use_pins).
+_PINS: dict[tuple[str, str, str], Pin] = {}
+_PINNED_OBJECTS: dict[str, tuple[Pin, str]] = {}  # URL of a pinned file on an object store -> (its pin, name)
+
+
+def _root_key(root: Location) -> str:
+    return os.fspath(root).rstrip("/") if is_remote(root) else os.path.realpath(local_path(root))
+
+
+def use_pins(root: Location, inputs: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """From now on this process's readers of ``root`` read the pinned partitions of ``inputs`` (a pin manifest,
+    ``dataset -> day -> Pin.to_dict()``; {} removes them): :func:`is_complete`, :func:`data_files`,
+    :func:`read_metadata`, :func:`read_table` and :func:`parquet_file` resolve a pinned day to its pin's location
+    (on an object store they check its version, a DataError when it changed), and :func:`complete_days` of a
+    pinned dataset lists its pinned days only (the view the run was planned on, e.g. of a snapshot dataset).
+    Forked processes (DataLoader workers) inherit them. Writers are not affected.
+    """
+    key = _root_key(root)
+    for k in [k for k in _PINS if k[0] == key]:
+        del _PINS[k]
+    for url in [u for u, (pin, _) in _PINNED_OBJECTS.items() if _root_key(pin.source).startswith(key)]:
+        del _PINNED_OBJECTS[url]
+    for dataset, days in inputs.items():
+        for ds, entry in days.items():
+            pin = Pin.from_dict(dataset, ds, entry)
+            _PINS[key, dataset, pin.ds] = pin
+            if not pin.frozen:
+                for name in pin.files:
+                    _PINNED_OBJECTS[join(pin.location, name)] = (pin, name)
+
+
+def pinned(root: Location, dataset: str, ds: str | dt.date) -> Pin | None:
+    """The pin this process's readers use for a partition (:func:`use_pins`), None if it is not pinned."""
+    if not _PINS:
+        return None
+    return _PINS.get((_root_key(root), dataset, ds_str(ds)))
+
+
+def _pinned_days(root: Location, dataset: str) -> list[str] | None:
+    if not _PINS:
+        return None
+    key = _root_key(root)
+    days = sorted(day for (r, name, day) in _PINS if r == key and name == dataset)
+    return days or None
+
+
+def _pinned_files(pin: Pin) -> list[str]:
+    if pin.frozen:
+        if not exists(join(pin.location, MARKER)):
+            raise FileNotFoundError(
+                f"the pinned copy of {pin.dataset} partition ds={pin.ds} is missing: no {MARKER} in {pin.location} "
+                f"(removed by hand?); rerun the training task, which pins its inputs again"
+            )
+        return sorted(join(pin.location, name) for name in pin.files if name.endswith(".parquet"))
+    check_pin(pin)
+    return sorted(join(pin.location, name) for name in pin.files if name.endswith(".parquet"))

@@ -43,6 +43,71 @@ def plan_training_days(model: str, end_ds: str | None, train_days: int) -> dict[
     return {"model": model, "dataset": dataset, "train_days": train, "eval_ds": eval_ds}
 
 
+INPUTS_DIR = "inputs"  # beside a run's checkpoints: its pinned input partitions and their manifest
+
+
+def pin_inputs(root: str, pins_dir: str, dataset: str, train_days: Sequence[str], eval_ds: str) -> dict[str, Any]:
+    """Pin the partitions a training run reads (``core.storage.pin_partition``); return the manifest for RUN.json
+    ``inputs`` (dataset -> day -> pin).
+
+    Pinned: ``dataset`` on the training days and the evaluation day; the ``features/user_sequence`` days their
+    examples reference (``sequence_ds`` in their ``_metadata.json``, read from the pinned version); the ``raw/pins``
+    partitions of the snapshot views as of the last training day and as of the evaluation day
+    (``core.storage.snapshot_days``), which the families join. On a local root each is hard-linked under
+    ``pins_dir``; on an object store only its version is recorded. The manifest is written last to
+    ``<pins_dir>/PINS.json``: every try of one run reuses it (a retry resumes from checkpoints taken on exactly these
+    versions), unless it was made for other days or a pinned copy is gone, when everything is pinned again.
+    A missing or incomplete partition is a DataError naming it.
+    """
+    from core import storage
+    from core.contracts import RAW_PINS, USER_SEQUENCE
+
+    plan = {"dataset": dataset, "train_days": list(train_days), "eval_ds": eval_ds}
+    manifest_path = storage.join(pins_dir, storage.PINS_FILE)
+    try:
+        saved = storage.read_json(manifest_path)
+    except FileNotFoundError:
+        saved = None
+    if isinstance(saved, dict) and saved.get("plan") == plan and storage.pins_intact(saved.get("inputs") or {}):
+        return dict(saved["inputs"])
+    storage.remove_tree(pins_dir)  # a try that died while pinning, or pins of another plan
+    inputs: dict[str, dict[str, Any]] = {}
+
+    def pin(name: str, day: str) -> dict[str, Any]:
+        if day not in inputs.get(name, {}):
+            try:
+                inputs.setdefault(name, {})[day] = storage.pin_partition(root, name, day, pins_dir).to_dict()
+            except FileNotFoundError as err:
+                raise DataError(f"cannot pin the inputs of this training run: {err} (under {root}); build or land it "
+                                "first") from None
+        return dict(inputs[name][day])
+
+    for day in sorted({*train_days, eval_ds}):
+        entry = pin(dataset, day)
+        try:
+            meta = storage.read_json(storage.join(entry["location"], storage.METADATA_FILE))
+        except FileNotFoundError:
+            meta = {}
+        if meta.get("sequence_digest") and meta.get("sequence_ds"):  # examples referencing their user's sequence
+            pin(USER_SEQUENCE, str(meta["sequence_ds"]))
+    for as_of in sorted({max(train_days), eval_ds}):
+        for day in storage.snapshot_days(root, RAW_PINS, as_of):
+            pin(RAW_PINS, day)
+    storage.write_json(manifest_path, {"plan": plan, "inputs": inputs})
+    return inputs
+
+
+def release_pinned_copies(checkpoint_dir: str) -> None:
+    """Remove the pinned copies of a run that has finished (its checkpoints' sibling ``inputs/``), keeping the
+    manifest ``PINS.json`` (the versions stay recorded there, in RUN.json and in MLflow)."""
+    from core import storage
+
+    pins_dir = storage.join(checkpoint_dir.rstrip("/").rsplit("/", 1)[0], INPUTS_DIR)
+    for name in storage.list_names(pins_dir):
+        if name != storage.PINS_FILE:
+            storage.remove_tree(storage.join(pins_dir, name))
+
+
 def family_dataset(model: str) -> str:
     """The dataset whose rows a family trains on (imports the family's module: not at DAG parse time)."""
     from training.sdk import load_family
@@ -189,7 +254,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "train_days": list(self.plan["train_days"]),
             "eval_ds": self.plan["eval_ds"],
             "output_dir": output_dir,
-            # Shared by every try of this DAG run: a retry resumes from the last checkpoint.
+            # Shared by every try of this DAG run: a retry resumes from the last checkpoint, on the inputs pinned
+            # beside it (INPUTS_DIR).
             "checkpoint_dir": storage.join(cfg.storage_root, MODELS, model_name, run_key, "checkpoints"),
             "mlflow_tracking_uri": cfg.mlflow.tracking_uri,
             "mlflow_artifact_location": cfg.mlflow.artifact_root,
@@ -285,6 +351,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             # Waits (deferred, or polling) until the team's quota has room; records the job in the history.
             quotas.admit_job(self, context, spec, backend=backend.name, family=run_config["family"],
                              output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
+            run_config["inputs"] = self._pin_inputs(run_config)
             storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
             submitted_at = job_history.now()
             try:
@@ -302,6 +369,23 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         job = {"backend": backend.name, "job_id": job_id, "name": spec.name, "output_dir": output_dir}
         self._remember(context, job)
         return job
+
+    def _pin_inputs(self, run_config: dict[str, Any]) -> dict[str, Any]:
+        """The run's input partitions, pinned by its first try and reused by the others (:func:`pin_inputs`)."""
+        from core import storage
+        from training.config import RunConfig
+
+        checkpoint_dir = str(run_config["checkpoint_dir"])
+        pins_dir = storage.join(checkpoint_dir.rstrip("/").rsplit("/", 1)[0], INPUTS_DIR)
+        dataset = RunConfig.from_dict(run_config).family_instance().dataset
+        inputs = pin_inputs(str(run_config["root"]), pins_dir, dataset, list(run_config["train_days"]),
+                            str(run_config["eval_ds"]))
+        RunConfig.from_dict({**run_config, "inputs": inputs}, source=f"RUN.json inputs pinned in {pins_dir}")
+        count = sum(len(days) for days in inputs.values())
+        self.log.info("pinned %d input partition(s) in %s: %s", count, pins_dir, "; ".join(
+            f"{dataset} " + ", ".join(f"{ds}@{entry['version']}" for ds, entry in sorted(days.items()))
+            for dataset, days in sorted(inputs.items())))
+        return inputs
 
     def _status(self, job: Any) -> Any:
         from operators.backends import get_backend
@@ -364,6 +448,11 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
+        try:  # the run is over: its frozen input copies go (the manifest stays, with the versions)
+            run_config = storage.read_json(storage.join(job["output_dir"], "RUN.json"))
+            release_pinned_copies(str(run_config["checkpoint_dir"]))
+        except Exception as err:  # noqa: BLE001 - a cleanup is not worth failing a finished run for
+            self.log.warning("could not remove the pinned input copies of %s: %s", job["output_dir"], err)
         for warning in result.get("warnings") or []:
             self.log.warning("training summary: %s", warning)
         self._result = result  # for get_openlineage_facets_on_complete

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from core.config import TrainingConfig
 from core.failures import ConfigError
-from core.storage import parse_ds
+from core.storage import Pin, parse_ds
 
 if typing.TYPE_CHECKING:
     from training.sdk import ModelFamily
@@ -68,6 +68,13 @@ class RunConfig:
     tags: dict[str, str] = _f("MLflow run tags (dag, run, try, backend, job, team, family)", factory=dict)
     register: bool = _f("register the logged model as a new version of model_name", True)
     run_name: str | None = _f("MLflow run name (default: MLflow's generated name)", None)
+    inputs: dict[str, dict[str, dict[str, Any]]] = _f(
+        "the input partitions pinned when the run's first try was submitted (the training operator writes it): "
+        "dataset -> day -> {version, location, source, marker, files} (core.storage.Pin). The job reads a pinned "
+        "partition at its location: on a local root a hard-linked copy of the pinned version, which a rebuild of the "
+        "partition does not change; on an object store the partition itself, and a read that finds another version "
+        "fails as DATA. Empty: the live partitions are read", factory=dict,
+    )
     # --- optimisation -----------------------------------------------------------------------------
     epochs: int = _f("passes over the training days", _TRAINING.epochs)
     batch_size: int = _f("examples per batch per rank (the global batch is batch_size x world size)", _TRAINING.batch_size)
@@ -182,10 +189,28 @@ class RunConfig:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.heartbeat_every_s <= 0:
             problems.append(f"heartbeat_every_s={self.heartbeat_every_s} must be positive")
+        for dataset, days in self.inputs.items():
+            for ds, entry in days.items():
+                try:
+                    Pin.from_dict(dataset, ds, entry)
+                except ValueError as e:
+                    problems.append(f"inputs: {e}")
         if problems:
             raise ConfigError(f"{source} is invalid: " + "; ".join(problems))
 
     # ----------------------------------------------------------------------------------------------
+    def use_inputs(self) -> None:
+        """Make this process read the pinned ``inputs`` wherever it reads ``root`` (``core.storage.use_pins``):
+        the job's entry points call it once, before they read anything."""
+        from core.storage import use_pins
+
+        use_pins(self.root, self.inputs)
+
+    def input_versions(self) -> dict[str, dict[str, str]]:
+        """The pinned version of each input partition: dataset -> day -> version."""
+        return {dataset: {ds: str(entry["version"]) for ds, entry in sorted(days.items())}
+                for dataset, days in sorted(self.inputs.items())}
+
     def family_instance(self) -> ModelFamily:
         """The run's model family with its params (a ConfigError names a bad one). Imports the family's module."""
         from training.sdk import load_family

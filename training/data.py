@@ -15,6 +15,11 @@ copied into every row. Pin content embeddings (for
 families that join the pin snapshot) come from a :class:`PinEmbeddings` table of one ``raw/pins`` snapshot.
 The storage root is a local path or a URL (``s3://bucket/prefix``, through ``core.storage``): on
 an object store a row group is read with ranged GETs of its column chunks, never the whole file.
+
+A training job reads the versions of its inputs pinned when it was planned (RUN.json ``inputs``, installed by
+``RunConfig.use_inputs``): every ``core.storage`` read here (the examples' files and metadata, the referenced
+sequences, the pin snapshot) then resolves a pinned partition to its pinned copy, so a partition rebuilt during the
+run changes nothing read here (the units planned at start keep pointing at the pinned files).
 """
 
 from __future__ import annotations

@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
+    config.use_inputs()  # the data checks read the pinned versions, as training will
     try:
         report = preflight(config, env, args)
     except Exception as exc:  # the process group itself did not come up: a lost peer or a bad address

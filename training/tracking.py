@@ -26,6 +26,7 @@ log = logging.getLogger("training.tracking")
 STATE_FILE = "mlflow_run.json"
 MODEL_ARTIFACT = "model"
 FEATURE_SPEC_ARTIFACT = "feature_spec.json"
+INPUTS_ARTIFACT = "inputs.json"
 
 
 def torch_requirement() -> str:
@@ -121,6 +122,15 @@ class Tracker:
             log.warning("resumed MLflow run keeps its first value of params %s", ", ".join(changed))
         for i in range(0, len(new), 100):
             self.client.log_batch(self.run_id, params=new[i : i + 100])
+
+    def log_inputs(self, inputs: dict[str, dict[str, dict[str, Any]]]) -> None:
+        """The run's pinned input partitions (RUN.json ``inputs``): a param ``input.<dataset>.<day>`` with each
+        version, and the whole manifest (locations, files) as the artifact ``inputs.json``."""
+        if not inputs:
+            return
+        self.log_params({f"input.{dataset}.{ds}": entry["version"]
+                         for dataset, days in sorted(inputs.items()) for ds, entry in sorted(days.items())})
+        self.mlflow.log_dict(inputs, INPUTS_ARTIFACT)
 
     def log_metrics(self, metrics: dict[str, float], step: int, flush: bool = False) -> None:
         from mlflow.entities import Metric

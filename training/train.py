@@ -373,7 +373,8 @@ class Trainer:
         self.tracker = Tracker(cfg)
         self.tracker.log_params(
             {
-                **{k: v for k, v in cfg.to_dict().items() if k not in ("mlflow_tracking_uri", "params", "tags")},
+                **{k: v for k, v in cfg.to_dict().items()
+                   if k not in ("mlflow_tracking_uri", "params", "tags", "inputs")},
                 **{f"params.{k}": v for k, v in dataclasses.asdict(self.family.params).items()},
                 "world_size": self.env.world_size,
                 "device": str(self.device.type),
@@ -384,6 +385,7 @@ class Trainer:
                 "parameters": sum(p.numel() for p in self.parts["model"][0].parameters()),
             }
         )
+        self.tracker.log_inputs(cfg.inputs)
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint, if any: parts, RNG states, input and loop position."""
@@ -638,6 +640,7 @@ class Trainer:
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
             "warnings": self.budget_warnings(),
+            "inputs": cfg.input_versions(),  # the pinned version of each partition read (RUN.json inputs)
         }
         for warning in result["warnings"]:
             log.warning("%s", warning)
@@ -657,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.exit_code)
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
+    config.use_inputs()  # every read of a pinned partition reads the version pinned when the run was planned
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer = Trainer(config, env, heartbeat)
     try:
