@@ -767,6 +767,15 @@ def use_pins(root: Location, inputs: dict[str, dict[str, dict[str, Any]]]) -> No
     for dataset, days in inputs.items():
         for ds, entry in days.items():
             pin = Pin.from_dict(dataset, ds, entry)
+            if _root_key(pin.source) != _root_key(partition(root, dataset, pin.ds)):
+                # A manifest pinned under another storage root (a RUN.json copied to another root): it does not
+                # describe this root's partitions, which are read live.
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "pinned input %s ds=%s comes from %s, not from root %s: its live partition is read",
+                    dataset, pin.ds, pin.source, root)
+                continue
             _PINS[key, dataset, pin.ds] = pin
             if not pin.frozen:
                 for name in pin.files:

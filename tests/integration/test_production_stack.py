@@ -457,7 +457,8 @@ def run_embedded(root: Path, home: Path, run_config: dict[str, Any], model_versi
     # The production job's own RUN.json, pointed at this root and a local MLflow.
     tracking = f"sqlite:///{home / 'mlflow.db'}"
     job = home / "train"
-    config = {**run_config, "root": str(root), "output_dir": str(job), "checkpoint_dir": str(home / "checkpoints"),
+    # Its pinned inputs are the production root's partitions: this root's are read live.
+    config = {**run_config, "inputs": {}, "root": str(root), "output_dir": str(job), "checkpoint_dir": str(home / "checkpoints"),
               "mlflow_tracking_uri": tracking, "mlflow_artifact_location": str(home / "artifacts")}
     job.mkdir(parents=True)
     (job / "RUN.json").write_text(json.dumps(config))

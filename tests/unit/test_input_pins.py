@@ -278,3 +278,13 @@ def test_the_operator_writes_the_pins_to_run_json_and_every_try_reuses_them(root
     storage.write_json(storage.join(second.output_dir, "result.json"), {"metrics": {}})
     op.get_job_result({"backend": "local", "job_id": "j", "output_dir": second.output_dir}, {"ti": TI(2)})
     assert sorted(os.listdir(run_folder / "inputs")) == [storage.PINS_FILE]  # the copies go, the versions stay
+
+
+def test_pins_of_another_root_do_not_apply(root: Path, tmp_path: Path):
+    # A RUN.json copied to another storage root: its pins describe the first root's partitions, not this one's.
+    inputs = pin(root, tmp_path)
+    other = tmp_path / "other-storage"
+    storage.write_table(other, EXAMPLES, DAYS[0], table(DAYS[0], 5, tag=50))
+    storage.use_pins(other, inputs)
+    assert storage.pinned(other, EXAMPLES, DAYS[0]) is None
+    assert storage.read_table(other, EXAMPLES, DAYS[0]).column("x").to_pylist() == list(range(50, 55))
