@@ -448,13 +448,11 @@ def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[st
 def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
     """The partition's ``_metadata.json``; {} if it has none (of the pinned version if this process pinned it)."""
     pin = pinned(root, dataset, ds)
-    if pin is not None:
-        check_pin(pin)
     try:
         meta = dict(read_json(join(pin.location if pin else partition(root, dataset, ds), METADATA_FILE)))
     except FileNotFoundError:
         meta = {}
-    if pin is not None:
+    if pin is not None:  # one object read: a check after it sees any replacement before or during it
         check_pin(pin)
     return meta
 
