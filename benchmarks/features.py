@@ -14,7 +14,12 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
   aggregates, the sequences from the previous day's plus the day's events, the examples;
 * ``full`` — the same outputs recomputed from the raw events of the whole window (``recompute=True``);
 * ``pandas`` — a straightforward pandas (with numpy/pyarrow for I/O and lists) implementation of the
-  same four steps with the same inputs, checked against the DuckDB outputs.
+  same four steps with the same inputs, checked against the DuckDB outputs;
+* ``sharded`` (benchmark config only) — the incremental build split into ``--shards`` shards per step (as the DAG's
+  array jobs run it, here one shard after another in one process) and merged: ``sharded.work_vs_unsharded`` is
+  the shards' total time over the unsharded build's (what the split costs: each shard scans the whole day),
+  ``sharded.parallel_vs_unsharded`` the time with one machine per shard (each step's slowest shard plus the merge)
+  over the unsharded build's, and ``sharded.equal`` whether every output holds the unsharded rows.
 
 Two configurations, on the same day: ``default`` (the platform's ``negative_downsample``, 1.0) and ``benchmark``
 (``--negative-downsample``, 0.2). ``--repeat N``: N rounds of the three phases per config, each phase's fastest
@@ -167,6 +172,35 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --- measured phases (each in its own process) ----------------------------------------------------------
+
+
+def phase_sharded(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The incremental build of DAY in ``args.shards`` shards per step, each shard timed, then merged."""
+    features = build.DEFAULTS.model_copy(update={
+        "window_days": args.window_days, "sequence_length": args.sequence_length,
+        "negative_downsample": args.negative_downsample, "negative_downsample_seed": args.seed,
+    })
+    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    shard_seconds: dict[str, list[float]] = {}
+    merge_seconds: dict[str, float] = {}
+    for step in build.STEP_DATASETS:
+        staging = str(root / "_staging" / step)
+        shard_seconds[step] = []
+        for index in range(args.shards):
+            started = time.perf_counter()
+            build.build_step(root, DAY, step, features, require_validation=False, engine=engine,
+                             shard=build.Shard(index, args.shards, staging))
+            shard_seconds[step].append(round(time.perf_counter() - started, 3))
+        started = time.perf_counter()
+        build.merge_shards(root, DAY, step, staging, args.shards)
+        merge_seconds[step] = round(time.perf_counter() - started, 3)
+    return {
+        "seconds": sum(map(sum, shard_seconds.values())) + sum(merge_seconds.values()),
+        "parallel_seconds": sum(max(v) for v in shard_seconds.values()) + sum(merge_seconds.values()),
+        "shard_seconds": shard_seconds,
+        "merge_seconds": merge_seconds,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> dict[str, Any]:
@@ -420,6 +454,21 @@ def resolved_equals_copied(root: Path, copied_root: Path) -> str:
     return f"differ in {[n for n in copied.column_names if not resolved[n].equals(copied[n])]}"
 
 
+SORT_KEYS = {
+    contracts.USER_DAILY: "user_id", contracts.PIN_DAILY: "pin_id", contracts.USER_WINDOW: "user_id",
+    contracts.PIN_WINDOW: "pin_id", contracts.USER_SEQUENCE: "user_id", contracts.EXAMPLES: "impression_id",
+}
+
+
+def compare_rows(a: Path, b: Path) -> dict[str, str]:
+    """Per output of DAY: 'equal' if both hold the same rows (in any order: a sharded build has a file per shard)."""
+    return {
+        dataset: "equal" if read_table(a, dataset, DAY).sort_by(key).equals(read_table(b, dataset, DAY).sort_by(key))
+        else "rows differ"
+        for dataset, key in SORT_KEYS.items()
+    }
+
+
 def compare(a: Path, b: Path, *, strict: bool) -> dict[str, str]:
     """Per output of DAY: 'equal', 'equal within 1e-6' (floats, unless ``strict``), or what differs."""
     result = {}
@@ -476,7 +525,8 @@ def link_inputs(source: Path, target: Path, window_days: int) -> None:
             link.symlink_to(partition(source, dataset, day))
 
 
-def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_root: Path, pandas_root: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_root: Path, pandas_root: Path,
+            sharded_root: Path) -> dict[str, Any]:
     """The three phases of one configuration on the same day, and how their outputs compare.
 
     ``args.repeat`` rounds, each phase once per round in turn; each phase's fastest run counts (a shared machine's
@@ -497,6 +547,22 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
             if phase not in best or result["seconds"] < best[phase]["seconds"]:
                 best[phase] = result
     incremental, full, pandas = best["incremental"], best["full"], best["pandas"]
+    sharded: dict[str, Any] | None = None
+    if args.shards > 1:
+        say(f"sharded: {args.shards} shards per step")
+        shutil.rmtree(sharded_root, ignore_errors=True)
+        sharded_root.mkdir()
+        link_inputs(root, sharded_root, args.window_days)
+        result = run_phase("sharded", args, sharded_root, ["--shards", str(args.shards)])
+        say(f"  {result['seconds']:.1f}s of work, {result['parallel_seconds']:.1f}s with a machine per shard")
+        sharded = {
+            "shards": args.shards,
+            "work_vs_unsharded": round(result["seconds"] / incremental["seconds"], 3),
+            "parallel_vs_unsharded": round(result["parallel_seconds"] / incremental["seconds"], 3),
+            "equal": compare_rows(root, sharded_root),
+            "shard_seconds": result["shard_seconds"],
+            "merge_seconds": result["merge_seconds"],
+        }
 
     events = world["events"]
     return {
@@ -530,6 +596,7 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
             for phase, result in (("incremental", incremental), ("full", full))
         },
         "validation_check_s": incremental["validation_check_s"],
+        **({"sharded": sharded} if sharded else {}),
     }
 
 
@@ -545,8 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (default: 4GB)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of the three phases per config; each phase's fastest counts (default: 1)")
+    parser.add_argument("--shards", type=int, default=4,
+                        help="shards of the sharded build (benchmark config only; 1: skip it; default: 4)")
     parser.add_argument("--workdir", default=None, help="where to build (default: a temporary folder, removed)")
-    parser.add_argument("--phase", choices=("incremental", "full", "pandas"), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("incremental", "full", "pandas", "sharded"), help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -555,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.root)
         if args.phase == "pandas":
             result = phase_pandas(root, Path(args.out), args)
+        elif args.phase == "sharded":
+            result = phase_sharded(root, args)
         else:
             result = phase_duckdb(root, args, recompute=args.phase == "full")
         print(json.dumps(result))
@@ -564,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         root, full_root, pandas_root = work / "root", work / "full", work / "pandas"
+        sharded_root = work / "sharded"
         for path in (root, full_root, pandas_root):
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir()
@@ -577,12 +649,16 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name, rate in configs.items():
             say(f"config {name}: negative_downsample {rate}")
-            results[name] = measure(argparse.Namespace(**{**vars(args), "negative_downsample": rate}), world,
-                                    root, full_root, pandas_root)
+            shards = args.shards if name == "benchmark" else 1
+            results[name] = measure(argparse.Namespace(**{**vars(args), "negative_downsample": rate, "shards": shards}),
+                                    world, root, full_root, pandas_root, sharded_root)
             print(json.dumps({"config": name, **results[name]}), flush=True)
         # The last line: every config's figures; the headline ones of the benchmark config, as before.
         headline = ("events_per_s", "speedup_vs_pandas", "incremental_vs_full", "peak_rss_mb", "examples_bytes")
+        sharded = results["benchmark"].get("sharded", {})
         print(json.dumps({**{k: results["benchmark"][k] for k in headline}, "setup_s": round(setup_s, 1),
+                          **{f"sharded_{k}": sharded[k] for k in ("work_vs_unsharded", "parallel_vs_unsharded")
+                             if k in sharded},
                           "configs": {name: {k: r[k] for k in (*headline, "negative_downsample")}
                                       for name, r in results.items()}}))
     finally:

@@ -59,6 +59,14 @@ class FeaturesConfig(Section):
     duckdb_threads: int = Field(2, ge=1, description="DuckDB threads per build step")
     duckdb_memory_limit: str = Field("4GB", description="beyond it DuckDB spills to disk instead of failing")
     duckdb_temp_directory: str = Field("", description="parent folder of spill files; empty: the system temporary folder")
+    backend: Literal["", "local", "batch", "kubernetes"] = Field(
+        "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"
+    )
+    shards: int = Field(1, ge=1, le=10000, description="split each build step into this many jobs by user / pin id hash")
+    team: str = Field("", description="team whose queue build jobs use (a key of teams:); empty: training.team")
+    instance_type: str = Field("m5.2xlarge", description="node type of a build job (a key of instance_types:)")
+    poll_seconds: float = Field(2, gt=0, description="between status checks of a build job")
+    timeout_seconds: int = Field(6 * 3600, gt=0, description="a build job running longer is cancelled (INFRA, retried)")
 
 
 class ValidationConfig(Section):
@@ -407,16 +415,16 @@ class PlatformConfig(Section):
             raise ValueError(
                 f"training.model={self.training.model!r} is not under families: (known: {', '.join(sorted(self.families))})"
             )
-        if self.training.team not in self.teams:
-            raise ValueError(
-                f"training.team={self.training.team!r} is not under teams: (known: {', '.join(sorted(self.teams))})"
-            )
+        for key, team in (("training.team", self.training.team), ("features.team", self.features.team)):
+            if (team or key == "training.team") and team not in self.teams:
+                raise ValueError(f"{key}={team!r} is not under teams: (known: {', '.join(sorted(self.teams))})")
         return self
 
     @model_validator(mode="after")
     def _instance_types(self) -> PlatformConfig:
         named = [("training.instance_type", self.training.instance_type),
-                 ("inference.instance_type", self.inference.instance_type)] + [
+                 ("inference.instance_type", self.inference.instance_type),
+                 ("features.instance_type", self.features.instance_type)] + [
             (f"teams.{name}.instance_type", team.instance_type) for name, team in self.teams.items() if team.instance_type
         ]
         for key, value in named:

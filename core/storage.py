@@ -253,6 +253,24 @@ def copy_tree(source: Location, target: Location) -> None:
             write_bytes(dst, read_bytes(src))
 
 
+def copy_file(source: Location, target: Location) -> None:
+    """Copy one file into a folder being published: a hard link on a local filesystem (published files are never
+    changed in place, so sharing them is safe), a server-side copy on an object store, else read and write."""
+    if not is_remote(source) and not is_remote(target):
+        try:
+            os.link(local_path(source), local_path(target))
+            return
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EACCES):
+                raise
+    elif is_remote(source) and is_remote(target) and filesystem(source)[0] is filesystem(target)[0]:
+        fs = filesystem(source)[0]
+        fs.copy(filesystem(source)[1], filesystem(target)[1])
+        return
+    with open_output(target) as out:
+        out.write(read_bytes(source))
+
+
 def move_tree(source: Location, target: Location) -> None:
     """Move a folder: a rename on a local filesystem; copy then delete elsewhere (the source goes last)."""
     if not is_remote(source) and not is_remote(target):

@@ -31,7 +31,10 @@ and builds each run's own day): waits for the raw events, pins, users and
 pin review labels partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
 partition is moved to `quarantine/` and stops the day: nothing downstream runs; each validation task
 links to its Data Docs page), checks the 30-day window for quarantined or missing days
-(`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step written atomically:
+(`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step a job on the compute backend
+(`features.backend`, else `training.backend`: a local process on the embedded default) and written atomically;
+with `shards` (form) or `features.shards` > 1 each step is an array job of that many shards (users and pins by id
+hash), published together once all are built (a retry builds only the missing ones):
 
 1. `features/user_daily`, `features/pin_daily` — per-day aggregates;
 2. `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`;
@@ -54,6 +57,7 @@ data. Emits the `pinflow_examples` asset.
         "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
         "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
+        "shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, description=f"Split each build step into this many jobs by user / pin id hash (empty: features.shards = {_cfg.features.shards})."),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -76,18 +80,19 @@ data. Emits the `pinflow_examples` asset.
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
     }
-    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS)
+    shards = "{{ params.shards }}"
+    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS, shards=shards)
     # The window of ds is that of ds-1 plus ds minus the day that leaves (a full sum when ds-1's is missing, or when
     # a day it summed is not there yet and has to be computed from raw): in a backfill, wait for the day before.
-    window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS, depends_on_past=True)
+    window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS, shards=shards, depends_on_past=True)
     # Sequences of ds extend those of ds-1 (a full recompute when they are missing gives the same result,
     # 30 times slower): in a backfill, wait for the day before so that each day is incremental.
     sequences = FeatureBuildOperator(
-        task_id="user_sequences", step="sequences", ds=DS, overrides=overrides, depends_on_past=True
+        task_id="user_sequences", step="sequences", ds=DS, overrides=overrides, shards=shards, depends_on_past=True
     )
     # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
     examples = FeatureBuildOperator(
-        task_id="training_examples", step="examples", ds=DS, overrides=overrides,
+        task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards,
         depends_on_past=True, outlets=[EXAMPLES_ASSET],
     )
     wait >> validations >> daily >> [window, sequences] >> examples

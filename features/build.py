@@ -61,24 +61,29 @@ from core.contracts import (
     USER_WINDOW_SCHEMA,
     SequenceDigest,
 )
-from core.failures import DataError, PinflowError
+from core.failures import DataError, ExitCode, InfraError, PinflowError
 from core.storage import (
     DATA_FILE,
     MARKER,
     METADATA_FILE,
+    copy_file,
     data_files,
     day_range,
     ds_str,
+    exists,
     filesystem,
     is_complete,
     is_remote,
     join,
     open_output,
     partition,
+    publish,
+    read_json,
     read_metadata,
     read_parquet,
     read_snapshot,
     read_text,
+    remove_tree,
     shift_ds,
     snapshot_days,
     write_json,
@@ -130,6 +135,45 @@ class DuckDBSettings:
     @classmethod
     def from_config(cls, features: FeaturesConfig) -> DuckDBSettings:
         return cls(features.duckdb_threads, features.duckdb_memory_limit, features.duckdb_temp_directory or None)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One of ``count`` shards of a day's build step (scale-out: each shard a job, DESIGN.md §4).
+
+    A shard builds the rows of the users whose ``hash(user_id) % count == index`` (user outputs and examples) and
+    of the pins whose ``hash(pin_id) % count == index`` (pin outputs), reading whatever else it needs whole (the
+    window's global pin rates are summed over every pin). Its outputs go to ``<staging>/<dataset>/shard-NNNNN/``,
+    each folder published with its marker, until :func:`merge_shards` publishes the day's partitions from every
+    shard's file: rows equal to those of an unsharded build (a row's values never depend on other shards' rows).
+    """
+
+    index: int
+    count: int
+    staging: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index} is not in [0, {self.count}): set --shards / --run-shards")
+
+    def keeps(self, column: str) -> str:
+        """The SQL condition of this shard's rows, by ``column`` (user_id or pin_id)."""
+        return f"hash({column}) % {self.count} = {self.index}"
+
+    def folder(self, dataset: str) -> str:
+        return shard_folder(self.staging, dataset, self.index)
+
+
+def shard_folder(staging: str, dataset: str, index: int) -> str:
+    return join(staging, *dataset.split("/"), f"shard-{index:05d}")
+
+
+def shard_file(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def _keeps(shard: Shard | None, column: str) -> str:
+    return shard.keeps(column) if shard is not None else "TRUE"
 
 
 @contextmanager
@@ -284,8 +328,12 @@ SELECT coalesce(sum(impressions), 0)::BIGINT AS impressions,
        coalesce(sum(clicks), 0)::BIGINT AS clicks,
        coalesce(sum(repins), 0)::BIGINT AS repins,
        coalesce(sum(hides), 0)::BIGINT AS hides
-FROM pin_sums
+FROM {source}
 """
+# A shard's pin_sums hold its own pins only: its totals are the signed sums of every pin's parts (the same integers).
+PIN_TOTALS_OF_ALL_PARTS = "(SELECT " + ", ".join(
+    f"part_sign * {c} AS {c}" for c in ("impressions", "clicks", "repins", "hides")
+) + " FROM pin_parts_all)"
 
 # rate = (k + prior * global) / (n + prior): a pin with few impressions stays near the global rate.
 SMOOTHED_MACRO = """
@@ -478,7 +526,7 @@ ORDER BY i.impression_id
 IMPRESSION_COUNTS_SQL = """
 SELECT count(*) AS impressions,
        count(*) FILTER (WHERE pin_id NOT IN (SELECT pin_id FROM pins)) AS unknown_pin
-FROM events
+FROM events_all
 WHERE action = 'impression'
 """
 
@@ -547,25 +595,30 @@ def _write_query(
     sums_key: str = "sums",
     transform: Callable[[pa.Table], pa.Table] | None = None,
     digest: SequenceDigest | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
 
     Batches (passed through ``transform`` first, if given) are cast to the contract ``schema`` as they
     come, so the result never sits whole in memory.
     Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
-    ``content_digest`` of what was written when a ``digest`` is given).
+    ``content_digest`` of what was written when a ``digest`` is given). A ``shard`` writes its own folder in
+    the build's staging area instead (:class:`Shard`).
     """
+    inputs = [str(ref) for ref in metadata.get("inputs", [])]
+    versions = _input_versions(root, inputs)
     relation = con.sql(sql, params=params)
     assert relation is not None, "a SELECT returns a relation"
     rows = 0
     totals = dict.fromkeys(sums, 0)
-    with write_partition(root, dataset, ds) as staging:
+    target = publish(shard.folder(dataset)) if shard is not None else write_partition(root, dataset, ds)
+    with target as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
         # Dictionary encoding only for strings: on ids, counts and lists it costs 3x the write time for
         # nothing (it falls back to plain encoding on high-cardinality columns anyway).
         strings = [f.name for f in schema if pa.types.is_string(f.type)]
         with (
-            open_output(join(staging, DATA_FILE)) as sink,
+            open_output(join(staging, shard_file(shard.index) if shard is not None else DATA_FILE)) as sink,
             pq.ParquetWriter(sink, schema, use_dictionary=strings) as writer,
         ):
             for batch in reader:
@@ -579,11 +632,35 @@ def _write_query(
                     totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
                 if digest is not None:
                     digest.update(conformed)
-        summary = {**metadata, "rows": rows} | ({sums_key: totals} if sums else {})
+        changed = [ref for ref, version in _input_versions(root, inputs).items() if versions.get(ref) != version]
+        if changed:  # raised inside the publish: nothing of this output becomes visible
+            raise InfraError(
+                f"{', '.join(changed)} {'was' if len(changed) == 1 else 'were'} republished while {dataset} ds={ds} was "
+                "built from it: nothing was published; a retry builds from the new version"
+            )
+        summary = {**metadata, "rows": rows, "input_versions": versions} | ({sums_key: totals} if sums else {})
+        if shard is not None:
+            summary |= {"shard": shard.index, "shards": shard.count}
         if digest is not None:
             summary["content_digest"] = digest.hexdigest()
         write_json(join(staging, METADATA_FILE), summary)
     return summary
+
+
+def _input_versions(root: str | os.PathLike[str], refs: Sequence[str]) -> dict[str, str | None]:
+    """The publish stamp (``_SUCCESS`` contents) of each input partition ``dataset/ds=...`` (None: not there).
+
+    Read before and after an output is computed: an input republished meanwhile (a concurrent rebuild) fails the
+    output instead of publishing rows computed from two versions, and shards of one build must have read the
+    same versions to be merged."""
+    versions: dict[str, str | None] = {}
+    for ref in refs:
+        dataset, _, day = ref.rpartition("/ds=")
+        try:
+            versions[ref] = read_text(join(partition(root, dataset, day), MARKER))
+        except FileNotFoundError:
+            versions[ref] = None
+    return versions
 
 
 def _sequence_digest(root: str | os.PathLike[str], ds: str, files: Sequence[str]) -> str:
@@ -679,6 +756,7 @@ def build_daily(
     *,
     require_validation: bool = True,
     engine: DuckDBSettings | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_daily`` and ``features/pin_daily`` of ``ds`` from that day's events only.
 
@@ -698,20 +776,22 @@ def build_daily(
     }
     summary: dict[str, Any] = {}
     with connect(engine, root) as con:
-        _view(con, "events", events, EVENTS_SCHEMA)
+        _view(con, "events_all", events, EVENTS_SCHEMA)
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         events_rows, unknown = _row(
             con,
             "SELECT count(*), count(*) FILTER (WHERE action IS NULL OR action NOT IN "
-            f"({_sql_list(ACTIONS)})) FROM events",
+            f"({_sql_list(ACTIONS)})) FROM events_all",
         )
         base["events"] = int(events_rows)
         base["unknown_action_events"] = int(unknown)
         for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
+            key = "user_id" if dataset == USER_DAILY else "pin_id"
+            con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, key)}")
             summary[dataset] = _write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
-                root, dataset, ds, schema, {**base, "dataset": dataset},
+                root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
             )
     return summary
 
@@ -821,6 +901,7 @@ def build_window(
     recompute: bool = False,
     require_validation: bool = True,
     engine: DuckDBSettings | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_window`` and ``features/pin_window`` as of the end of ``ds``.
 
@@ -856,7 +937,7 @@ def build_window(
                     f"FROM read_parquet([{_quoted(data_files(root, dataset, day))}], hive_partitioning = false)"
                     for dataset, day, sign in signed
                 ]
-                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts AS " + "\nUNION ALL\n".join(selects))
+                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS " + "\nUNION ALL\n".join(selects))
                 inputs[name] = [_ref(dataset, day) for dataset, day, _ in signed]
         else:
             stored, computed, missing = _classify_days(root, days, recompute=recompute)
@@ -875,13 +956,18 @@ def build_window(
             _daily_sources(con, root, stored, computed)
             for name in ("user", "pin"):
                 con.execute(
-                    f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
+                    f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
                     f"FROM {name}_daily"
                 )
                 daily = USER_DAILY if name == "user" else PIN_DAILY
                 inputs[name] = [_ref(daily, d) for d in stored] + [
                     ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
                 ]
+        for name in ("user", "pin"):
+            con.execute(
+                f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_all "
+                f"WHERE {_keeps(shard, f'{name}_id')}"
+            )
         if missing:
             log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
         mode = "incremental" if plan is not None else "recompute" if recompute else "full"
@@ -907,10 +993,10 @@ def build_window(
         drop_zero = plan is not None
         summary[USER_WINDOW] = _write_query(
             con, USER_WINDOW_SQL.replace(DROP_ZERO, USER_WINDOW_DROP_ZERO if drop_zero else ""), None,
-            root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW],
+            root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW], shard=shard,
         )
         con.execute(PIN_SUMS_SQL.replace(DROP_ZERO, PIN_SUMS_DROP_ZERO if drop_zero else ""))
-        totals_row = _row(con, PIN_TOTALS_SQL)
+        totals_row = _row(con, PIN_TOTALS_SQL.format(source="pin_sums" if shard is None else PIN_TOTALS_OF_ALL_PARTS))
         totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
         if totals["impressions"] > 0:
             global_rates = {
@@ -929,7 +1015,7 @@ def build_window(
             "global_rates_source": source,
         }
         summary[PIN_WINDOW] = _write_query(
-            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW, ds, PIN_WINDOW_SCHEMA, pin_meta
+            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW, ds, PIN_WINDOW_SCHEMA, pin_meta, shard=shard
         )
     return summary
 
@@ -943,6 +1029,7 @@ def build_sequences(
     recompute: bool = False,
     require_validation: bool = True,
     engine: DuckDBSettings | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_sequence`` as of the end of ``ds``: each user's last N engagements.
 
@@ -981,7 +1068,8 @@ def build_sequences(
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         if mode == "incremental":
-            _view(con, "previous_sequence", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
+            _view(con, "previous_all", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {_keeps(shard, 'user_id')}")
             validation = _check_validated(root, [ds], require_validation=require_validation)
             engagements = _engagements_sql(con, root, [ds])
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
@@ -1016,9 +1104,12 @@ def build_sequences(
             "sequence_length": sequence_length,
             "unknown": UNKNOWN_ID,
         }
+        if shard is not None:
+            engagements = f"SELECT * FROM ({engagements}) WHERE {shard.keeps('user_id')}"
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
         summary = _write_query(
-            con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest()
+            con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest(),
+            shard=shard,
         )
     return {USER_SEQUENCE: summary}
 
@@ -1032,6 +1123,7 @@ def build_examples(
     *,
     require_validation: bool = True,
     engine: DuckDBSettings | None = None,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Write ``examples`` of ``ds``: one row per impression of ds with its labels and its features.
 
@@ -1070,7 +1162,9 @@ def build_examples(
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
-        _view(con, "events", events, EVENTS_SCHEMA)
+        _view(con, "events_all", events, EVENTS_SCHEMA)
+        # An impression and its engagements have one user: a shard's labels are complete.
+        con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, 'user_id')}")
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         sequence_digest: str | None = None
@@ -1122,7 +1216,7 @@ def build_examples(
         }
         summary = _write_query(
             con, EXAMPLES_SQL.replace(KEEP_NEGATIVE, keep_negative), params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
-            sums=LABELS, sums_key="positives",
+            sums=LABELS, sums_key="positives", shard=shard,
         )
     return {EXAMPLES: summary}
 
@@ -1152,6 +1246,92 @@ def build_day(
         **build_sequences(root, ds, sequence_length, window_days, recompute=recompute, require_validation=require_validation, engine=engine),
         **build_examples(root, ds, prior_impressions, negative_downsample, seed, require_validation=require_validation, engine=engine),
     }
+
+
+# --- shards ---------------------------------------------------------------------------------------------
+
+STEP_DATASETS: dict[str, tuple[str, ...]] = {
+    "daily": (USER_DAILY, PIN_DAILY),
+    "window": (USER_WINDOW, PIN_WINDOW),
+    "sequences": (USER_SEQUENCE,),
+    "examples": (EXAMPLES,),
+}
+# Metadata that differs from shard to shard (summed or dropped by the merge); every other key must agree.
+_PER_SHARD_KEYS = ("rows", "positives", "content_digest", "shard")
+
+
+def build_step(
+    root: str | os.PathLike[str],
+    ds: str | dt.date,
+    step: str,
+    features: FeaturesConfig,
+    *,
+    recompute: bool = False,
+    require_validation: bool = True,
+    engine: DuckDBSettings | None = None,
+    shard: Shard | None = None,
+) -> dict[str, Any]:
+    """Build one step of ``ds`` with the ``features:`` settings (of one shard, if given): the summaries by dataset."""
+    common: dict[str, Any] = {"require_validation": require_validation, "engine": engine, "shard": shard}
+    if step == "daily":
+        return build_daily(root, ds, **common)
+    if step == "window":
+        return build_window(root, ds, features.window_days, features.pin_prior_impressions, recompute=recompute, **common)
+    if step == "sequences":
+        return build_sequences(root, ds, features.sequence_length, features.window_days, recompute=recompute, **common)
+    if step == "examples":
+        return build_examples(
+            root, ds, features.pin_prior_impressions, features.negative_downsample, features.negative_downsample_seed,
+            **common,
+        )
+    raise ValueError(f"unknown feature step {step!r}: choose one of {', '.join(STEP_DATASETS)}")
+
+
+def missing_shards(staging: str, step: str, count: int) -> list[int]:
+    """The shards of a sharded build step whose outputs are not all in ``staging`` yet."""
+    return [
+        i for i in range(count)
+        if not all(exists(join(shard_folder(staging, d, i), MARKER)) for d in STEP_DATASETS[step])
+    ]
+
+
+def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, staging: str, count: int) -> dict[str, Any]:
+    """Publish the partitions of ``step`` for ``ds`` from the ``count`` shards in ``staging``; their summaries.
+
+    Cheap (no data is read): each partition is published whole (``core.storage.publish``) with one file per shard
+    (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows`` and
+    ``positives`` summed, ``shards`` recorded. Every other metadata key must be equal in every shard (the same
+    inputs, parameters and validation fingerprints): shards built from different data are never merged (DataError).
+    A shard's missing output is an InfraError (a retry builds it). The staging folder is removed afterwards.
+    """
+    ds = ds_str(ds)
+    missing = missing_shards(staging, step, count)
+    if missing:
+        raise InfraError(f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}: a retry builds them")
+    summary: dict[str, Any] = {}
+    for dataset in STEP_DATASETS[step]:
+        folders = [shard_folder(staging, dataset, i) for i in range(count)]
+        metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
+        merged = {k: v for k, v in metas[0].items() if k not in _PER_SHARD_KEYS}
+        for i, meta in enumerate(metas[1:], start=1):
+            other = {k: v for k, v in meta.items() if k not in _PER_SHARD_KEYS}
+            if other != merged:
+                differ = sorted(k for k in set(other) | set(merged) if other.get(k) != merged.get(k))
+                raise DataError(
+                    f"{dataset} ds={ds}: shard {i} was built from other inputs or settings than shard 0 ({', '.join(differ)} "
+                    f"differ; an input was rebuilt during the build?): rerun the step, which rebuilds every shard"
+                )
+        merged["rows"] = sum(int(m["rows"]) for m in metas)
+        if "positives" in metas[0]:
+            merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
+        merged["shards"] = count
+        with write_partition(root, dataset, ds) as out:
+            for i, folder in enumerate(folders):
+                copy_file(join(folder, shard_file(i)), join(out, shard_file(i)))
+            write_json(join(out, METADATA_FILE), merged)
+        summary[dataset] = merged
+    remove_tree(staging)
+    return summary
 
 
 # --- CLI ------------------------------------------------------------------------------------------------
@@ -1192,6 +1372,15 @@ def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
         help="build even from raw partitions without a passed validation report for their current contents "
         "(python -m features.validate); recorded as skip_validation in the outputs' metadata. For experts",
     )
+    parser.add_argument(
+        "--shards", type=int, default=1,
+        help="split the step into this many shards by user-id / pin-id hash (one --step, not all); each shard "
+        "writes under --staging, and --merge publishes the day from them (default: %(default)s, unsharded)",
+    )
+    parser.add_argument("--run-shards", default="",
+                        help="the shards to build, e.g. 0,3,5-7 (default: all); in an array job the index picks one")
+    parser.add_argument("--staging", default="", help="the sharded build's staging folder (a local path or URL)")
+    parser.add_argument("--merge", action="store_true", help="publish the step's partitions from the shards in --staging")
     parser.add_argument("--threads", type=int, default=defaults.duckdb_threads, help="DuckDB threads (default: %(default)s)")
     parser.add_argument("--memory-limit", default=defaults.duckdb_memory_limit,
                         help="DuckDB memory limit, e.g. 4GB (default: %(default)s)")
@@ -1209,16 +1398,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.skip_validation:
         log.warning("--skip-validation: building %s from raw partitions that may not have passed validation", args.ds)
     step: Step = args.step
-    if step == "daily":
-        return build_daily(args.root, args.ds, require_validation=require, engine=engine)
-    if step == "window":
-        return build_window(args.root, args.ds, args.window_days, args.prior_impressions, recompute=args.recompute, require_validation=require, engine=engine)
-    if step == "sequences":
-        return build_sequences(
-            args.root, args.ds, args.sequence_length, args.window_days, recompute=args.recompute, require_validation=require, engine=engine
-        )
-    if step == "examples":
-        return build_examples(args.root, args.ds, args.prior_impressions, args.negative_downsample, args.seed, require_validation=require, engine=engine)
+    if args.shards < 1:
+        raise ValueError(f"--shards {args.shards}: need at least 1")
+    if args.shards > 1 or args.merge:
+        return _run_sharded(args, engine, require)
+    if step != "all":
+        return build_step(args.root, args.ds, step, _features(args), recompute=args.recompute, require_validation=require,
+                          engine=engine)
     return build_day(
         args.root,
         args.ds,
@@ -1232,6 +1418,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _features(args: argparse.Namespace) -> FeaturesConfig:
+    """The build settings of the command line (validated by the same model as the configuration)."""
+    return FeaturesConfig(
+        window_days=args.window_days, sequence_length=args.sequence_length, pin_prior_impressions=args.prior_impressions,
+        negative_downsample=args.negative_downsample, negative_downsample_seed=args.seed,
+    )
+
+
+def _run_sharded(args: argparse.Namespace, engine: DuckDBSettings, require: bool) -> dict[str, Any]:
+    from core.arrays import parse_shards, shards_of_this_process
+
+    if args.step == "all" or not args.staging:
+        raise ValueError("a sharded build needs one --step (daily, window, sequences or examples) and --staging")
+    if args.merge:
+        return merge_shards(args.root, args.ds, args.step, args.staging, args.shards)
+    features = _features(args)
+    summary: dict[str, Any] = {}
+    for index in shards_of_this_process(parse_shards(args.run_shards) or list(range(args.shards))):
+        shard = Shard(index, args.shards, args.staging)
+        log.info("building %s of ds=%s, shard %d of %d", args.step, args.ds, index, args.shards)
+        built = build_step(args.root, args.ds, args.step, features, recompute=args.recompute, require_validation=require,
+                           engine=engine, shard=shard)
+        summary[f"shard-{index:05d}"] = built
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from core import config
 
@@ -1241,6 +1453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PinflowError as exc:
         print(f"features.build: {exc.failure_class.value} error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ValueError as exc:  # a bad setting (the typed settings' or a step's own check): fix the command
+        print(f"features.build: USER error: {exc}", file=sys.stderr)
+        return int(ExitCode.USER)
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 

@@ -1,17 +1,29 @@
-"""Operators of the daily feature DAG that build the features (DuckDB).
+"""Operators of the daily feature DAG that build the features (DuckDB), each step as a job on a compute backend.
 
-On the embedded default the work runs in the task's process; the same functions run as
-``python -m features.build`` container jobs elsewhere.
+A step runs as ``python -m features.build`` on the configured backend (``features.backend``, else
+``training.backend``: a local process on the embedded default, an AWS Batch or Kubernetes job in production), never
+in the Airflow worker's process. With ``features.shards`` (or the run's ``shards`` param) N > 1 the step is an array
+job of N shards (users by ``hash(user_id)``, pins by ``hash(pin_id)``), each writing to a staging folder; once every
+shard has its output the task publishes the day's partitions from them (``features.build.merge_shards``: files
+linked or copied, metadata merged, nothing read). A retry builds only the shards still missing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
 from core import config
+from core.failures import ConfigError, InfraError
+
+if TYPE_CHECKING:
+    from core.config import FeaturesConfig, PlatformConfig
 
 FEATURE_STEPS = ("daily", "window", "sequences", "examples")
 # The datasets each step writes (``core.contracts``; spelled out here so that parsing a DAG imports no pyarrow).
@@ -21,10 +33,69 @@ STEP_OUTPUTS = {
     "sequences": ("features/user_sequence",),
     "examples": ("examples",),
 }
+STAGING = "_staging"  # under the storage root: shard outputs of builds not merged yet (no dataset starts with _)
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
+_UNIT_GB = {None: 1e-9, "KB": 1e-6, "MB": 1e-3, "GB": 1.0, "TB": 1e3, "KIB": 2**10 / 1e9, "MIB": 2**20 / 1e9,
+            "GIB": 2**30 / 1e9, "TIB": 2**40 / 1e9}
+
+
+def memory_gb(limit: str) -> float:
+    """DuckDB's memory limit (``4GB``, ``512MiB``) in GB; a ConfigError naming the key if it is not one."""
+    match = _SIZE_RE.match(limit)
+    if not match:
+        raise ConfigError(f"features.duckdb_memory_limit = {limit!r} is not a size such as 4GB or 512MiB")
+    return float(match.group(1)) * _UNIT_GB[match.group(2).upper() if match.group(2) else None]
+
+
+def build_command(root: str, ds: str, step: str, features: FeaturesConfig, *, skip_validation: bool) -> list[str]:
+    """``features.build``'s arguments for one step with these settings (pure; every setting explicit)."""
+    command = [
+        "-m", "features.build", "--root", root, "--ds", ds, "--step", step,
+        "--window-days", str(features.window_days), "--sequence-length", str(features.sequence_length),
+        "--prior-impressions", repr(features.pin_prior_impressions),
+        "--negative-downsample", repr(features.negative_downsample), "--seed", str(features.negative_downsample_seed),
+        "--threads", str(features.duckdb_threads), "--memory-limit", features.duckdb_memory_limit,
+    ]
+    if features.duckdb_temp_directory:
+        command += ["--temp-directory", features.duckdb_temp_directory]
+    if skip_validation:
+        command.append("--skip-validation")
+    return command
+
+
+def staging_folder(root: str, step: str, ds: str, key: str) -> str:
+    from core.storage import join
+
+    return join(root, STAGING, "features", step, f"ds={ds}", key)
+
+
+def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg: PlatformConfig,
+                   features: FeaturesConfig, backend: str) -> Any:
+    """The job of one build step (pure): one process (``shards`` empty: unsharded), or an array job with one child
+    per shard in ``shards`` (``--run-shards``: its array index picks one), each on a slice of a
+    ``features.instance_type`` node (DuckDB's threads, its memory limit and half as much again for Arrow batches and
+    the interpreter). Local children run as many at once as the machine has CPUs for their DuckDB threads."""
+    import dataclasses
+
+    from core.arrays import format_shards
+    from operators.backends import JobSpec
+
+    spec = JobSpec(
+        name=name, command=command, team=features.team or cfg.training.team, image=cfg.training.image,
+        instance_type=features.instance_type, env={"OMP_NUM_THREADS": str(features.duckdb_threads)},
+        timeout_s=int(features.timeout_seconds), cpus_per_node=features.duckdb_threads,
+        memory_gb_per_node=round(memory_gb(features.duckdb_memory_limit) * 1.5, 2),
+    )
+    if shards:
+        parallelism = max(1, (os.cpu_count() or 1) // features.duckdb_threads) if backend == "local" else 0
+        spec = dataclasses.replace(spec, command=[*command, "--run-shards", format_shards(shards)],
+                                   array_size=len(shards), array_parallelism=parallelism)
+    return spec
 
 
 class FeatureBuildOperator(BaseOperator):
-    """Build one feature step of a day (DuckDB), written atomically; rerunning replaces that day only.
+    """Build one feature step of a day as a job on a compute backend; written atomically, rerunning replaces that
+    day only.
 
     :param step: one of ``daily``, ``window``, ``sequences``, ``examples``.
     :param ds: the partition day (templated).
@@ -33,11 +104,18 @@ class FeatureBuildOperator(BaseOperator):
     :param skip_validation: build even from raw partitions without a passed validation report for their current
         contents (for experts; recorded as ``skip_validation`` in the outputs' metadata). By default such a
         partition fails the task as DATA, naming the command that validates it.
+    :param shards: split the step into this many jobs (templated; empty: ``features.shards``).
+    :param backend: ``local``, ``batch`` or ``kubernetes`` (templated; empty: ``features.backend``, else
+        ``training.backend``).
+    :param deferrable: wait for the job in the triggerer (default); False polls on the worker.
 
-    A missing or unusable input partition raises the build's ``DataError`` (no retry, nothing downstream).
+    The job's end is classified (``core.failures``): a missing or unusable input (DATA) and a bad setting (USER)
+    fail now, naming what to do; a killed process or a lost node (INFRA) is retried, and the retry builds only
+    the shards still missing. Killing the task cancels the job.
     """
 
-    template_fields: Sequence[str] = ("ds", "overrides")
+    template_fields: Sequence[str] = ("ds", "overrides", "shards", "backend")
+    ui_color = "#f0e4d0"
 
     def __init__(
         self,
@@ -46,6 +124,9 @@ class FeatureBuildOperator(BaseOperator):
         ds: str,
         overrides: dict[str, Any] | None = None,
         skip_validation: bool = False,
+        shards: Any = None,
+        backend: str | None = None,
+        deferrable: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,35 +136,105 @@ class FeatureBuildOperator(BaseOperator):
         self.ds = ds
         self.overrides = overrides or {}
         self.skip_validation = skip_validation
+        self.shards = shards
+        self.backend = backend
+        self.deferrable = deferrable
         self._built: dict[str, Any] | None = None
+        self._job: dict[str, Any] | None = None
 
-    def execute(self, context: Context) -> dict[str, Any]:
-        from features import build
+    def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
+        overrides = {**self.overrides, "shards": self.shards if self.shards not in ("", None) else None}
+        return config.with_overrides(cfg.features, overrides, "the run's params")
+
+    def _plan(self, context: Context) -> dict[str, Any]:
+        """What this task builds: command, shard count, backend, staging folder (the same for every try of a run)."""
+        cfg = config.load()
+        features = self._features(cfg)
+        command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
+        ti = context.get("ti")
+        run = [ti.dag_id, ti.run_id, ti.task_id, str(getattr(ti, "map_index", -1))] if ti is not None else []
+        key = hashlib.sha1(json.dumps([*run, command, features.shards]).encode()).hexdigest()[:16]
+        plan: dict[str, Any] = {"command": command, "shards": features.shards,
+                                "backend": self.backend or features.backend or cfg.training.backend, "staging": None}
+        if features.shards > 1:
+            plan["staging"] = staging_folder(cfg.storage_root, self.step, self.ds, key)
+            plan["command"] = [*command, "--shards", str(features.shards), "--staging", plan["staging"]]
+        return plan
+
+    def execute(self, context: Context) -> Any:
+        from features.build import missing_shards
+        from operators.backends import get_backend, validate_for
+        from operators.jobs import job_name
 
         cfg = config.load()
-        features = config.with_overrides(cfg.features, self.overrides, "the run's params")
-        root, ds, engine = cfg.storage_root, self.ds, build.DuckDBSettings.from_config(features)
-        require = not self.skip_validation
+        plan = self._plan(context)
         if self.skip_validation:
-            self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, ds)
-        if self.step == "daily":
-            summary = build.build_daily(root, ds, require_validation=require, engine=engine)
-        elif self.step == "window":
-            summary = build.build_window(
-                root, ds, window_days=features.window_days, prior_impressions=features.pin_prior_impressions,
-                require_validation=require, engine=engine,
-            )
-        elif self.step == "sequences":
-            summary = build.build_sequences(
-                root, ds, sequence_length=features.sequence_length, window_days=features.window_days,
-                require_validation=require, engine=engine,
-            )
+            self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, self.ds)
+        todo = missing_shards(plan["staging"], self.step, plan["shards"]) if plan["staging"] else [0]
+        if not todo:
+            self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)
+            return self._finish(plan)
+        ti = context.get("ti")
+        parts = [ti.dag_id, ti.run_id, ti.task_id, f"try{ti.try_number}"] if ti is not None else [self.task_id, self.ds]
+        name = job_name("features", *parts)
+        features = self._features(cfg)
+        spec = build_job_spec(plan["command"], name=name, shards=todo if plan["staging"] else [], cfg=cfg,
+                              features=features, backend=plan["backend"])
+        validate_for(spec, cfg.teams, backend=plan["backend"])
+        backend = get_backend(plan["backend"], cfg)
+        backend.dry_run(spec)  # the backend's own checks before anything is submitted
+        job_id = backend.submit(spec)  # idempotent per name: a job this try submitted already is reattached
+        what = f"shard(s) {todo} of {plan['shards']}" if plan["staging"] else "unsharded"
+        self.log.info("building %s ds=%s (%s) as %s job %s: %s", self.step, self.ds, what, plan["backend"], job_id,
+                      backend.console_url(job_id))
+        job = {"backend": plan["backend"], "job_id": job_id}
+        self._job = job
+        if not self.deferrable:
+            from operators.jobs import wait_for_job
+
+            wait_for_job(backend, job_id, poll_seconds=features.poll_seconds, stall_seconds=float(features.timeout_seconds),
+                         queue_timeout_seconds=cfg.training.queue_timeout_seconds, what="feature build job")
+            self._job = None
+            return self._finish(plan)
+        from operators.triggers import ComputeJobTrigger
+
+        self.defer(
+            trigger=ComputeJobTrigger(backend=plan["backend"], job_id=job_id, poll_seconds=features.poll_seconds,
+                                      stall_seconds=float(features.timeout_seconds),
+                                      queue_timeout_seconds=cfg.training.queue_timeout_seconds),
+            method_name="execute_complete",
+            kwargs={"job": job},
+        )
+        return None  # not reached: defer() raises
+
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
+                         job: dict[str, Any] | None = None) -> Any:
+        """Re-check the job through its backend (the event is a hint), classify its end, publish the day."""
+        from operators.backends import get_backend
+        from operators.jobs import WATCHER_STATES, raise_for_status
+
+        job = dict(job or {k: (event or {})[k] for k in ("backend", "job_id")})
+        if event and event.get("state") in WATCHER_STATES:  # queued too long: the trigger cancelled it
+            raise InfraError(str(event.get("reason")))
+        backend = get_backend(job["backend"])
+        raise_for_status(backend, backend.status(job["job_id"]), what="feature build job")
+        return self._finish(self._plan(context))
+
+    def _finish(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Publish the shards (a sharded step) or read what the job published; log gaps; the summaries."""
+        from core import storage
+        from features.build import merge_shards
+
+        root = config.load().storage_root
+        if plan["staging"]:
+            summary = merge_shards(root, self.ds, self.step, plan["staging"], plan["shards"])
         else:
-            summary = build.build_examples(
-                root, ds, prior_impressions=features.pin_prior_impressions,
-                negative_downsample=features.negative_downsample, seed=features.negative_downsample_seed,
-                require_validation=require, engine=engine,
-            )
+            summary = {}
+            for dataset in STEP_OUTPUTS[self.step]:
+                if not storage.is_complete(root, dataset, self.ds):
+                    raise InfraError(f"the build job of {self.step} ds={self.ds} succeeded but {dataset} is not "
+                                     "published: a retry builds it")
+                summary[dataset] = storage.read_metadata(root, dataset, self.ds)
         for dataset, meta in summary.items():
             # Days left out or computed on demand are named in the task log, not only in the metadata.
             if meta.get("missing_days") or meta.get("computed_from_raw"):
@@ -94,6 +245,13 @@ class FeatureBuildOperator(BaseOperator):
         self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
         self._built = summary
         return summary
+
+    def on_kill(self) -> None:
+        if self._job is not None:
+            from operators.backends import get_backend
+
+            self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
+            get_backend(self._job["backend"]).cancel(self._job["job_id"])
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and

@@ -190,8 +190,8 @@ def scoring_job_spec(plan: dict[str, Any], shards: Sequence[int], *, name: str, 
     """
     import dataclasses
 
+    from core.arrays import format_shards
     from operators.backends import JobSpec
-    from training.inference import format_shards
 
     inf = cfg.inference
     listed = format_shards(shards)

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,16 @@ def describe_beats(beats: list[dict[str, Any]]) -> str:
 
 
 
+def poll_delays(poll_seconds: float, first: float = 0.25) -> Iterator[float]:
+    """The waits between status checks: ``first``, doubling up to ``poll_seconds`` (a job of seconds, such as a
+    feature build step on the embedded default, is seen to end within a fraction of a second; a long one is
+    checked every ``poll_seconds``)."""
+    delay = min(first, poll_seconds)
+    while True:
+        yield delay
+        delay = min(delay * 2, poll_seconds)
+
+
 def raise_for_status(backend: Backend, status: JobStatus, *, what: str = "job") -> JobStatus:
     """Return a succeeded status; raise the failure class's typed error for a failed one."""
     if status.state is JobState.SUCCEEDED:
@@ -200,6 +211,7 @@ def wait_for_job(
     the job first, so a retry does not race it. The returned status carries the job's start and queue times.
     """
     watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
+    delays = poll_delays(poll_seconds)
     last_log = 0.0
     was_running = False
     while True:
@@ -221,7 +233,7 @@ def wait_for_job(
             if watch.stalled(beats):
                 backend.cancel(job_id)
                 raise InfraError(watch.heartbeats.stall_message(what, job_id))
-        sleep(poll_seconds)
+        sleep(next(delays))
     times = watch.times(status)
     status = dataclasses.replace(status, created_at=times["created_at"], started_at=times["started_at"])
     return raise_for_status(backend, status, what=what)

@@ -66,10 +66,11 @@ class ComputeJobTrigger(BaseTrigger):
         return get_backend(self.backend, home=self.home)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.jobs import STALLED, JobWatch, describe_beats, read_heartbeats
+        from operators.jobs import STALLED, JobWatch, describe_beats, poll_delays, read_heartbeats
 
         backend = await asyncio.to_thread(self._backend)
         watch = JobWatch(self.stall_seconds, self.queue_timeout_seconds)
+        delays = poll_delays(self.poll_seconds)
         last_log = 0.0
         last_phase: Any = None
         was_running = False
@@ -119,7 +120,7 @@ class ComputeJobTrigger(BaseTrigger):
                         **watch.times(),
                     })
                     return
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(next(delays))
 
     async def on_kill(self) -> None:
         """The user killed the deferred task: cancel its job (not called when a triggerer restarts)."""

@@ -42,7 +42,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core import storage
+from core.arrays import parse_shards, shards_of_this_process
 from core.contracts import RAW_PINS
 from core.failures import DataError, ExitCode, UserError, exit_code_for
 from training.runtime import setup_logging
@@ -62,8 +63,6 @@ PLAN_FILE = "_PLAN.json"
 VIEWS_DIR = "_views"  # under PLANS_DIR: merged incremental snapshots
 PART_METADATA_KEY = "pinflow.part"
 SHARDING = "rows-v1"  # contiguous row ranges of the snapshot in file and row-group order
-# The array index of this process in an array job: the local backend's, AWS Batch's, a Kubernetes Indexed Job's.
-ARRAY_INDEX_VARIABLES = ("PINFLOW_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX")
 # The columns of the pin snapshot a family's score_corpus may read.
 PIN_COLUMNS = ["pin_id", "embedding", "category", "creator_id", "image_embedding", "text_tokens"]
 ROW_GROUP_ROWS = 64 * 1024  # rows per row group of a part
@@ -735,51 +734,6 @@ def publish_manifest(
 
 
 # --- the entry point -------------------------------------------------------------------------------------------
-
-
-def array_index(environ: dict[str, str] | None = None) -> int | None:
-    """This process's index in an array job, from the first of ``ARRAY_INDEX_VARIABLES`` that is set."""
-    env = os.environ if environ is None else environ
-    for name in ARRAY_INDEX_VARIABLES:
-        if env.get(name, "") != "":
-            return int(env[name])
-    return None
-
-
-def parse_shards(text: str) -> list[int]:
-    """``0,3,5-7`` → [0, 3, 5, 6, 7]."""
-    shards: list[int] = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        if "-" in item:
-            a, b = item.split("-", 1)
-            shards.extend(range(int(a), int(b) + 1))
-        else:
-            shards.append(int(item))
-    return shards
-
-
-def format_shards(shards: Sequence[int]) -> str:
-    """The inverse of :func:`parse_shards`, with runs folded: [0, 3, 5, 6, 7] → ``0,3,5-7``."""
-    out: list[str] = []
-    items = sorted(shards)
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def shards_of_this_process(shards: list[int], environ: dict[str, str] | None = None) -> list[int]:
-    """The shards this process scores: one of ``shards`` in an array job, else all of them."""
-    index = array_index(environ)
-    if index is None:
-        return shards
-    if not 0 <= index < len(shards):
-        raise UserError(f"array index {index} is outside the {len(shards)} shard(s) given with --shards")
-    return [shards[index]]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,13 +38,13 @@ import numpy as np
 import pyarrow as pa
 
 from core import storage
+from core.arrays import parse_shards
 from core.failures import ExitCode, UserError, exit_code_for
 from training.inference import (
     PartWriter,
     Piece,
     batch_bounds,
     find_part,
-    parse_shards,
     read_piece,
     read_plan,
     shard_pieces,

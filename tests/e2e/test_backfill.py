@@ -1,7 +1,8 @@
 """Backfills through Airflow, while the scheduler runs: nothing lost, and the same rows as the days built one by one.
 
-Starts a private Airflow (SQLite metadata database, LocalExecutor): the DAG processor, the scheduler and the API
-server (REST API and the execution API that task processes report to), as subprocesses of this test. Then, as a
+Starts a private Airflow (SQLite metadata database, LocalExecutor): the DAG processor, the scheduler, the triggerer
+(where the build tasks wait for their jobs) and the API server (REST API and the execution API that task processes
+report to), as subprocesses of this test. Then, as a
 data engineer would:
 
 1. ``airflow backfill create --dag-id pin_daily_features ... --reprocess-behavior completed`` over the first two
@@ -229,6 +230,7 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backfilled]
     try:
         airflow.start("dag-processor")
         airflow.start("scheduler")
+        airflow.start("triggerer")  # the feature build tasks wait for their jobs there
         airflow.start("api-server", "--apps", "core,execution", "--workers", "1")
         airflow.wait(
             f"the DAG processor to serialize {DAG_ID}",

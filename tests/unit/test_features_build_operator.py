@@ -1,80 +1,156 @@
-"""FeatureBuildOperator: config (and param overrides) reach features.build as explicit arguments."""
+"""FeatureBuildOperator: each step is a job on a compute backend (a local process here), config and param overrides
+reach ``features.build`` as explicit arguments, a sharded step is an array job whose shards are merged, a retry
+builds only the missing shards, and the job's failure class reaches the task."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from core import config
+from core import config, contracts, storage
 from core.config import FeaturesConfig, PlatformConfig
 from core.failures import ConfigError, DataError, FailureClass
-from features import build
-from operators.features import FeatureBuildOperator
+from features.synthetic import WorldConfig, generate_world
+from operators.features import FeatureBuildOperator, build_command, build_job_spec, memory_gb
 
+DAY = "2026-11-01"
 SETTINGS = {
     "window_days": 14,
     "sequence_length": 50,
     "pin_prior_impressions": 10.0,
     "negative_downsample": 1.0,
     "negative_downsample_seed": 5,
-    "duckdb_threads": 3,
+    "duckdb_threads": 1,
     "duckdb_memory_limit": "1GB",
-    "duckdb_temp_directory": "/spill",
+    "poll_seconds": 0.2,
 }
 
 
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("world")
+    generate_world(root, WorldConfig(start=DAY, days=1, users=40, pins=50, seed=2, active_rate=0.9))
+    return root
+
+
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
-    recorded: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-    platform = PlatformConfig(storage_root="/data", features=FeaturesConfig(**SETTINGS))
-    monkeypatch.setattr(config, "load", lambda: platform)
-    for name in ("build_daily", "build_window", "build_sequences", "build_examples"):
-        def fake(*args: Any, _name: str = name, **kwargs: Any) -> dict[str, Any]:
-            recorded.append((_name, args, kwargs))
-            return {"features/x": {"rows": 1, "missing_days": ["2026-11-01"], "computed_from_raw": []}}
-
-        monkeypatch.setattr(build, name, fake)
-    return recorded
+def platform(world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PlatformConfig:
+    """A storage root holding one raw day, and a home for the local backend's job folders."""
+    root = tmp_path / "storage"
+    shutil.copytree(world / "raw", root / "raw")
+    cfg = PlatformConfig(storage_root=str(root), home=str(tmp_path / "home"), features=FeaturesConfig(**SETTINGS))
+    monkeypatch.setattr(config, "load", lambda: cfg)
+    return cfg
 
 
-@pytest.mark.unit
-def test_engine_and_parameters_come_from_config_and_overrides(calls: list[Any]) -> None:
-    op = FeatureBuildOperator(
-        task_id="examples", step="examples", ds="2026-11-02", overrides={"negative_downsample": 0.25, "sequence_length": None}
-    )
-    op.execute({})  # type: ignore[arg-type]
-    name, args, kwargs = calls[-1]
-    assert (name, args) == ("build_examples", ("/data", "2026-11-02"))
-    assert kwargs["engine"] == build.DuckDBSettings(threads=3, memory_limit="1GB", temp_directory="/spill")
-    assert (kwargs["negative_downsample"], kwargs["seed"], kwargs["prior_impressions"]) == (0.25, 5, 10.0)
-
-    FeatureBuildOperator(task_id="window", step="window", ds="2026-11-02").execute({})  # type: ignore[arg-type]
-    assert calls[-1][2]["window_days"] == 14
+def context(try_number: int = 1) -> Any:
+    ti = SimpleNamespace(dag_id="pin_daily_features", run_id="manual__1", task_id="daily_aggregates", map_index=-1,
+                         try_number=try_number)
+    return {"ti": ti}
 
 
 @pytest.mark.unit
-def test_missing_input_is_a_data_failure(monkeypatch: pytest.MonkeyPatch, calls: list[Any]) -> None:
-    def missing(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise build.MissingInputError("required input raw/events for ds=2026-11-02 is missing")
-
-    monkeypatch.setattr(build, "build_daily", missing)
-    with pytest.raises(DataError, match="raw/events for ds=2026-11-02"):
-        FeatureBuildOperator(task_id="daily", step="daily", ds="2026-11-02").execute({})  # type: ignore[arg-type]
+def test_the_command_carries_every_setting_and_the_overrides() -> None:
+    features = FeaturesConfig(**SETTINGS).model_copy(update={"negative_downsample": 0.25, "duckdb_temp_directory": "/spill"})
+    assert build_command("/data", DAY, "examples", features, skip_validation=True) == [
+        "-m", "features.build", "--root", "/data", "--ds", DAY, "--step", "examples", "--window-days", "14",
+        "--sequence-length", "50", "--prior-impressions", "10.0", "--negative-downsample", "0.25", "--seed", "5",
+        "--threads", "1", "--memory-limit", "1GB", "--temp-directory", "/spill", "--skip-validation",
+    ]
+    assert memory_gb("4GB") == 4.0 and memory_gb("512MiB") == pytest.approx(0.537, abs=1e-3)
+    with pytest.raises(ConfigError, match="features.duckdb_memory_limit = 'lots'"):
+        memory_gb("lots")
 
 
 @pytest.mark.unit
-def test_a_bad_param_fails_as_user_error_naming_it(calls: list[Any]) -> None:
-    op = FeatureBuildOperator(task_id="examples", step="examples", ds="2026-11-02", overrides={"negative_downsample": 5})
+def test_a_sharded_step_is_an_array_job_of_the_missing_shards() -> None:
+    from operators.backends.batch import BatchBackend
+    from operators.backends.resources import Catalog
+
+    cfg = PlatformConfig(storage_root="s3://bucket/pinflow", features=FeaturesConfig(**SETTINGS))
+    command = [*build_command(cfg.storage_root, DAY, "daily", cfg.features, skip_validation=False),
+               "--shards", "8", "--staging", "s3://bucket/pinflow/_staging/x"]
+    spec = build_job_spec(command, name="features-x", shards=[0, 2, 3, 7], cfg=cfg, features=cfg.features, backend="batch")
+    assert (spec.array_size, spec.command[-2:]) == (4, ["--run-shards", "0,2-3,7"])
+    assert (spec.cpus_per_node, spec.memory_gb_per_node, spec.instance_type) == (1, 1.5, "m5.2xlarge")
+    submit = BatchBackend(cfg.batch, cfg.teams, Catalog.from_config(cfg)).dry_run(spec)["submit"]
+    assert submit["arrayProperties"] == {"size": 4}
+    assert submit["containerOverrides"]["command"] == ["python", *spec.command]
+    unsharded = build_job_spec(command[:-4], name="features-x", shards=[], cfg=cfg, features=cfg.features, backend="batch")
+    assert unsharded.array_size == 0 and "--run-shards" not in unsharded.command
+
+
+@pytest.mark.unit
+def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConfig) -> None:
+    root = platform.storage_root
+    op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
+    summary = op.execute(context())
+    assert summary[contracts.USER_DAILY]["rows"] == storage.read_table(root, contracts.USER_DAILY, DAY).num_rows > 0
+    whole = {d: storage.read_table(root, d, DAY) for d in (contracts.USER_DAILY, contracts.PIN_DAILY)}
+    jobs = sorted(p.name for p in (Path(platform.home) / "jobs").iterdir())
+    assert len(jobs) == 1 and jobs[0].startswith("features-pin-daily-features")
+
+    sharded = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True,
+                                   shards=3, deferrable=False)
+    summary = sharded.execute(context(try_number=2))
+    for dataset, key in ((contracts.USER_DAILY, "user_id"), (contracts.PIN_DAILY, "pin_id")):
+        assert summary[dataset]["shards"] == 3
+        assert len(storage.data_files(root, dataset, DAY)) == 3
+        assert storage.read_table(root, dataset, DAY).sort_by(key).equals(whole[dataset].sort_by(key))
+    assert not any(Path(root, "_staging").rglob("*.parquet"))
+
+
+@pytest.mark.unit
+def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> None:
+    from features import build
+
+    root = platform.storage_root
+    op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=3,
+                              deferrable=False)
+    plan = op._plan(context())
+    # The first try built shard 1 and then was lost.
+    build.main([*plan["command"][2:], "--run-shards", "1"])
+    built = Path(build.shard_folder(plan["staging"], contracts.USER_DAILY, 1), build.shard_file(1))
+    before = built.stat().st_mtime_ns
+    op.execute(context(try_number=2))
+    requests = [storage.read_json(str(p)) for p in (Path(platform.home) / "jobs").glob("*/request.json")]
+    assert [r["nodes"][0]["argv"][-1] for r in requests] == ["0,2"]  # the retry's array job: shards 0 and 2 only
+    assert storage.read_metadata(root, contracts.USER_DAILY, DAY)["shards"] == 3
+    assert before == Path(root, contracts.USER_DAILY, f"ds={DAY}", build.shard_file(1)).stat().st_mtime_ns
+
+
+@pytest.mark.unit
+def test_an_unvalidated_input_fails_the_task_as_data_naming_the_command(platform: PlatformConfig) -> None:
+    op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, deferrable=False)
+    with pytest.raises(DataError, match=r"raw/events/ds=2026-11-01 .*python -m features.validate events") as err:
+        op.execute(context())
+    assert err.value.failure_class is FailureClass.DATA
+    assert not storage.is_complete(platform.storage_root, contracts.USER_DAILY, DAY)
+
+
+@pytest.mark.unit
+def test_a_bad_param_fails_as_user_error_before_any_job(platform: PlatformConfig) -> None:
+    op = FeatureBuildOperator(task_id="examples", step="examples", ds=DAY, overrides={"negative_downsample": 5},
+                              deferrable=False)
     with pytest.raises(ConfigError, match="the run's params: features.negative_downsample = 5: .*less than or equal to 1") as err:
-        op.execute({})  # type: ignore[arg-type]
-    assert err.value.failure_class is FailureClass.USER and not calls
+        op.execute(context())
+    assert err.value.failure_class is FailureClass.USER
+    assert not (Path(platform.home) / "jobs").exists()
+    with pytest.raises(ConfigError, match="features.shards = 0"):
+        FeatureBuildOperator(task_id="daily", step="daily", ds=DAY, shards=0, deferrable=False).execute(context())
 
 
 @pytest.mark.unit
-def test_validation_is_required_unless_the_task_skips_it(calls: list[Any]) -> None:
-    for step in ("daily", "window", "sequences", "examples"):
-        FeatureBuildOperator(task_id=step, step=step, ds="2026-11-02").execute({})  # type: ignore[arg-type]
-        assert calls[-1][2]["require_validation"] is True, step
-        FeatureBuildOperator(task_id=step, step=step, ds="2026-11-02", skip_validation=True).execute({})  # type: ignore[arg-type]
-        assert calls[-1][2]["require_validation"] is False, step
+def test_the_job_runs_with_this_interpreter() -> None:
+    from operators.backends.local import LocalBackend
+
+    cfg = PlatformConfig(storage_root="/data", features=FeaturesConfig(**SETTINGS))
+    spec = build_job_spec(build_command("/data", DAY, "daily", cfg.features, skip_validation=False), name="features-y",
+                          shards=[], cfg=cfg, features=cfg.features, backend="local")
+    request = LocalBackend("/tmp/unused").dry_run(spec)
+    assert request["nodes"][0]["argv"][:3] == [sys.executable, "-m", "features.build"]

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core import config, storage
+from core import arrays, config, storage
 from core.config import PlatformConfig
 from core.contracts import RAW_PINS
 from core.failures import DataError, FailureClass, InfraError, UserError
@@ -233,14 +233,14 @@ def test_checksums_do_not_depend_on_order_and_see_a_swapped_pin():
 
 
 def test_shard_lists_and_array_indexes():
-    assert inference.parse_shards("0,3,5-7") == [0, 3, 5, 6, 7]
-    assert inference.format_shards([7, 0, 5, 3, 6]) == "0,3,5-7"
-    assert inference.shards_of_this_process([3, 5, 9], {}) == [3, 5, 9]
-    assert inference.shards_of_this_process([3, 5, 9], {"AWS_BATCH_JOB_ARRAY_INDEX": "1"}) == [5]
-    assert inference.shards_of_this_process([3, 5, 9], {"JOB_COMPLETION_INDEX": "2"}) == [9]
-    assert inference.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "0", "JOB_COMPLETION_INDEX": "2"}) == [3]
+    assert arrays.parse_shards("0,3,5-7") == [0, 3, 5, 6, 7]
+    assert arrays.format_shards([7, 0, 5, 3, 6]) == "0,3,5-7"
+    assert arrays.shards_of_this_process([3, 5, 9], {}) == [3, 5, 9]
+    assert arrays.shards_of_this_process([3, 5, 9], {"AWS_BATCH_JOB_ARRAY_INDEX": "1"}) == [5]
+    assert arrays.shards_of_this_process([3, 5, 9], {"JOB_COMPLETION_INDEX": "2"}) == [9]
+    assert arrays.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "0", "JOB_COMPLETION_INDEX": "2"}) == [3]
     with pytest.raises(UserError, match="array index 3 is outside"):
-        inference.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "3"})
+        arrays.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "3"})
 
 
 def test_the_entry_point_scores_its_array_index_and_publishes(tmp_path: Path, monkeypatch, capsys):

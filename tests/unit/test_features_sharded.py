@@ -1,0 +1,162 @@
+"""Scale-out of the feature build: a day split into shards by user / pin hash, merged by the shards' metadata,
+equals the unsharded build, row for row and in every metadata key but the layout's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from core import contracts, storage
+from core.config import FeaturesConfig
+from core.failures import DataError, InfraError
+from core.storage import day_range, partition, read_metadata, read_table, shift_ds
+from features import build
+from features.synthetic import WorldConfig, generate_world
+
+START = "2026-03-01"
+DAYS = day_range(START, shift_ds(START, 5))
+GAP = DAYS[3]  # no raw data that day: the window and sequences after it are full sums, then incremental again
+BUILT = [d for d in DAYS if d != GAP]
+FEATURES = FeaturesConfig(window_days=3, sequence_length=6, negative_downsample=0.5, negative_downsample_seed=11)
+ENGINE = build.DuckDBSettings(threads=1, memory_limit="512MB")
+SHARDS = 3
+KEYS = {
+    contracts.USER_DAILY: "user_id", contracts.PIN_DAILY: "pin_id", contracts.USER_WINDOW: "user_id",
+    contracts.PIN_WINDOW: "pin_id", contracts.USER_SEQUENCE: "user_id", contracts.EXAMPLES: "impression_id",
+}
+# What only the layout changes (the digest hashes rows in file order), and publish stamps (daily_versions, input_versions).
+LAYOUT_KEYS = {"shards", "content_digest", "sequence_digest", "daily_versions", "input_versions"}
+
+
+def build_sharded(root: Path, day: str, step: str, shards: int = SHARDS) -> dict:
+    staging = storage.join(root, "_staging", step, f"ds={day}")
+    for index in range(shards):
+        build.build_step(root, day, step, FEATURES, require_validation=False, engine=ENGINE,
+                         shard=build.Shard(index, shards, staging))
+    return build.merge_shards(root, day, step, staging, shards)
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same raw world built day by day unsharded, and with every step in 3 shards."""
+    raw = tmp_path_factory.mktemp("raw")
+    generate_world(raw, WorldConfig(start=START, days=len(DAYS), users=50, pins=70, seed=3, active_rate=0.9))
+    for dataset in (contracts.RAW_EVENTS, contracts.RAW_PINS, "raw/users", "truth"):
+        storage.remove_tree(partition(raw, dataset, GAP))
+    whole, sharded = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("sharded")
+    for target in (whole, sharded):
+        for dataset in ("raw",):
+            shutil.copytree(raw / dataset, target / dataset)
+    for day in BUILT:
+        for step in build.STEP_DATASETS:
+            build.build_step(whole, day, step, FEATURES, require_validation=False, engine=ENGINE)
+            build_sharded(sharded, day, step)
+    return whole, sharded
+
+
+def sorted_by(table: pa.Table, key: str) -> pa.Table:
+    return table.sort_by(key).combine_chunks()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("day", BUILT)
+def test_sharded_build_equals_the_unsharded_one(roots: tuple[Path, Path], day: str) -> None:
+    whole, sharded = roots
+    for dataset, key in KEYS.items():
+        expected, got = read_table(whole, dataset, day), read_table(sharded, dataset, day)
+        assert got.num_rows == expected.num_rows > 0, dataset
+        assert sorted_by(got, key).equals(sorted_by(expected, key)), f"{dataset} ds={day}"
+        assert len(storage.data_files(sharded, dataset, day)) == SHARDS
+        meta_whole, meta_sharded = read_metadata(whole, dataset, day), read_metadata(sharded, dataset, day)
+        assert meta_sharded["shards"] == SHARDS
+        assert {k: v for k, v in meta_sharded.items() if k not in LAYOUT_KEYS} == {
+            k: v for k, v in meta_whole.items() if k not in LAYOUT_KEYS
+        }, f"{dataset} ds={day}"
+    # The incremental paths were taken on both sides (not only full sums that happen to agree).
+    if day in (DAYS[1], DAYS[2], DAYS[5]):
+        for root in roots:
+            assert read_metadata(root, contracts.USER_WINDOW, day)["mode"] == "incremental"
+            assert read_metadata(root, contracts.USER_SEQUENCE, day)["mode"] == "incremental"
+    assert not (sharded / "_staging").exists() or not any((sharded / "_staging").rglob("*.parquet"))
+
+
+@pytest.mark.unit
+def test_training_reads_sharded_examples_like_unsharded_ones(roots: tuple[Path, Path]) -> None:
+    from training.data import read_examples
+
+    whole, sharded = roots
+    day = BUILT[-1]
+    expected = read_examples(whole, day)
+    got = read_examples(sharded, day)
+    assert sorted_by(got, "impression_id").equals(sorted_by(expected, "impression_id"))
+
+
+@pytest.mark.unit
+def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging = BUILT[-1], str(tmp_path / "staging")
+    build.build_step(root, day, "examples", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(0, 2, staging))
+    with pytest.raises(InfraError, match=r"shard\(s\) \[1\] have no output"):
+        build.merge_shards(root, day, "examples", staging, 2)
+    other = FEATURES.model_copy(update={"negative_downsample": 0.25})
+    build.build_step(root, day, "examples", other, require_validation=False, engine=ENGINE, shard=build.Shard(1, 2, staging))
+    before = storage.read_json(storage.join(partition(root, contracts.EXAMPLES, day), storage.METADATA_FILE))
+    with pytest.raises(DataError, match="shard 1 was built from other inputs or settings.*negative_downsample"):
+        build.merge_shards(root, day, "examples", staging, 2)
+    # Nothing was published: the day's examples are still the 3-shard build.
+    assert storage.read_json(storage.join(partition(root, contracts.EXAMPLES, day), storage.METADATA_FILE)) == before
+
+
+@pytest.mark.unit
+def test_cli_builds_the_shard_its_array_index_picks_and_merges(roots: tuple[Path, Path], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    whole, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging = BUILT[-1], str(tmp_path / "staging")
+    args = ["--root", str(root), "--ds", day, "--step", "sequences", "--shards", "4", "--staging", staging,
+            "--window-days", "3", "--sequence-length", "6", "--skip-validation", "--threads", "1"]
+    order = [3, 0, 2, 1]
+    for index, shard in enumerate(order):  # an array job over shards 3,0,2,1: the index picks one each
+        monkeypatch.setenv("PINFLOW_ARRAY_INDEX", str(index))
+        assert build.main([*args, "--run-shards", "3,0,2,1"]) == 0
+        assert shard not in build.missing_shards(staging, "sequences", 4)
+        assert build.missing_shards(staging, "sequences", 4) == sorted(set(range(4)) - set(order[: index + 1]))
+    monkeypatch.delenv("PINFLOW_ARRAY_INDEX")
+    assert build.main([*args, "--merge"]) == 0
+    assert not Path(staging).exists()
+    key = "user_id"
+    expected = read_table(whole, contracts.USER_SEQUENCE, day)
+    assert sorted_by(read_table(root, contracts.USER_SEQUENCE, day), key).equals(sorted_by(expected, key))
+    assert len(storage.data_files(root, contracts.USER_SEQUENCE, day)) == 4
+
+
+@pytest.mark.unit
+def test_an_input_republished_during_the_build_publishes_nothing(roots: tuple[Path, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    whole, _ = roots
+    root = tmp_path / "root"
+    shutil.copytree(whole, root)
+    day = BUILT[-1]
+    folder = Path(partition(root, contracts.USER_DAILY, day))
+    before = storage.read_json(str(folder / storage.METADATA_FILE))
+    events = read_table(root, contracts.RAW_EVENTS, day)
+    conform = build._conform
+
+    def rebuild_input_then_conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+        monkeypatch.setattr(build, "_conform", conform)
+        storage.write_table(root, contracts.RAW_EVENTS, day, events)  # a concurrent rebuild: same rows, new version
+        return conform(table, schema)
+
+    monkeypatch.setattr(build, "_conform", rebuild_input_then_conform)
+    with pytest.raises(InfraError, match=f"raw/events/ds={day} was republished while features/user_daily ds={day}"):
+        build.build_daily(root, day, require_validation=False, engine=ENGINE)
+    assert storage.read_json(str(folder / storage.METADATA_FILE)) == before  # the old version stays, whole
+    assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    # The retry builds from the new version.
+    assert build.build_daily(root, day, require_validation=False, engine=ENGINE)[contracts.USER_DAILY]["rows"] == before["rows"]
