@@ -111,7 +111,9 @@ class FeatureBuildOperator(BaseOperator):
 
     The job's end is classified (``core.failures``): a missing or unusable input (DATA) and a bad setting (USER)
     fail now, naming what to do; a killed process or a lost node (INFRA) is retried, and the retry builds only
-    the shards still missing. Killing the task cancels the job.
+    the shards still missing. A retry whose earlier try's job still runs (its worker was lost) waits for that
+    job instead of submitting another. Killing the task cancels the job. Build jobs are not in the job history
+    and hold no team quota (that accounts for training jobs).
     """
 
     template_fields: Sequence[str] = ("ds", "overrides", "shards", "backend")
@@ -175,15 +177,23 @@ class FeatureBuildOperator(BaseOperator):
             self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)
             return self._finish(plan)
         ti = context.get("ti")
-        parts = [ti.dag_id, ti.run_id, ti.task_id, f"try{ti.try_number}"] if ti is not None else [self.task_id, self.ds]
-        name = job_name("features", *parts)
+        parts = [ti.dag_id, ti.run_id, ti.task_id] if ti is not None else [self.task_id, self.ds]
+        try_number = int(ti.try_number) if ti is not None else 1
         features = self._features(cfg)
-        spec = build_job_spec(plan["command"], name=name, shards=todo if plan["staging"] else [], cfg=cfg,
-                              features=features, backend=plan["backend"])
+        spec = build_job_spec(plan["command"], name=job_name("features", *parts, f"try{try_number}"),
+                              shards=todo if plan["staging"] else [], cfg=cfg, features=features,
+                              backend=plan["backend"])
         validate_for(spec, cfg.teams, backend=plan["backend"])
         backend = get_backend(plan["backend"], cfg)
         backend.dry_run(spec)  # the backend's own checks before anything is submitted
-        job_id = backend.submit(spec)  # idempotent per name: a job this try submitted already is reattached
+        # No duplicate job: an earlier try's job still running (its worker was lost) is waited for, not repeated.
+        earlier = (backend.find(job_name("features", *parts, f"try{n}")) for n in range(try_number - 1, 0, -1))
+        running = next((found for found in earlier if found and not backend.status(found).state.terminal), None)
+        if running:
+            job_id = running
+            self.log.info("reattaching to build job %s of an earlier try, still running", job_id)
+        else:
+            job_id = backend.submit(spec)  # idempotent per name: a job this try submitted already is reattached
         what = f"shard(s) {todo} of {plan['shards']}" if plan["staging"] else "unsharded"
         self.log.info("building %s ds=%s (%s) as %s job %s: %s", self.step, self.ds, what, plan["backend"], job_id,
                       backend.console_url(job_id))

@@ -125,6 +125,25 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> Non
 
 
 @pytest.mark.unit
+def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: PlatformConfig) -> None:
+
+    from operators.backends import get_backend
+    from operators.jobs import job_name
+
+    op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
+    command = op._plan(context())["command"]
+    # Try 1 submitted its job (slowed down, so that it still runs when try 2 starts) and then its worker was lost.
+    slow = ["-c", "import runpy, sys, time; time.sleep(2); sys.argv = ['features.build', *sys.argv[1:]]; "
+            "runpy.run_module('features.build', run_name='__main__')", *command[2:]]
+    spec = build_job_spec(slow, name=job_name("features", "pin_daily_features", "manual__1", "daily_aggregates", "try1"),
+                          shards=[], cfg=platform, features=platform.features, backend="local")
+    get_backend("local", platform).submit(spec)
+    summary = op.execute(context(try_number=2))
+    assert summary[contracts.USER_DAILY]["rows"] > 0
+    assert [p.name for p in (Path(platform.home) / "jobs").iterdir()] == [spec.name]  # no second job
+
+
+@pytest.mark.unit
 def test_an_unvalidated_input_fails_the_task_as_data_naming_the_command(platform: PlatformConfig) -> None:
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, deferrable=False)
     with pytest.raises(DataError, match=r"raw/events/ds=2026-11-01 .*python -m features.validate events") as err:
