@@ -12,10 +12,17 @@ marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic a
 * a folder (a partition, a report, a quarantine record) is written through :func:`publish`: on a local root
   into a hidden temporary sibling that is swapped into place with its marker (an atomic exchange on Linux, so
   a reader never finds the folder missing; writers of one folder take turns on its lock file), so a crash
-  never leaves partial output and a rerun replaces exactly that folder; on an object store, which has no rename, the old marker goes
-  first, then the old objects, then the new data, and the marker last;
+  never leaves partial output and a rerun replaces exactly that folder; on an object store, which has no rename, the
+  data goes into a fresh version folder ``<folder>/_v=<version>/`` (ids sort by time) and the marker, written last as
+  one PUT, names that version (``{"published": ..., "version": ...}``), so readers switch from the whole old version
+  to the whole new one; the older versions are then removed but the one replaced (kept for readers that had just
+  resolved it) and any newer one (a concurrent writer's); a failure removes its own version folder only;
 * a single file (JSON, a report page) through :func:`write_bytes` / :func:`write_json`: locally a temporary
   sibling and a rename, on an object store one PUT, which S3 makes visible whole or not at all.
+
+Readers find a folder's files through :func:`resolve` (:func:`partition_folder` for a partition): on an object
+store the version folder its marker names; a plain marker (not JSON naming a version: a partition an upstream
+producer landed, or one written by older code) means the files directly in the folder, as on a local root.
 
 Listings are never served from fsspec's cache: other processes and nodes write the files.
 """
@@ -33,11 +40,11 @@ import shutil
 import stat
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -49,6 +56,7 @@ DATA_FILE = "part-00000.parquet"
 METADATA_FILE = "_metadata.json"
 
 Location = str | os.PathLike[str]
+_T = TypeVar("_T")
 
 
 # --- days ---------------------------------------------------------------------------------------------------
@@ -211,7 +219,10 @@ def remove_tree(location: Location) -> None:
         return
     fs, key = filesystem(location)
     if fs.exists(key):
-        fs.rm(key, recursive=True)
+        try:
+            fs.rm(key, recursive=True)
+        except FileNotFoundError:  # removed meanwhile by another process
+            pass
 
 
 def make_dirs(location: Location) -> None:
@@ -346,16 +357,18 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
     file is removed with the lock), the
     sibling is exchanged with the old folder in one atomic step (Linux ``renameat2``; elsewhere a rename pair,
     during which the folder is briefly missing) and the old contents are removed. A failure removes the
-    temporary folder and leaves the old one. Object store: the old marker is deleted
-    first (the folder stops existing for readers), then its other objects; the data goes straight under
-    ``final`` and the marker is the last PUT. ``marker=None`` for folders that have none (reports).
+    temporary folder and leaves the old one. Object store (no rename): a new version folder
+    ``final/_v=<version>/`` (see :func:`_publish_version`), which the marker, one PUT written last, names; the
+    old version stays readable until then. ``marker=None`` for folders that have none (reports): on an object
+    store their old objects are deleted first, then the new ones are written in place.
     """
     if is_remote(final):
-        remove(join(final, marker or MARKER))
+        if marker:
+            with _publish_version(os.fspath(final), marker) as folder:
+                yield folder
+            return
         remove_tree(final)
         yield os.fspath(final)
-        if marker:
-            write_text(join(final, marker), dt.datetime.now(dt.UTC).isoformat())
         return
     path = local_path(final)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -378,6 +391,165 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --- versions of a folder on an object store ------------------------------------------------------------
+
+VERSION_PREFIX = "_v="  # a name starting with "_": readers that list a folder (pyarrow, glob "*.parquet") skip it
+
+
+def new_version() -> str:
+    """A version id that sorts by time: ``YYYYmmddTHHMMSSffffffZ-<8 hex>``."""
+    return f"{dt.datetime.now(dt.UTC).strftime('%Y%m%dT%H%M%S%fZ')}-{uuid.uuid4().hex[:8]}"
+
+
+def marker_version(text: str | bytes) -> str | None:
+    """The version a marker's content names (``{"version": ...}``, a versioned publish on an object store);
+    None for a plain marker (a timestamp, or anything else an upstream producer or older code wrote)."""
+    try:
+        payload = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    version = payload.get("version") if isinstance(payload, dict) else None
+    if not isinstance(version, str) or not version or "/" in version:
+        return None
+    return version
+
+
+def _marker_state(folder: str, marker: str = MARKER) -> tuple[bool, str | None]:
+    """(whether ``folder`` has its marker, the version the marker names or None) of a folder on an object store."""
+    fs, key = filesystem(folder)
+    try:
+        text = bytes(fs.cat_file(f"{key.rstrip('/')}/{marker}"))
+    except FileNotFoundError:
+        return False, None
+    return True, marker_version(text)
+
+
+def _version_folder(folder: str, version: str) -> str:
+    return join(folder, f"{VERSION_PREFIX}{version}")
+
+
+def resolve(folder: Location, marker: str = MARKER) -> str:
+    """The folder that holds the files of the published version of ``folder``: on an object store, the version
+    folder ``_v=<version>/`` its marker names; the folder itself on a local root, for a plain marker (written by an
+    upstream producer or older code) and when there is no marker."""
+    if not is_remote(folder):
+        return os.fspath(folder)
+    _, version = _marker_state(os.fspath(folder), marker)
+    return _version_folder(os.fspath(folder), version) if version else os.fspath(folder)
+
+
+def read_version(folder: Location, read: Callable[[str], _T], marker: str = MARKER) -> _T:
+    """``read(resolve(folder))``; on an object store read again from the new version when the one it was reading was
+    removed meanwhile (a FileNotFoundError while a later publish has replaced it twice)."""
+    for attempt in range(_PIN_ATTEMPTS):
+        where = resolve(folder, marker)
+        try:
+            return read(where)
+        except FileNotFoundError:
+            if attempt == _PIN_ATTEMPTS - 1 or where == os.fspath(folder) or resolve(folder, marker) == where:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _version_names(folder: str) -> tuple[list[str], list[str]]:
+    """(the versions under a folder on an object store, sorted; the names of its other entries but the marker)."""
+    fs, key = filesystem(folder)
+    try:
+        names = [name_of(entry) for entry in fs.ls(key, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return [], []
+    versions = sorted(n.removeprefix(VERSION_PREFIX) for n in names if n.startswith(VERSION_PREFIX))
+    return versions, [n for n in names if not n.startswith(VERSION_PREFIX)]
+
+
+@contextmanager
+def _publish_version(final: str, marker: str) -> Iterator[str]:
+    """Publish a new version of ``final`` on an object store, which has no rename.
+
+    The caller fills the fresh folder ``final/_v=<version>/`` (:func:`new_version`: ids sort by time); that folder
+    gets its own copy of the marker (it is a complete partition by itself, what a pin of it reads), then ``final``'s
+    marker, one PUT that S3 makes visible whole, switches readers to it (JSON: ``published``, ``version``). Readers
+    (:func:`resolve`) see the old version or the new one, never none and never a mix. A failure before the switch
+    removes the new folder and leaves the old version as it was.
+
+    Concurrent writers: a writer whose version is older than the one published when it is about to switch steps
+    aside (its folder is removed: as if it had published and been replaced at once); a writer that finds a newer
+    complete version after its switch points the marker at it, so the newest version wins. Afterwards the older
+    versions are removed, except the one visible before the switch (kept for readers that resolved it just before)
+    and those still being written (another writer's, which steps aside on seeing a newer one), and none newer
+    than its own. Objects directly in ``final`` (a partition landed with a plain marker) are treated as the
+    version before the first ``_v=`` one. Without a conditional PUT a writer that stalls between its check and its
+    switch while two others publish can still point the marker at a removed folder for a moment: writers of one
+    partition are meant to take turns (the DAGs run one build of a day at a time); this only keeps a race harmless.
+    """
+    version = new_version()
+    folder = _version_folder(final, version)
+    stamp = json.dumps({"published": dt.datetime.now(dt.UTC).isoformat(), "version": version}, sort_keys=True)
+    try:
+        yield folder
+        write_text(join(folder, marker), stamp)  # the version folder is complete
+        _, replaced = _marker_state(final, marker)
+        if replaced is not None and replaced > version:  # a newer version was published meanwhile: it stays
+            remove_tree(folder)
+            import logging
+
+            logging.getLogger(__name__).info(
+                "%s: version %s was published while %s was written; it stays, %s is dropped",
+                final, replaced, version, version)
+            return
+    except BaseException:
+        remove_tree(folder)
+        raise
+    write_text(join(final, marker), stamp)  # the switch (a failed PUT leaves the folder to a later publish)
+    try:
+        _tidy(final, marker, version, replaced)
+    except Exception as err:  # published: what is left over goes with a later publish
+        import logging
+
+        logging.getLogger(__name__).warning("%s: version %s is published, but removing older versions failed: %s",
+                                            final, version, err)
+
+
+def _tidy(final: str, marker: str, version: str, replaced: str | None) -> None:
+    """Remove the versions of ``final`` that readers no longer need now that ``version`` replaced ``replaced`` (None:
+    a plain marker or none, whose objects are then kept); see :func:`_publish_version`."""
+    _, current = _marker_state(final, marker)
+    if current != version:
+        return  # a later publish switched since: its own tidy-up applies
+    versions, others = _version_names(final)
+
+    def complete(other: str) -> bool:
+        return exists(join(_version_folder(final, other), marker))
+
+    # Versions between the replaced one and this one: complete, one that another writer made visible just before
+    # this switch (or that steps aside, seeing this one); incomplete, another writer's still being written, which
+    # steps aside once it sees this newer one, and removes itself.
+    between = {v: complete(v) for v in versions if (replaced is None or v > replaced) and v < version}
+    grace = next((v for v in sorted(between, reverse=True) if between[v]), replaced)
+    for other in reversed([v for v in versions if v > version]):
+        # A newer complete version: its writer switched before this one did (whose switch then overwrote it) or is
+        # about to. The newest wins either way: point at it (the same PUT its writer makes); this one, visible for
+        # a moment, is kept for the readers that resolved it.
+        try:
+            text = read_bytes(join(_version_folder(final, other), marker))
+        except FileNotFoundError:
+            continue  # still being written: its writer switches to it later
+        write_bytes(join(final, marker), text)
+        grace = version
+        break
+    for old in versions:
+        if old < version and old != grace and between.get(old, True):
+            remove_tree(_version_folder(final, old))
+    if replaced is not None:  # the objects of a plain version older than the one replaced
+        for name in others:
+            if name != marker:
+                path = join(final, name)
+                if is_dir(path):
+                    remove_tree(path)
+                else:
+                    remove(path)
 
 
 # --- partitions ---------------------------------------------------------------------------------------------
@@ -403,21 +575,44 @@ def complete_days(root: Location, dataset: str) -> list[str]:
     return sorted(marker.replace(os.sep, "/").rsplit("/", 2)[-2].removeprefix("ds=") for marker in markers)
 
 
+def partition_folder(root: Location, dataset: str, ds: str | dt.date) -> str:
+    """The folder that holds the files of the partition's published version (:func:`resolve`; a partition this
+    process pinned: its pin's location). No check that the partition is complete."""
+    pin = pinned(root, dataset, ds)
+    return pin.location if pin is not None else resolve(partition(root, dataset, ds))
+
+
 def data_files(root: Location, dataset: str, ds: str | dt.date) -> list[str]:
     """The Parquet files of a complete partition; FileNotFoundError naming the partition if it is incomplete.
 
-    A partition this process pinned (:func:`use_pins`): the files of the pinned version (a DataError if an
-    object store's partition holds another one now).
+    On an object store, those of the version folder its marker names (:func:`resolve`). A partition this process
+    pinned (:func:`use_pins`): the files of the pinned version (a DataError if it is gone, or if an object store's
+    unversioned partition holds another one now).
     """
     pin = pinned(root, dataset, ds)
     if pin is not None:
         return _pinned_files(pin)
+    return _data_files(root, dataset, ds)[1]
+
+
+def _data_files(root: Location, dataset: str, ds: str | dt.date) -> tuple[str | None, list[str]]:
+    """(the version read, None if unversioned; the Parquet files of the complete partition)."""
     path = partition(root, dataset, ds)
-    if not exists(join(path, MARKER)):
-        raise FileNotFoundError(
-            f"{dataset} partition ds={ds_str(ds)} is missing or incomplete: no {MARKER} marker in {path}"
-        )
-    return glob(path, "*.parquet")
+    missing = f"{dataset} partition ds={ds_str(ds)} is missing or incomplete: no {MARKER} marker in {path}"
+    if not is_remote(path):
+        if not exists(join(path, MARKER)):
+            raise FileNotFoundError(missing)
+        return None, glob(path, "*.parquet")
+    for _ in range(_PIN_ATTEMPTS):
+        complete, version = _marker_state(path)
+        if not complete:
+            raise FileNotFoundError(missing)
+        if version is None:
+            return None, glob(path, "*.parquet")
+        files = glob(_version_folder(path, version), "*.parquet")
+        if files or _marker_state(path)[1] == version:  # none: removed by later publishes meanwhile, or empty
+            return version, files
+    raise OSError(f"{dataset} partition ds={ds_str(ds)} was republished {_PIN_ATTEMPTS} times while it was listed")
 
 
 @contextmanager
@@ -453,21 +648,35 @@ def read_parquet(location: Location, columns: list[str] | None = None) -> pa.Tab
 def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[str] | None = None) -> pa.Table:
     import pyarrow as pa
 
-    files = data_files(root, dataset, ds)
-    if not files:
-        raise FileNotFoundError(f"{dataset} partition ds={ds_str(ds)} has a marker but no Parquet file")
-    table = pa.concat_tables([read_parquet(f, columns=columns) for f in files])
     pin = pinned(root, dataset, ds)
-    if pin is not None:
-        check_pin(pin)  # on an object store: still the pinned version after the read (checked before it too)
-    return table
+    for attempt in range(_PIN_ATTEMPTS):
+        version, files = (None, _pinned_files(pin)) if pin is not None else _data_files(root, dataset, ds)
+        if not files:
+            raise FileNotFoundError(f"{dataset} partition ds={ds_str(ds)} has a marker but no Parquet file")
+        try:
+            table = pa.concat_tables([read_parquet(f, columns=columns) for f in files])
+        except FileNotFoundError:
+            if pin is not None:
+                check_pin(pin)  # a DataError naming the partition when its pinned version went
+            # On an object store, a version that two later publishes removed while it was read: read the new one.
+            if version is None or attempt == _PIN_ATTEMPTS - 1 or _marker_state(partition(root, dataset, ds))[1] == version:
+                raise
+            continue
+        if pin is not None:
+            check_pin(pin)  # on an object store: still the pinned version after the read (checked before it too)
+        return table
+    raise AssertionError("unreachable")
 
 
 def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
-    """The partition's ``_metadata.json``; {} if it has none (of the pinned version if this process pinned it)."""
+    """The partition's ``_metadata.json``; {} if it has none (of the published version on an object store, of the
+    pinned version if this process pinned it)."""
     pin = pinned(root, dataset, ds)
     try:
-        meta = dict(read_json(join(pin.location if pin else partition(root, dataset, ds), METADATA_FILE)))
+        if pin is not None:
+            meta = dict(read_json(join(pin.location, METADATA_FILE)))
+        else:
+            meta = dict(read_version(partition(root, dataset, ds), lambda where: read_json(join(where, METADATA_FILE))))
     except FileNotFoundError:
         meta = {}
     if pin is not None:  # one object read: a check after it sees any replacement before or during it
@@ -570,8 +779,10 @@ class Pin:
     files' names, sizes and, on an object store, ETags). ``location`` is where readers read it: on a local root a
     folder of hard links to the files of that version (``source`` is the live partition), which stays as it is
     whatever is published at ``source`` later, because published files are never modified in place; on an object
-    store, which has nothing as cheap, the partition itself (``location == source``), checked against ``files``
-    and ``marker`` when it is read.
+    store, the version folder ``<source>/_v=<version>/`` of a versioned partition (:func:`publish`), never changed
+    once published, and readable until a later publish removes it (then a read is a DataError naming the
+    partition); for a partition landed with a plain marker, the partition itself (``location == source``),
+    checked against ``files`` and ``marker`` when it is read.
     """
 
     dataset: str
@@ -584,7 +795,8 @@ class Pin:
 
     @property
     def frozen(self) -> bool:
-        """Whether ``location`` is a copy of its own (True), or the live partition, checked on read (False)."""
+        """Whether ``location`` holds the pinned version only (True: a local copy, or an object store's version
+        folder), or is the live partition, checked on read (False)."""
         return self.location != self.source
 
     def to_dict(self) -> dict[str, Any]:
@@ -679,29 +891,30 @@ def _pin_local(source: Path, target: Path, what: str) -> tuple[str, dict[str, di
     raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was being pinned: pin it again later")
 
 
+def _remote_files(folder: str) -> dict[str, dict[str, Any]]:
+    """The files directly in a folder on an object store, with their sizes and ETags ({} if there are none)."""
+    fs, key = filesystem(folder)
+    try:
+        entries = fs.ls(key, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {name_of(e["name"]): {"size": int(e.get("size") or 0), "etag": e.get("ETag") or e.get("etag")}
+            for e in entries if e.get("type") == "file" and not name_of(e["name"]).startswith(".")}
+
+
 def _remote_state(folder: str, what: str) -> tuple[str, dict[str, dict[str, Any]]]:
     """(marker content, files with sizes and ETags) of a published folder on an object store, read consistently
     (the listing is read again after the marker; a publish in between is retried)."""
     fs, key = filesystem(folder)
-
-    def listing() -> dict[str, dict[str, Any]]:
-        try:
-            entries = fs.ls(key, detail=True, refresh=True)
-        except FileNotFoundError:
-            return {}
-        return {name_of(e["name"]): {"size": int(e.get("size") or 0), "etag": e.get("ETag") or e.get("etag")}
-                for e in entries if e.get("type") == "file" and not name_of(e["name"]).startswith(".")}
-
     for _ in range(_PIN_ATTEMPTS):
-        files = listing()
+        files = _remote_files(folder)
         if MARKER not in files:
             raise FileNotFoundError(f"{what} is missing or incomplete: no {MARKER} marker in {folder}")
         try:
             marker = bytes(fs.cat_file(f"{key.rstrip('/')}/{MARKER}")).decode()
         except FileNotFoundError:
             continue
-        fs.invalidate_cache()
-        if listing() == files:
+        if _remote_files(folder) == files:
             return marker, files
     raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was being pinned: pin it again later")
 
@@ -710,37 +923,56 @@ def pin_partition(root: Location, dataset: str, ds: str | dt.date, pins_root: Lo
     """Pin the version of one complete partition that is published now (see :class:`Pin`).
 
     Local: its files are hard-linked (copied where links fail) into ``<pins_root>/<dataset>/ds=<day>/``, the
-    layout of a storage root; an object store: its version is recorded, nothing copied. FileNotFoundError naming
+    layout of a storage root; an object store: its version is recorded, nothing copied (the location is the
+    version folder its marker names, or the partition itself for a plain marker). FileNotFoundError naming
     the partition when it is missing or incomplete.
     """
     day = ds_str(ds)
     source = partition(root, dataset, day)
     what = f"{dataset} partition ds={day}"
     if is_remote(root):
-        marker, files = _remote_state(source, what)
-        return Pin(dataset, day, _version(marker, files), source, source, marker, files)
+        for _ in range(_PIN_ATTEMPTS):
+            complete, version = _marker_state(source)
+            if not complete:
+                raise FileNotFoundError(f"{what} is missing or incomplete: no {MARKER} marker in {source}")
+            location = _version_folder(source, version) if version else source
+            try:
+                marker, files = _remote_state(location, what)
+            except FileNotFoundError:
+                if version is None or _marker_state(source)[1] == version:
+                    raise
+                continue  # the version was removed by later publishes meanwhile: pin the current one
+            return Pin(dataset, day, _version(marker, files), location, source, marker, files)
+        raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was being pinned: pin it again later")
     target = partition(pins_root, dataset, day)
     marker, files = _pin_local(local_path(source), local_path(target), what)
     return Pin(dataset, day, _version(marker, files), target, source, marker, files)
 
 
 def pins_intact(inputs: dict[str, dict[str, dict[str, Any]]]) -> bool:
-    """Whether every frozen copy of a pin manifest (``dataset -> day -> Pin.to_dict()``) is still complete."""
+    """Whether every frozen local copy of a pin manifest (``dataset -> day -> Pin.to_dict()``) is still complete
+    (an object store's version folder that is gone is the run's DataError when read, as a changed partition)."""
     for dataset, days in inputs.items():
         for ds, entry in days.items():
             pin = Pin.from_dict(dataset, ds, entry)
-            if pin.frozen and not all(exists(join(pin.location, name)) for name in pin.files):
+            if pin.frozen and not is_remote(pin.location) and not all(exists(join(pin.location, name)) for name in pin.files):
                 return False
     return True
 
 
 def check_pin(pin: Pin) -> None:
-    """DataError unless the partition of a pin that is not a copy (object store) still holds the pinned version."""
-    if pin.frozen:
+    """DataError unless an object store still holds the pinned version: the version folder of a versioned
+    partition still holds the pinned files, an unversioned partition still the pinned marker and files."""
+    if not is_remote(pin.location):
         return
     from core.failures import DataError
 
     what = f"{pin.dataset} partition ds={pin.ds}"
+    if pin.frozen:  # a version folder: never changed, but removed by the publishes after the one that replaced it
+        if _remote_files(pin.location) != pin.files:
+            raise DataError(_rebuilt(pin, f"its version folder was removed by later publishes (a publish keeps the "
+                                          f"version it replaced only); the partition now holds {resolve(pin.source)}"))
+        return
     try:
         marker, files = _remote_state(pin.location, what)
     except (FileNotFoundError, OSError) as err:
@@ -750,9 +982,11 @@ def check_pin(pin: Pin) -> None:
 
 
 def _rebuilt(pin: Pin, now: str) -> str:
+    kept = ("An object store keeps a replaced version only until the next publish" if pin.frozen else
+            "An object store keeps no copy of a pinned version")
     return (
         f"{pin.dataset} partition ds={pin.ds} ({pin.location}) changed during this run: the run pinned version "
-        f"{pin.version} when it was planned and {now}. An object store keeps no copy of a pinned version, so the run "
+        f"{pin.version} when it was planned and {now}. {kept}, so the run "
         "stops rather than mix versions: start a new run of the training (the tries of one run share its pins, "
         f"in {PINS_FILE} beside its checkpoints)"
     )
@@ -793,7 +1027,7 @@ def use_pins(root: Location, inputs: dict[str, dict[str, dict[str, Any]]]) -> No
                     dataset, pin.ds, pin.source, root)
                 continue
             _PINS[key, dataset, pin.ds] = pin
-            if not pin.frozen:
+            if is_remote(pin.location):
                 for name in pin.files:
                     _PINNED_OBJECTS[join(pin.location, name)] = (pin, name)
 
@@ -814,7 +1048,7 @@ def _pinned_days(root: Location, dataset: str) -> list[str] | None:
 
 
 def _pinned_files(pin: Pin) -> list[str]:
-    if pin.frozen:
+    if pin.frozen and not is_remote(pin.location):
         if not exists(join(pin.location, MARKER)):
             raise FileNotFoundError(
                 f"the pinned copy of {pin.dataset} partition ds={pin.ds} is missing: no {MARKER} in {pin.location} "

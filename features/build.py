@@ -84,6 +84,7 @@ from core.storage import (
     read_snapshot,
     read_text,
     remove_tree,
+    resolve,
     shift_ds,
     snapshot_days,
     write_json,
@@ -1310,7 +1311,8 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
         raise InfraError(f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}: a retry builds them")
     summary: dict[str, Any] = {}
     for dataset in STEP_DATASETS[step]:
-        folders = [shard_folder(staging, dataset, i) for i in range(count)]
+        # Each shard's published version (on an object store the version folder its marker names).
+        folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
         metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
         merged = {k: v for k, v in metas[0].items() if k not in _PER_SHARD_KEYS}
         for i, meta in enumerate(metas[1:], start=1):

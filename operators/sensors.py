@@ -32,7 +32,7 @@ def missing_partitions(root: str, datasets: Sequence[str], ds: str) -> dict[str,
         if not storage.is_dir(path):
             missing[dataset] = f"{path} does not exist"
         else:
-            files = storage.glob(path, "*.parquet")
+            files = storage.glob(storage.resolve(path), "*.parquet")
             missing[dataset] = f"no {storage.MARKER} marker in {path} ({len(files)} Parquet file(s) so far)"
     return missing
 

@@ -184,8 +184,10 @@ def snapshot(root: str, ds: str, views: str | None = None) -> dict[str, Any]:
 
 
 def file_location(plan: dict[str, Any], entry: dict[str, Any]) -> str:
-    """Where a file of the plan's snapshot is: a merged view's own path, else in the day's partition."""
-    return str(entry.get("path") or storage.join(storage.partition(plan["root"], RAW_PINS, plan["ds"]), entry["file"]))
+    """Where a file of the plan's snapshot is: a merged view's own path, else in the day's partition (its published
+    version's folder on an object store, ``core.storage.partition_folder``)."""
+    return str(entry.get("path") or storage.join(storage.partition_folder(plan["root"], RAW_PINS, plan["ds"]),
+                                                 entry["file"]))
 
 
 def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:

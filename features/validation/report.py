@@ -178,8 +178,13 @@ def content_fingerprint(location: storage.Location) -> str:
     Over every file but the marker and hidden ones: its name, its size and, for a Parquet file, the hash of its
     footer (row counts, offsets and every column chunk's statistics), for another file (``_metadata.json``) the
     hash of its bytes. A rewrite, an added, removed or replaced file changes it; reading it costs one small
-    ranged read per file, on a local root or an object store alike.
+    ranged read per file, on a local root or an object store alike. On an object store, of the version folder
+    the partition's marker names (``core.storage.resolve``): the same contents fingerprint the same anywhere.
     """
+    return storage.read_version(location, _fingerprint)
+
+
+def _fingerprint(location: str) -> str:
     digest = hashlib.sha256(FINGERPRINT_SCHEME.encode())
     for name, size in _files_with_sizes(location):
         if name == storage.MARKER or name.startswith("."):
@@ -314,15 +319,25 @@ def quarantine_partition(root: storage.Location, dataset: str, ds: str) -> str:
 
     The marker goes first: on an object store the move is a copy then a delete, and a reader must never
     see a half-moved partition; without its marker the partition does not exist for readers. The record's
-    ``data/`` gets the marker back last, so that it holds the partition exactly as it was landed.
+    ``data/`` gets the marker back last, so that it holds the partition exactly as it was landed. On an object
+    store a versioned partition's published version is moved (the versions kept beside it for readers are removed):
+    its files go directly into ``data/``, with a plain marker (the publish time), as on a local root.
     """
     part = storage.partition(root, raw_dataset(dataset), ds)
     record = storage.join(quarantine_root(root, dataset, ds), dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ"))
     target = storage.join(record, "data")
     marker = storage.join(part, storage.MARKER)
     stamp = storage.read_bytes(marker)
+    version = storage.marker_version(stamp) if storage.is_remote(part) else None
     storage.remove(marker)
-    storage.move_tree(part, target)
+    if version:
+        current = storage.join(part, f"{storage.VERSION_PREFIX}{version}")
+        storage.remove(storage.join(current, storage.MARKER))  # its own copy of the marker: data/ gets one last
+        storage.move_tree(current, target)
+        storage.remove_tree(part)
+        stamp = str(json.loads(stamp).get("published") or dt.datetime.now(dt.UTC).isoformat()).encode()
+    else:
+        storage.move_tree(part, target)
     storage.write_bytes(storage.join(target, storage.MARKER), stamp)
     log.warning("quarantined %s to %s", part, record)
     return record

@@ -6,8 +6,9 @@ them on submit (``operators.training.pin_inputs``). Once both ranks train, a tra
 another count: without pins the ranks would split), the sequences they and the evaluation day reference, and the
 evaluation day's ``raw/pins`` snapshot are rebuilt through ``core.storage.publish``. The run ends as a run on the
 undisturbed data does, bitwise (final checkpoint) and in its metrics, and RUN.json, result.json and MLflow record the
-pinned versions. On an object store (moto server) a pin records the version and a read that finds another one
-fails as DATA instead of mixing versions.
+pinned versions. On an object store (moto server) a pin records the version folder the partition's marker names
+and keeps reading it after a rebuild; once a later publish removed it, a read fails as DATA instead of mixing
+versions.
 """
 
 from __future__ import annotations
@@ -200,8 +201,10 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
         storage.write_table(root, RAW_PINS, day, table)
     inputs = pin_inputs(root, pins_dir, EXAMPLES, DAYS[:2], DAYS[2])
     pin = storage.Pin.from_dict(EXAMPLES, DAYS[0], inputs[EXAMPLES][DAYS[0]])
-    assert not pin.frozen and pin.location == pin.source == storage.partition(root, EXAMPLES, DAYS[0])
-    assert all(info["etag"] for info in pin.files.values())  # the ETags of the objects, nothing copied
+    source = storage.partition(root, EXAMPLES, DAYS[0])
+    # The version folder the partition's marker names: never changed once published, nothing copied.
+    assert pin.frozen and pin.source == source and pin.location == storage.resolve(source) != source
+    assert all(info["etag"] for info in pin.files.values())  # the ETags of the objects
     assert storage.list_names(pins_dir) == [storage.PINS_FILE]
     assert pin_inputs(root, pins_dir, EXAMPLES, DAYS[:2], DAYS[2]) == inputs  # every try reuses them
 
@@ -210,12 +213,17 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
         files = storage.data_files(root, EXAMPLES, DAYS[0])
         assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000
         assert storage.read_metadata(root, EXAMPLES, DAYS[0]) == {"rows": 1000}
+        with storage.parquet_file(files[0]) as parquet:  # opened on the pinned version ...
+            storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(7)}))  # ... rebuilt meanwhile
+            assert parquet.read_row_group(0).num_rows == 1000  # the pinned version is still there
+        assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000  # and still read after the rebuild
+        assert storage.read_metadata(root, EXAMPLES, DAYS[0]) == {"rows": 1000}
         with pytest.raises(DataError, match=rf"examples partition ds={DAYS[0]} .* changed during this run"):
             with storage.parquet_file(files[0]) as parquet:  # opened on the pinned version ...
-                storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(7)}))  # ... rebuilt meanwhile
-                parquet.read_row_group(0)  # s3fs reads with If-Match: the replaced object is not read
+                storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(5)}))  # ... which this removes
+                parquet.read_row_group(0)
         for read in (storage.data_files, storage.read_table, storage.read_metadata):
-            with pytest.raises(DataError, match="the run pinned version .* and it now holds version"):
+            with pytest.raises(DataError, match="the run pinned version .* version folder was removed by later"):
                 read(root, EXAMPLES, DAYS[0])
         with pytest.raises(DataError, match="start a new run of the training"):
             with storage.parquet_file(files[0]):
@@ -223,4 +231,4 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
         assert storage.read_table(root, EXAMPLES, DAYS[1]).num_rows == 1000  # the other days are as pinned
     finally:
         storage.use_pins(root, {})
-    assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 7
+    assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 5

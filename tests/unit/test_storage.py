@@ -189,9 +189,9 @@ def test_a_partition_is_published_whole_and_a_rerun_replaces_exactly_it(base: st
     first = pa.table({"x": [1, 2, 3]})
     storage.write_table(base, "features/user_daily", "2026-01-01", first, {"rows": 3})
     with storage.write_partition(base, "features/user_daily", "2026-01-01") as staging:
-        # Not visible while it is written: readers still see the complete old partition (local) or none (S3).
-        if not storage.is_remote(base):
-            assert storage.read_table(base, "features/user_daily", "2026-01-01").equals(first)
+        # Not visible while it is written: readers still see the complete old partition (locally the old folder, on
+        # an object store the version folder its marker names).
+        assert storage.read_table(base, "features/user_daily", "2026-01-01").equals(first)
         storage.write_bytes(storage.join(staging, "part-00000.parquet"), _parquet(pa.table({"x": [7]})))
         storage.write_bytes(storage.join(staging, "part-00001.parquet"), _parquet(pa.table({"x": [8]})))
     assert storage.read_table(base, "features/user_daily", "2026-01-01")["x"].to_pylist() == [7, 8]
@@ -201,12 +201,12 @@ def test_a_partition_is_published_whole_and_a_rerun_replaces_exactly_it(base: st
     with pytest.raises(RuntimeError), storage.write_partition(base, "features/user_daily", "2026-01-02") as staging:
         storage.write_bytes(storage.join(staging, "part-00000.parquet"), b"half a file")
         raise RuntimeError("the writer died")
-    # A failed rewrite never shows half a partition: locally the old one stays, on S3 there is none until rerun.
+    # A failed rewrite never shows half a partition: the old one stays, and the new one's folder goes.
+    assert storage.read_table(base, "features/user_daily", "2026-01-02").equals(first)
+    assert storage.list_names(storage.join(base, "features", "user_daily")) == ["ds=2026-01-01", "ds=2026-01-02"]
     if storage.is_remote(base):
-        assert not storage.is_complete(base, "features/user_daily", "2026-01-02")
-    else:
-        assert storage.read_table(base, "features/user_daily", "2026-01-02").equals(first)
-        assert storage.list_names(storage.join(base, "features", "user_daily")) == ["ds=2026-01-01", "ds=2026-01-02"]
+        part = storage.partition(base, "features/user_daily", "2026-01-02")
+        assert storage.list_names(part) == [storage.MARKER, storage.name_of(storage.resolve(part))]
     assert storage.complete_days(base, "features/user_daily")[0] == "2026-01-01"
 
 
