@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,7 +95,9 @@ class ReadPartition:
     """What the storage stage found: its checks by name, and the partition as one table when it is usable.
 
     ``table`` is None when a later stage cannot run, and ``skip_reason`` says why. ``bad_columns``: columns
-    missing from a file or of the wrong type, which the column-level checks leave out.
+    missing from a file or of the wrong type, which the column-level checks leave out. ``encoded``: the string
+    columns asked for as dictionary codes, as the files store them (the same values as ``table``'s), when every
+    file has them.
     """
 
     location: str
@@ -103,6 +106,7 @@ class ReadPartition:
     table: pa.Table | None = None
     bad_columns: set[str] = field(default_factory=set)
     skip_reason: str = ""
+    encoded: dict[str, pa.ChunkedArray] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -110,8 +114,11 @@ class ReadPartition:
         return self.checks["partition.marker"].success is True
 
 
-def read_partition(root: storage.Location, dataset: str, ds: str) -> ReadPartition:
-    """Run the storage and physical-schema checks of ``raw/<dataset>/ds=<ds>`` and read it into one table."""
+def read_partition(root: storage.Location, dataset: str, ds: str, dictionary: Sequence[str] = ()) -> ReadPartition:
+    """Run the storage and physical-schema checks of ``raw/<dataset>/ds=<ds>`` and read it into one table.
+
+    ``dictionary``: string columns also wanted as dictionary codes (``ReadPartition.encoded``).
+    """
     name = dataset_name(dataset)
     source = raw_dataset(name)
     part = storage.partition(root, source, ds)
@@ -150,7 +157,7 @@ def read_partition(root: storage.Location, dataset: str, ds: str) -> ReadPartiti
         found.skip_reason = "the partition has no Parquet file"
         return found
 
-    tables, readable = read_files(found.files)
+    tables, readable = read_files(found.files, dictionary, found.encoded)
     checks["files.readable"] = readable
     if not readable.success:
         found.skip_reason = "a Parquet file is unreadable"
@@ -159,21 +166,61 @@ def read_partition(root: storage.Location, dataset: str, ds: str) -> ReadPartiti
         [(f, t.schema) for f, t in zip(found.files, tables, strict=True)], contracts.RAW_SCHEMAS[name]
     )
     try:
-        found.table = pa.concat_tables(tables, promote_options="permissive")
+        found.table = contiguous(pa.concat_tables(tables, promote_options="permissive"))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
         found.skip_reason = f"the files cannot be combined into one table ({err})"
     return found
 
 
-def read_files(files: list[str]) -> tuple[list[pa.Table], Check]:
-    """Every file as a table, and the ``files.readable`` check naming each file that is not readable."""
+def contiguous(table: pa.Table) -> pa.Table:
+    """``table`` with each fixed-width column (integers, floats, timestamps, booleans) in one chunk.
+
+    A Parquet read gives a column in many chunks; the later stages read these columns as numpy arrays (the
+    derived checks) and pandas columns (the GX suite), which is a copy of every chunk each time, but a view
+    of a single chunk. Strings and lists stay as read (one chunk of strings is limited to 2 GB).
+    """
+    columns = []
+    for field_, column in zip(table.schema, table.columns, strict=True):
+        kind = field_.type
+        if column.num_chunks > 1 and (
+            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_temporal(kind)
+            or pa.types.is_boolean(kind)
+        ):
+            column = pa.chunked_array([column.combine_chunks()], kind)
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def read_files(
+    files: list[str], dictionary: Sequence[str] = (), encoded: dict[str, pa.ChunkedArray] | None = None
+) -> tuple[list[pa.Table], Check]:
+    """Every file as a table, and the ``files.readable`` check naming each file that is not readable.
+
+    ``dictionary``: string columns to read as the dictionary codes Parquet stores them as, put into ``encoded``
+    when every file has them; the tables have them decoded, as a plain read gives them.
+    """
     tables: list[pa.Table] = []
     unreadable: dict[str, str] = {}
+    chunks: dict[str, list[pa.Array]] = {c: [] for c in dictionary}
     for f in files:
         try:
-            tables.append(storage.read_parquet(f))
-        except Exception as err:  # noqa: BLE001 - a corrupt file raises many types; each is a data failure
-            unreadable[f] = f"{type(err).__name__}: {err}"
+            table, codes = _read_parquet(f, dictionary)
+        except Exception:  # noqa: BLE001 - reported as a plain read reports it, below
+            try:
+                table, codes = storage.read_parquet(f), {}
+            except Exception as err:  # noqa: BLE001 - a corrupt file raises many types; each is a data failure
+                unreadable[f] = f"{type(err).__name__}: {err}"
+                continue
+        for col in list(chunks):
+            if col in codes:
+                chunks[col].extend(codes[col].chunks)
+            else:
+                del chunks[col]  # not a string column in this file: no codes
+        tables.append(table)
+    if encoded is not None and not unreadable:
+        for col, parts in chunks.items():
+            if parts and all(p.type.equals(parts[0].type) for p in parts):
+                encoded[col] = pa.chunked_array(parts, parts[0].type)
     if unreadable:
         details = "; ".join(
             f"{path} is not a readable Parquet file (truncated or not Parquet): {msg}"
@@ -181,6 +228,37 @@ def read_files(files: list[str]) -> tuple[list[pa.Table], Check]:
         )
         return tables, Check("files.readable", False, unreadable, "every file readable as Parquet", details)
     return tables, Check("files.readable", True, {}, "every file readable as Parquet")
+
+
+def _read_parquet(location: str, dictionary: Sequence[str]) -> tuple[pa.Table, dict[str, pa.ChunkedArray]]:
+    """``storage.read_parquet``, and those of the ``dictionary`` columns the file stores as strings as dictionary
+    codes. Parquet stores such a column as codes: reading them and decoding them costs less than a plain read, and
+    a later stage that wants codes gets them without hashing every string again. The table is the plain read's."""
+    if not dictionary:
+        return storage.read_parquet(location), {}
+    import pyarrow.parquet as pq
+
+    if not storage.is_remote(location):
+        source, fs = str(storage.local_path(location)), None
+    else:
+        fs, source = storage.filesystem(location)
+    stored = pq.read_schema(source, filesystem=fs)
+    wanted = [
+        c for c in dictionary
+        if c in stored.names and (pa.types.is_string(stored.field(c).type) or pa.types.is_large_string(stored.field(c).type))
+    ]
+    if not wanted:
+        return storage.read_parquet(location), {}
+    table = pq.read_table(source, filesystem=fs, read_dictionary=wanted)
+    codes: dict[str, pa.ChunkedArray] = {}
+    for col in wanted:
+        index = table.schema.get_field_index(col)
+        kind = table.schema.field(index).type
+        if not pa.types.is_dictionary(kind):
+            continue
+        codes[col] = table.column(index)
+        table = table.set_column(index, table.schema.field(index).with_type(kind.value_type), codes[col].cast(kind.value_type))
+    return table, codes
 
 
 def type_matches(actual: pa.DataType, contract: pa.DataType) -> bool:

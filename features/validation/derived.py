@@ -9,6 +9,8 @@ then judges that column like any other, so the report shows them the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -107,7 +109,8 @@ def derived_columns(
             columns[check.column] = pc.if_else(pc.is_null(table.column(check.sources[0])), None, values)
         elif check.name == "engagement.has_impression":
             lookback = config.engagement_lookback_minutes if config is not None else 0.0
-            late = late_impressions(root, ds, lookback) if lookback > 0 else None
+            # The day before is read only when an engagement's impression is not among the day's own.
+            late = functools.partial(late_impressions, root, ds, lookback) if lookback > 0 else None
             columns[check.column] = has_impression(table, late)
         elif check.kind == "embedding_length":
             try:
@@ -179,9 +182,13 @@ def _ends_before(statistics: Any, start: Any) -> bool:
     return latest is not None and getattr(latest, "tzinfo", None) is not None and latest < start
 
 
-def has_impression(table: pa.Table, late: pa.Table | None = None) -> pa.Array:
+def has_impression(table: pa.Table, late: pa.Table | Callable[[], pa.Table | None] | None = None) -> pa.Array:
     """Per row: an impression references itself; an engagement an impression of its user and pin, of the same
-    day or, given ``late``, one of the last impressions of the day before."""
+    day or, given ``late``, one of the last impressions of the day before.
+
+    ``late``: those impressions (``late_impressions``), or a function that reads them, called only when some
+    engagement's impression is not among the day's own (most days: never, and the day before is not read).
+    """
     import numpy as np
 
     def ints(source: pa.Table, col: str) -> np.ndarray:
@@ -190,24 +197,47 @@ def has_impression(table: pa.Table, late: pa.Table | None = None) -> pa.Array:
 
     event, impression, user, pin = (ints(table, c) for c in ("event_id", "impression_id", "user_id", "pin_id"))
     is_imp = pc.fill_null(pc.equal(table.column("action"), "impression"), False).to_numpy()
-    imp_rows = np.flatnonzero(is_imp)
-    # The candidate impressions: (id, user, pin) of the day's, and of the previous day's last ones.
-    keys, imp_user, imp_pin = event[imp_rows], user[imp_rows], pin[imp_rows]
-    if late is not None and late.num_rows:
-        keys = np.concatenate([keys, ints(late, "event_id")])
-        imp_user = np.concatenate([imp_user, ints(late, "user_id")])
-        imp_pin = np.concatenate([imp_pin, ints(late, "pin_id")])
-    if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):  # upstream writes events in id order
-        order = np.argsort(keys, kind="stable")
-        keys, imp_user, imp_pin = keys[order], imp_user[order], imp_pin[order]
     linked = impression == event  # an impression references itself
     eng = np.flatnonzero(~is_imp)
-    if len(keys) and len(eng):
+    if len(eng):
         ref = impression[eng]
-        pos = np.minimum(np.searchsorted(keys, ref), len(keys) - 1)
-        linked[eng] = (keys[pos] == ref) & (imp_user[pos] == user[eng]) & (imp_pin[pos] == pin[eng])
-    elif len(eng):
-        linked[eng] = False
+        # The first of the day's impressions whose id is the reference (in id order, then in row order), if any.
+        if len(event) > 1 and bool(np.all(event[1:] > event[:-1])):
+            # Upstream writes events in id order: search the day's rows themselves (an id is on one row at most).
+            pos = np.minimum(np.searchsorted(event, ref), len(event) - 1)
+            row = pos
+            found = (event[pos] == ref) & is_imp[pos]
+        else:
+            imp_rows = np.flatnonzero(is_imp)
+            keys = event[imp_rows]
+            if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+                order = np.argsort(keys, kind="stable")
+                keys, imp_rows = keys[order], imp_rows[order]
+            if len(keys):
+                pos = np.minimum(np.searchsorted(keys, ref), len(keys) - 1)
+                row = imp_rows[pos]
+                found = keys[pos] == ref
+            else:
+                row = np.zeros(len(eng), dtype=np.int64)
+                found = np.zeros(len(eng), dtype=bool)
+        eng_user, eng_pin = user[eng], pin[eng]
+        ok = found & (user[row] == eng_user) & (pin[row] == eng_pin)
+        # References to no impression of the day: one of the day before's last impressions, if any.
+        missing = np.flatnonzero(~found)
+        if len(missing) and late is not None:
+            late_table = late() if callable(late) else late
+            if late_table is not None and late_table.num_rows:
+                keys = ints(late_table, "event_id")
+                late_user, late_pin = ints(late_table, "user_id"), ints(late_table, "pin_id")
+                if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+                    order = np.argsort(keys, kind="stable")
+                    keys, late_user, late_pin = keys[order], late_user[order], late_pin[order]
+                missing_ref = ref[missing]
+                pos = np.minimum(np.searchsorted(keys, missing_ref), len(keys) - 1)
+                ok[missing] = (
+                    (keys[pos] == missing_ref) & (late_user[pos] == eng_user[missing]) & (late_pin[pos] == eng_pin[missing])
+                )
+        linked[eng] = ok
     # A row with a null key is left to the not_null checks rather than reported twice.
     mask = None
     for col in ("event_id", "impression_id", "user_id", "pin_id", "action"):

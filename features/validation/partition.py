@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from features.validation.report import (
     report_dir,
     write_report,
 )
-from features.validation.suite import run_suite, suite_check_names
+from features.validation.suite import IN_SET, run_suite, suite_check_names
 
 # The id column that names a row of each raw dataset in a failure message.
 ROW_KEYS: dict[str, str] = {"events": "event_id", "pins": "pin_id", "users": "user_id", "pin_labels": "review_id"}
@@ -106,7 +107,10 @@ def validate_partition(
     # contents (features.build compares this fingerprint with the partition's when it reads it).
     location = storage.partition(root, raw_dataset(name), day)
     fingerprint = content_fingerprint(location) if storage.exists(storage.join(location, storage.MARKER)) else None
-    found = read_partition(root, name, day)
+    # The closed sets' string columns also as the dictionary codes Parquet stores: the suite judges codes.
+    contract = contracts.RAW_SCHEMAS[name]
+    closed_strings = [c for c in IN_SET.get(name, {}) if c in contract.names and pa.types.is_string(contract.field(c).type)]
+    found = read_partition(root, name, day, dictionary=closed_strings)
     checks = found.checks
     suite_names = suite_check_names(name)
     profile: dict[str, Any] | None = None
@@ -123,10 +127,17 @@ def validate_partition(
                 checks[check_name] = Check(check_name, None, details=f"not run: {found.skip_reason}")
         else:
             table = found.table
-            derived, not_run = derived_columns(root, name, day, table, found.bad_columns, config)
-            gx_checks, rendered = run_suite(
-                name, day, table, config=config, skip_columns=found.bad_columns, derived=derived, docs_dir=docs_dir
-            )
+            # The profile, with the ids of the day before it compares with, is Arrow work that needs nothing from
+            # the suite: it runs on a second thread while the derived columns and the suite (mostly GX's Python)
+            # are computed, and is waited for before the history checks.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pinflow-profile") as pool:
+                profiling = pool.submit(lambda: profile_table(name, table, previous_ids(root, name, day)))
+                derived, not_run = derived_columns(root, name, day, table, found.bad_columns, config)
+                gx_checks, rendered = run_suite(
+                    name, day, table, config=config, skip_columns=found.bad_columns, derived=derived,
+                    docs_dir=docs_dir, encoded=found.encoded,
+                )
+                profile = profiling.result()
             schema = contracts.RAW_SCHEMAS[name]
             absent = {c for c in schema.names if schema.field(c).nullable and c not in table.column_names}
             for check_name in suite_names:
@@ -137,7 +148,6 @@ def validate_partition(
                     else Check(check_name, None, details="not run: the column is missing or of the wrong type")
                 )
             name_offenders(checks, name, table, derived)
-            profile = profile_table(name, table, previous_ids(root, name, day))
             # An incremental snapshot (only changed rows) is compared with increments, a full one with full ones.
             profile["snapshot"] = snapshot = storage.read_metadata(root, name, day).get("snapshot", "full")
             history = [

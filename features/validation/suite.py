@@ -6,6 +6,10 @@ runs it through an ephemeral context on the partition as one pandas dataframe an
 result into a ``Check``; it can also render the run's GX Data Docs into a local folder (GX writes Data Docs
 only to a local filesystem: the report copies them to the storage root, local or not).
 
+Without Data Docs, the context (with its data source and the suite added) is built once per process for each
+suite content and reused (``_cached_runner``), and a run skips work GX would repeat without changing any
+result (``_gx_shortcuts``, ``_no_dataframe_fingerprint``): the checks and their results are GX's.
+
 Great Expectations is imported inside these functions: importing it takes seconds.
 """
 
@@ -15,8 +19,11 @@ import datetime as dt
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,27 +89,36 @@ def build_suite(
     source = contracts.RAW_DATASETS[name]
     schema = contracts.RAW_SCHEMAS[name]
     skip = set(skip_columns)
-    suite = gx.ExpectationSuite(name=source.replace("/", "."))
+    expectations: list[gxe.Expectation] = []
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def add(expectation: gxe.Expectation) -> None:
+        # As ExpectationSuite.add_expectation: a suite is a set, an expectation equal but for its meta is not added
+        # twice. The suite is made from the list at the end: adding one by one looks each up in a context's store.
+        same = (expectation.expectation_type, expectation.dict(exclude={"id", "rendered_content", "notes", "meta"}))
+        if same not in seen:
+            seen.append(same)
+            expectations.append(expectation)
 
     # exact_match=False: derived check columns sit beside the contract's; schema.columns reports extras.
-    suite.add_expectation(
+    add(
         gxe.ExpectTableColumnsToMatchSet(
             column_set=[c for c in schema.names if not schema.field(c).nullable],  # nullable: optional
             exact_match=False,
             meta={"check": "table.columns_match_set"},
         )
     )
-    suite.add_expectation(gxe.ExpectTableRowCountToBeBetween(min_value=1, meta={"check": "table.row_count"}))
+    add(gxe.ExpectTableRowCountToBeBetween(min_value=1, meta={"check": "table.row_count"}))
     for col in schema.names:
         if col not in skip and not schema.field(col).nullable:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToNotBeNull(
                     column=col, meta={"check": f"{col}.not_null", "problem": f"null {col}"}
                 )
             )
     for col in IDS.get(name, ()):
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeBetween(
                     column=col,
                     min_value=1,
@@ -111,7 +127,7 @@ def build_suite(
             )
     for col in UNIQUE.get(name, ()):
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeUnique(
                     column=col,
                     meta={"check": f"{col}.unique", "problem": f"{col} shared with another row"},
@@ -119,7 +135,7 @@ def build_suite(
             )
     for col, allowed in closed_sets(name, config).items():
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeInSet(
                     column=col,
                     value_set=list(allowed),
@@ -128,7 +144,7 @@ def build_suite(
             )
     for col, (regex, what) in REGEX.get(name, {}).items():
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToMatchRegex(
                     column=col,
                     regex=regex,
@@ -138,7 +154,7 @@ def build_suite(
     start, end = day_bounds(ds)
     for col in IN_DAY.get(name, ()):
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeBetween(
                     column=col,
                     min_value=start,
@@ -152,7 +168,7 @@ def build_suite(
             )
     for col in NOT_AFTER_DAY.get(name, ()):
         if col not in skip:
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeBetween(
                     column=col,
                     max_value=end,
@@ -169,7 +185,7 @@ def build_suite(
             continue
         meta = {"check": check.name, "problem": check.problem}
         if check.kind == "embedding_length":
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeBetween(
                     column=check.column, min_value=config.embedding_dim, max_value=config.embedding_dim,
                     meta={**meta, "problem": f"an embedding whose length is not {config.embedding_dim}"},
@@ -177,10 +193,10 @@ def build_suite(
             )
         else:
             mostly = config.min_referential_integrity if check.referential else 1.0
-            suite.add_expectation(
+            add(
                 gxe.ExpectColumnValuesToBeInSet(column=check.column, value_set=[True], mostly=mostly, meta=meta)
             )
-    return suite
+    return gx.ExpectationSuite(name=source.replace("/", "."), expectations=expectations)
 
 
 def closed_sets(dataset: str, config: ValidationConfig) -> dict[str, tuple[Any, ...]]:
@@ -219,47 +235,50 @@ def run_suite(
     skip_columns: set[str],
     derived: dict[str, pa.Array],
     docs_dir: Path | None = None,
+    encoded: Mapping[str, pa.ChunkedArray] | None = None,
 ) -> tuple[dict[str, Check], bool]:
     """Run the GX suite of ``dataset`` (a short name) on ``table``; return its checks by name, and whether
-    the run's Data Docs were rendered into ``docs_dir`` (an empty local folder; None: do not render)."""
+    the run's Data Docs were rendered into ``docs_dir`` (an empty local folder; None: do not render).
+    ``encoded``: string columns of ``table`` as dictionary codes already (``ReadPartition.encoded``).
+
+    Without Data Docs the suite runs through a context kept for the process (``_cached_runner``, keyed by the
+    suite's content), and its result is not stored in a results store nobody reads; with Data Docs it runs
+    through a new ephemeral context, whose results store the rendered site shows."""
     quiet_gx()
-    import great_expectations as gx
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    from great_expectations.validator.v1_validator import Validator
 
     source = raw_dataset(dataset)
-    asset = source.replace("/", "_")
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
-    batch_definition = (
-        context.data_sources.add_pandas("pinflow")
-        .add_dataframe_asset(asset)
-        .add_batch_definition_whole_dataframe("partition")
-    )
     by_column = {c.column: c.name for c in DERIVED[dataset]}
-    suite = context.suites.add(
-        build_suite(
-            dataset,
-            ds,
-            config=config,
-            skip_columns=sorted(skip_columns),
-            derived=[by_column[col] for col in derived],
-        )
+    suite = build_suite(
+        dataset,
+        ds,
+        config=config,
+        skip_columns=sorted(skip_columns),
+        derived=[by_column[col] for col in derived],
     )
-    validation = context.validation_definitions.add(
-        gx.ValidationDefinition(name=f"{asset}_ds={ds}", data=batch_definition, suite=suite)
-    )
-    for column, values in derived.items():
-        table = table.append_column(column, values)
-    # Columns of a closed set as pandas categoricals: GX hashes, filters and tests membership of every row,
-    # several times faster on codes than on strings (measured by benchmarks/validation.py).
-    for col in IN_SET.get(dataset, {}):
-        if col in table.column_names and pa.types.is_string(table.schema.field(col).type):
-            table = table.set_column(
-                table.schema.get_field_index(col), col, pc.dictionary_encode(table.column(col))
+    frame = _frame(dataset, table, derived, encoded or {})
+    context: Any = None
+    with _no_dataframe_fingerprint(), _gx_shortcuts():
+        runner = _cached_runner(source, suite) if docs_dir is None else None
+        if runner is not None and runner.lock.acquire(blocking=False):
+            try:
+                validator = Validator(
+                    batch_definition=runner.batch_definition,
+                    batch_parameters={"dataframe": frame},
+                    result_format="SUMMARY",
+                )
+                result = validator.validate_expectation_suite(runner.suite)
+            finally:
+                _forget_batch(runner)
+                runner.lock.release()
+        else:  # Data Docs asked for, or the process's context is busy in another thread: a context of its own
+            fresh = _new_runner(source, suite)
+            context = fresh.context
+            validation = context.validation_definitions.add(
+                _validation_definition(fresh.batch_definition, fresh.suite, f"{source.replace('/', '_')}_ds={ds}")
             )
-    frame: pd.DataFrame = table.to_pandas()
-    with _no_dataframe_fingerprint():
-        result = validation.run(batch_parameters={"dataframe": frame}, result_format="SUMMARY")
+            result = validation.run(batch_parameters={"dataframe": frame}, result_format="SUMMARY")
+    del frame
 
     checks: dict[str, Check] = {}
     for item in result.results:
@@ -276,6 +295,114 @@ def run_suite(
     return checks, rendered
 
 
+def _frame(
+    dataset: str, table: pa.Table, derived: dict[str, pa.Array], encoded: Mapping[str, pa.ChunkedArray]
+) -> pd.DataFrame:
+    """The partition with the derived check columns, as the pandas dataframe GX judges."""
+    for column, values in derived.items():
+        table = table.append_column(column, values)
+    # Columns of a closed set as pandas categoricals: GX hashes, filters and tests membership of every row,
+    # several times faster on codes than on strings (measured by benchmarks/validation.py). The codes as the
+    # files store them when the read kept them (the same values), else encoded here.
+    for col in IN_SET.get(dataset, {}):
+        if col in table.column_names and pa.types.is_string(table.schema.field(col).type):
+            codes = encoded.get(col)
+            if codes is None or len(codes) != table.num_rows or not codes.type.value_type.equals(pa.string()):
+                codes = pc.dictionary_encode(table.column(col))
+            table = table.set_column(table.schema.get_field_index(col), col, codes)
+    # One block per column: a column of one chunk without nulls becomes a view of its Arrow buffer instead of
+    # being copied into a two-dimensional block (the values, and every expectation's result, are the same).
+    return table.to_pandas(split_blocks=True)
+
+
+@dataclass
+class _Runner:
+    """An ephemeral GX context with the pandas batch definition of one raw dataset and one suite added."""
+
+    context: Any
+    batch_definition: Any
+    suite: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# GX contexts with their suite, by suite content (``_suite_key``), most recently used last. Building one (the
+# context, its data source, and the suite's expectation objects in its store) took about a tenth of a day's
+# validation; a process validating several partitions with the same suite reuses it.
+_RUNNERS: OrderedDict[str, _Runner] = OrderedDict()
+_RUNNERS_LOCK = threading.Lock()
+_MAX_RUNNERS = 8
+
+
+def _suite_key(source: str, suite: gx.ExpectationSuite) -> str:
+    """The content of a suite (every expectation's type, arguments and meta), as canonical JSON."""
+    return json.dumps(
+        {
+            "source": source,
+            "suite": suite.name,
+            "expectations": [
+                {"type": e.expectation_type, "kwargs": e.configuration.kwargs, "meta": e.meta}
+                for e in suite.expectations
+            ],
+        },
+        sort_keys=True,
+        default=repr,
+    )
+
+
+def _cached_runner(source: str, suite: gx.ExpectationSuite) -> _Runner:
+    """The process's runner for ``suite`` (built from it when there is none for its content)."""
+    key = _suite_key(source, suite)
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(key)
+        if runner is not None:
+            _RUNNERS.move_to_end(key)
+            return runner
+    runner = _new_runner(source, suite)
+    with _RUNNERS_LOCK:
+        _RUNNERS[key] = runner
+        _RUNNERS.move_to_end(key)
+        while len(_RUNNERS) > _MAX_RUNNERS:
+            _RUNNERS.popitem(last=False)
+    return runner
+
+
+def _forget_batch(runner: _Runner) -> None:
+    """Drop the partition the kept context's execution engine holds after a run (until the next one, it would
+    keep the whole dataframe alive)."""
+    try:
+        manager = runner.batch_definition.data_asset.datasource.get_execution_engine().batch_manager
+        manager.batch_data_cache.clear()
+        manager.batch_cache.clear()
+    except AttributeError as err:  # another GX: the next run replaces the batch anyway
+        log.debug("could not drop the last batch of a kept GX context: %s", err)
+
+
+def clear_cache() -> None:
+    """Forget the GX contexts kept for this process (the next run builds its suite's context again)."""
+    with _RUNNERS_LOCK:
+        _RUNNERS.clear()
+
+
+def _new_runner(source: str, suite: gx.ExpectationSuite) -> _Runner:
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
+    batch_definition = (
+        context.data_sources.add_pandas("pinflow")
+        .add_dataframe_asset(source.replace("/", "_"))
+        .add_batch_definition_whole_dataframe("partition")
+    )
+    return _Runner(context, batch_definition, context.suites.add(suite))
+
+
+def _validation_definition(batch_definition: Any, suite: Any, name: str) -> Any:
+    import great_expectations as gx
+
+    return gx.ValidationDefinition(name=name, data=batch_definition, suite=suite)
+
+
 @contextmanager
 def _no_dataframe_fingerprint() -> Iterator[None]:
     """GX's pandas engine hashes every row of a batch of under 1 GB (``hash_pandas_object``) only to put a
@@ -290,6 +417,99 @@ def _no_dataframe_fingerprint() -> Iterator[None]:
         yield
     finally:
         engine.HASH_THRESHOLD = threshold
+
+
+# GX work a run repeats, skipped for the runs of this module (``_gx_shortcuts``): installed while at least one
+# run is under way (runs may overlap on threads), GX's own again after the last one.
+_SHORTCUTS_LOCK = threading.Lock()
+_shortcut_runs = 0
+_restore: list[Callable[[], None]] = []
+_UNIQUE_CONDITION = "column_values.unique.condition"
+
+
+@contextmanager
+def _gx_shortcuts() -> Iterator[None]:
+    """For the run: ``_configurations_kept`` and ``_unique_ids_in_order``; each gives GX's own answers."""
+    global _shortcut_runs
+    with _SHORTCUTS_LOCK:
+        if _shortcut_runs == 0:
+            _restore.extend(filter(None, (_configurations_kept(), _unique_ids_in_order())))
+        _shortcut_runs += 1
+    try:
+        yield
+    finally:
+        with _SHORTCUTS_LOCK:
+            _shortcut_runs -= 1
+            if _shortcut_runs == 0:
+                while _restore:
+                    _restore.pop()()
+
+
+def _configurations_kept() -> Callable[[], None] | None:
+    """GX asks each expectation of a run for its ``configuration`` a hundred times or so while it builds the
+    run's metric graph and judges the results, and each time rebuilds it from the expectation's fields (a pydantic
+    ``dict()``): a fifth of the suite's time. The expectations of a run are made for the run and not changed
+    during it: each one's configuration is built once (per object, which is kept alive while its configuration
+    is kept). Returns what restores GX's own property (None: not a GX this was written for, left alone)."""
+    from great_expectations.expectations.expectation import Expectation
+
+    built = Expectation.__dict__.get("configuration")
+    if not isinstance(built, property) or built.fget is None:
+        return None
+    build = built.fget
+    kept: dict[int, tuple[Any, Any]] = {}
+
+    def configuration(self: Any) -> Any:
+        entry = kept.get(id(self))
+        if entry is None or entry[0] is not self:
+            entry = kept[id(self)] = (self, build(self))
+        return entry[1]
+
+    def restore() -> None:
+        Expectation.configuration = built  # type: ignore[method-assign,assignment]
+        kept.clear()
+
+    Expectation.configuration = property(configuration, doc=built.__doc__)  # type: ignore[method-assign,assignment]
+    return restore
+
+
+def _unique_ids_in_order() -> Callable[[], None] | None:
+    """GX's pandas uniqueness condition (``ExpectColumnValuesToBeUnique``) hashes every value of the column
+    (``Series.duplicated``), a quarter of the suite's time on a day of events. An id column that is strictly
+    increasing (events are written in id order, snapshots in key order) has no duplicate, which one comparison of
+    neighbours proves: the condition answers such a column without hashing and hands any other column to GX's
+    own ``~column.duplicated(keep=False)``; the result is the same series either way. Built with GX's own
+    ``column_condition_partial``, so that domains and nulls are handled as GX does. Returns what restores GX's
+    own condition (None: not a GX this was written for, left alone)."""
+    from great_expectations.execution_engine import PandasExecutionEngine
+    from great_expectations.expectations import registry
+    from great_expectations.expectations.metrics.map_metric_provider.column_condition_partial import (
+        column_condition_partial,
+    )
+
+    providers = registry._registered_metrics.get(_UNIQUE_CONDITION, {}).get("providers", {})
+    engine = PandasExecutionEngine.__name__
+    original = providers.get(engine)
+    if original is None:
+        return None
+    providers[engine] = (original[0], column_condition_partial(engine=PandasExecutionEngine)(_unique_condition))
+
+    def restore() -> None:
+        providers[engine] = original
+
+    return restore
+
+
+def _unique_condition(cls: Any, column: pd.Series, **kwargs: Any) -> pd.Series:
+    """Per row: its value occurs once in the column (``ColumnValuesUnique._pandas``, with the in-order shortcut)."""
+    import numpy as np
+    import pandas as pd
+
+    if np.issubdtype(column.dtype, np.integer):
+        values = column.to_numpy()
+        if len(values) < 2 or bool(np.all(values[1:] > values[:-1])):
+            return pd.Series(True, index=column.index, name=column.name)
+    return ~column.duplicated(keep=False)
 
 
 def check_from_result(
