@@ -149,14 +149,15 @@ class FeatureBuildOperator(BaseOperator):
         return config.with_overrides(cfg.features, overrides, "the run's params")
 
     def _plan(self, context: Context) -> dict[str, Any]:
-        """What this task builds: command, shard count, backend, staging folder (the same for every try of a run)."""
+        """What this task builds: settings, command, shard count, backend, staging folder (the same for every try of a
+        run)."""
         cfg = config.load()
         features = self._features(cfg)
         command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
         ti = context.get("ti")
         run = [ti.dag_id, ti.run_id, ti.task_id, str(getattr(ti, "map_index", -1))] if ti is not None else []
         key = hashlib.sha1(json.dumps([*run, command, features.shards]).encode()).hexdigest()[:16]
-        plan: dict[str, Any] = {"command": command, "shards": features.shards,
+        plan: dict[str, Any] = {"command": command, "shards": features.shards, "features": features,
                                 "backend": self.backend or features.backend or cfg.training.backend, "staging": None}
         if features.shards > 1:
             plan["staging"] = staging_folder(cfg.storage_root, self.step, self.ds, key)
@@ -179,7 +180,7 @@ class FeatureBuildOperator(BaseOperator):
         ti = context.get("ti")
         parts = [ti.dag_id, ti.run_id, ti.task_id] if ti is not None else [self.task_id, self.ds]
         try_number = int(ti.try_number) if ti is not None else 1
-        features = self._features(cfg)
+        features = plan["features"]
         spec = build_job_spec(plan["command"], name=job_name("features", *parts, f"try{try_number}"),
                               shards=todo if plan["staging"] else [], cfg=cfg, features=features,
                               backend=plan["backend"])
