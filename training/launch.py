@@ -227,6 +227,7 @@ def become_worker(command: Sequence[str]) -> int:
 def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     torch_args = parse_args(
@@ -250,6 +251,11 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
               f"{' (the kernel OOM-killed a process: memory.events oom_kill rose)' if oom else ''}; node exits {code}",
               file=sys.stderr)
         return code
+    except RendezvousError as err:
+        # The nodes could not meet (the store's port taken, a node gone or late): the machines, not the code.
+        print(f"pinflow launch: the rendezvous failed ({type(err).__name__}: {err}; {err.__cause__ or ''}); "
+              f"node exits {int(ExitCode.INFRA)}", file=sys.stderr)
+        return int(ExitCode.INFRA)
     except SignalException as err:
         # Stopped from outside (cancel, Batch timeout, pod deletion, the supervisor gone): torchrun has stopped
         # the workers; the node was taken away, not failed by its code.

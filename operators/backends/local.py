@@ -1,7 +1,8 @@
 """The embedded default backend: the job's processes run on this machine.
 
 A distributed job starts one ``training.launch`` agent per node, the agents meeting through a c10d
-rendezvous on localhost (several agents stand for several nodes). Every job has a folder
+rendezvous on localhost (several agents stand for several nodes) at a port found free at submit; a job on one
+node uses torchrun's ``--standalone`` (the OS picks the port), so no job depends on a fixed port. Every job has a folder
 ``<home>/jobs/<name>/`` holding its request, each node's pid, log and exit code, so a restarted Airflow
 worker finds the job again and never starts it twice.
 
@@ -22,10 +23,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,14 @@ NODE_SUPERVISOR = Path(__file__).with_name("local_node.py")
 # The array runner: starts an array job's children (each under the node supervisor), a few at a time.
 ARRAY_RUNNER = Path(__file__).with_name("local_array.py")
 ARRAY_INDEX_VARIABLE = ARRAY_INDEX_ENV["local"]
+RENDEZVOUS_PORT_AT_SUBMIT = "<a free port, chosen at submit>"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it), for a job's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class LocalBackend:
@@ -50,18 +59,22 @@ class LocalBackend:
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
 
-    def dry_run(self, spec: JobSpec) -> dict[str, Any]:
+    def dry_run(self, spec: JobSpec, *, rendezvous_port: int | None = None) -> dict[str, Any]:
+        """The request ``submit`` starts. A job on several nodes meets at ``127.0.0.1:<rendezvous_port>``, a port
+        that ``submit`` finds free (shown as ``RENDEZVOUS_PORT_AT_SUBMIT`` here); one node needs none (torchrun's
+        ``--standalone`` lets the OS pick the port)."""
         spec.validate()  # the team is checked by the operator; the local machine serves every team
         job_dir = self.job_dir(spec.name)
-        if spec.distributed:
-            # A fixed port per job name keeps the dry run pure; collisions across jobs are unlikely.
-            port = 20000 + zlib.crc32(spec.name.encode()) % 20000
+        if spec.distributed and spec.nodes > 1:
+            port = RENDEZVOUS_PORT_AT_SUBMIT if rendezvous_port is None else str(rendezvous_port)
             nodes = [
                 launch_command(spec, python=sys.executable, rendezvous=(
                     f"--nnodes={spec.nodes}", f"--node-rank={rank}", f"--rdzv-endpoint=127.0.0.1:{port}",
                 ))
                 for rank in range(spec.nodes)
             ]
+        elif spec.distributed:
+            nodes = [launch_command(spec, python=sys.executable, rendezvous=("--nnodes=1", "--node-rank=0"))]
         else:
             nodes = [launch_command(spec, python=sys.executable)] * max(1, spec.array_size)
         request: dict[str, Any] = {
@@ -92,7 +105,7 @@ class LocalBackend:
         existing = self.find(spec.name)
         if existing:
             return existing
-        request = self.dry_run(spec)
+        request = self.dry_run(spec, rendezvous_port=free_port() if spec.distributed and spec.nodes > 1 else None)
         job_dir = self.job_dir(spec.name)
         job_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **request["env"]}

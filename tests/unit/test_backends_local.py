@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import pytest
 
 from core.failures import ExitCode, FailureClass, classify_exit_code
 from operators.backends import JobSpec, get_backend
-from operators.backends.local import node_finding
+from operators.backends.local import RENDEZVOUS_PORT_AT_SUBMIT, free_port, node_finding
 from operators.jobs import job_name
 from training.launch import cgroup_oom_kills, exit_code_of_failures, rendezvous_from_env, torchrun_args
 
@@ -21,8 +22,8 @@ def spec(**kw):
 
 @pytest.mark.unit
 def test_local_dry_run_is_the_whole_request(tmp_path):
-    request = get_backend("local", home=str(tmp_path)).dry_run(spec())
-    port = int(request["nodes"][0]["argv"][6].rsplit(":", 1)[1])
+    request = get_backend("local", home=str(tmp_path)).dry_run(spec(), rendezvous_port=41234)
+    port = 41234
     assert request == {
         "job_name": "train-abc",
         "job_dir": str(tmp_path / "jobs" / "train-abc"),
@@ -42,7 +43,23 @@ def test_local_dry_run_is_the_whole_request(tmp_path):
         ],
     }
     # Pure: the same spec gives the same request.
-    assert get_backend("local", home=str(tmp_path)).dry_run(spec()) == request
+    assert get_backend("local", home=str(tmp_path)).dry_run(spec(), rendezvous_port=41234) == request
+    # Without a port (what the operators' checks see): the port submit will find free, named.
+    shown = get_backend("local", home=str(tmp_path)).dry_run(spec())["nodes"][1]["argv"][6]
+    assert shown == f"--rdzv-endpoint=127.0.0.1:{RENDEZVOUS_PORT_AT_SUBMIT}"
+
+
+@pytest.mark.unit
+def test_a_one_node_job_needs_no_port_and_several_nodes_get_a_free_one(tmp_path):
+    # One node: torchrun --standalone (the OS picks the store's port).
+    argv = get_backend("local", home=str(tmp_path)).dry_run(spec(nodes=1))["nodes"][0]["argv"]
+    assert argv[3:6] == ["--nproc-per-node=3", "--nnodes=1", "--node-rank=0"]
+    assert not [a for a in argv if a.startswith("--rdzv-endpoint")]
+    assert torchrun_args(argv[argv.index("--") + 1:], nproc_per_node=3, nnodes=1, node_rank=0, env={})[4] == "--standalone"
+    # Several nodes: a port nothing listens on, a new one per job.
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # it was free
 
 
 @pytest.mark.unit
@@ -161,3 +178,24 @@ def test_preflight_runs_first_in_the_same_world(tmp_path):
         "-m", "training.preflight", "--config", "/r/RUN.json"]
     with pytest.raises(ValueError, match="--config"):
         preflight_command(["-m", "training.train"])
+
+
+@pytest.mark.unit
+def test_nodes_that_cannot_meet_exit_as_infra(monkeypatch, capsys):
+    # What a rendezvous port taken by another service gives (seen in CI before the ports were found free):
+    # torch raises before any worker starts; the node is retried, not failed as the model code's fault.
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from training.launch import AGENT_PID_ENV, main
+
+    def fail(_args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from RuntimeError("Ping failed")
+
+    monkeypatch.setattr(torch.distributed.run, "run", fail)
+    monkeypatch.setattr("training.launch.set_parent_death_signal", lambda sig: True)
+    monkeypatch.setenv(AGENT_PID_ENV, "")  # main() sets it: restored after the test
+    code = main(["--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=127.0.0.1:1", "--",
+                 "-m", "training.train"])
+    assert code == ExitCode.INFRA and classify_exit_code(code) is FailureClass.INFRA
+    assert "the rendezvous failed (RendezvousConnectionError" in capsys.readouterr().err
