@@ -225,6 +225,31 @@ def remove_tree(location: Location) -> None:
             pass
 
 
+def last_modified(folder: Location) -> float | None:
+    """When anything under ``folder`` was last written (Unix seconds; a local folder's own entries count, so a
+    build that made its folders but wrote no file yet is recent); None if there is nothing."""
+    if not is_remote(folder):
+        path = local_path(folder)
+        times = []
+        for entry in [path, *path.rglob("*")] if path.exists() else []:
+            try:
+                times.append(entry.stat().st_mtime)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+        return max(times, default=None)
+    fs, key = filesystem(folder)
+    try:
+        entries = fs.find(key, detail=True).values()
+    except FileNotFoundError:
+        return None
+    times = []
+    for entry in entries:
+        if entry.get("type") == "file":
+            stamp = entry.get("LastModified") or entry.get("mtime") or fs.modified(entry["name"])
+            times.append(stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp))
+    return max(times, default=None)
+
+
 def make_dirs(location: Location) -> None:
     """Create a local folder and its parents; an object store has no folders to create."""
     if not is_remote(location):

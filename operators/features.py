@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ STEP_OUTPUTS = {
     "examples": ("examples",),
 }
 STAGING = "_staging"  # under the storage root: shard outputs of builds not merged yet (no dataset starts with _)
+# A staging folder of another build unwritten for this many build timeouts is abandoned (removed at the next merge).
+ABANDONED_AFTER_TIMEOUTS = 2
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
 _UNIT_GB = {None: 1e-9, "KB": 1e-6, "MB": 1e-3, "GB": 1.0, "TB": 1e3, "KIB": 2**10 / 1e9, "MIB": 2**20 / 1e9,
             "GIB": 2**30 / 1e9, "TIB": 2**40 / 1e9}
@@ -239,6 +242,7 @@ class FeatureBuildOperator(BaseOperator):
         root = config.load().storage_root
         if plan["staging"]:
             summary = merge_shards(root, self.ds, self.step, plan["staging"], plan["shards"])
+            self._remove_abandoned_staging(plan)
         else:
             summary = {}
             for dataset in STEP_OUTPUTS[self.step]:
@@ -256,6 +260,21 @@ class FeatureBuildOperator(BaseOperator):
         self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
         self._built = summary
         return summary
+
+    def _remove_abandoned_staging(self, plan: dict[str, Any]) -> None:
+        """Remove other sharded builds of this step and day (runs that failed, or ran with other settings) left
+        unwritten longer than ``ABANDONED_AFTER_TIMEOUTS`` build timeouts: no job of theirs can still be writing, and
+        no retry of theirs still merging. A build in progress elsewhere is left alone."""
+        from core import storage
+
+        day_folder = plan["staging"].rstrip("/").rsplit("/", 1)[0]
+        cutoff = time.time() - ABANDONED_AFTER_TIMEOUTS * plan["features"].timeout_seconds
+        for name in storage.list_names(day_folder):
+            folder = storage.join(day_folder, name)
+            written = storage.last_modified(folder)
+            if folder != plan["staging"] and written is not None and written < cutoff:
+                self.log.info("removing an abandoned sharded build of %s ds=%s: %s", self.step, self.ds, folder)
+                storage.remove_tree(folder)
 
     def on_kill(self) -> None:
         if self._job is not None:

@@ -222,6 +222,10 @@ def test_folders_without_a_marker_and_shard_copies(root: str):
     with storage.write_partition(root, DATASET, DAY) as staging:
         storage.copy_file(source, storage.join(staging, "part-00000.parquet"))
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"copied"}
+    # When a folder was last written (what tells an abandoned sharded build from a running one).
+    written = storage.last_modified(storage.join(root, "staging"))
+    assert written is not None and abs(written - time.time()) < 600
+    assert storage.last_modified(storage.join(root, "nothing-here")) is None
 
 
 def test_a_quarantined_versioned_partition_stays_whole_and_readable(root: str):

@@ -125,6 +125,34 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> Non
 
 
 @pytest.mark.unit
+def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones(platform: PlatformConfig) -> None:
+    import os
+    import time
+
+    from features import build
+
+    def staged_by(run_id: str, written_s_ago: float) -> Path:
+        """Shard 0 of the same step and day built by another run (which then failed), last written that long ago."""
+        ctx = context()
+        ctx["ti"].run_id = run_id
+        plan = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=2,
+                                    deferrable=False)._plan(ctx)
+        build.main([*plan["command"][2:], "--run-shards", "0"])
+        stamp = time.time() - written_s_ago
+        for path in [Path(plan["staging"]), *Path(plan["staging"]).rglob("*")]:
+            os.utime(path, (stamp, stamp))
+        return Path(plan["staging"])
+
+    timeout = platform.features.timeout_seconds
+    abandoned, recent = staged_by("failed_run", 2.5 * timeout), staged_by("running_run", 0.5 * timeout)
+    FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=3,
+                         deferrable=False).execute(context())
+    assert storage.read_metadata(platform.storage_root, contracts.USER_DAILY, DAY)["shards"] == 3
+    assert not abandoned.exists() and recent.exists()  # and this run's own staging folder is gone:
+    assert sorted(p.name for p in recent.parent.iterdir()) == [recent.name]
+
+
+@pytest.mark.unit
 def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: PlatformConfig) -> None:
 
     from operators.backends import get_backend
