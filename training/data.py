@@ -344,12 +344,13 @@ def read_examples(
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """Rows [start, stop) of one row group of one Parquet file."""
+    """Rows [start, stop) of one row group of one Parquet file (of the partition of day ``ds``)."""
 
     path: str
     row_group: int
     start: int
     stop: int
+    ds: str = ""
 
     @property
     def rows(self) -> int:
@@ -369,7 +370,7 @@ def example_units(
     Row groups are split into equal slices only when there are fewer than ``min_units`` of them, so that
     every rank and worker gets something to read.
     """
-    groups: list[tuple[str, int, int]] = []
+    groups: list[tuple[str, int, int, str]] = []
     for ds in days:
         try:
             files = data_files(root, dataset, ds)
@@ -388,13 +389,13 @@ def example_units(
             for rg in range(meta.num_row_groups):
                 rows = meta.row_group(rg).num_rows
                 if rows:
-                    groups.append((path, rg, rows))
+                    groups.append((path, rg, rows, ds))
     split = max(1, -(-min_units // max(1, len(groups))))
     units = []
-    for name, rg, rows in groups:
+    for name, rg, rows, ds in groups:
         pieces = min(split, rows)
         bounds = np.linspace(0, rows, pieces + 1).astype(int)
-        units += [WorkUnit(name, rg, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        units += [WorkUnit(name, rg, int(a), int(b), ds) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     return units
 
 
@@ -478,7 +479,6 @@ class ExampleStream(IterableDataset):
             root, self.days, min_units=4 * world_size * max(1, num_workers), dataset=dataset, columns=columns
         )
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
-        self._day_of = {path: ds for ds in self.days for path in data_files(root, dataset, ds)}
         self._digests: dict[str, str | None] = {}
         self._resolver = SequenceResolver(root)
 
@@ -583,10 +583,9 @@ class ExampleStream(IterableDataset):
             key = self._unit_index[unit]
             table = table.take(pa.array(self._rng(epoch, key).permutation(table.num_rows)))
         if resolve:  # after the slice and the shuffle: a row's resolved lists depend on that row only
-            ds = self._day_of[unit.path]
-            if ds not in self._digests:
-                self._digests[ds] = read_metadata(self.root, self.dataset, ds).get("sequence_digest")
-            table = self._resolver.resolve(table, self._digests[ds], f"{self.dataset} ds={ds}").select(wanted)
+            if unit.ds not in self._digests:
+                self._digests[unit.ds] = read_metadata(self.root, self.dataset, unit.ds).get("sequence_digest")
+            table = self._resolver.resolve(table, self._digests[unit.ds], f"{self.dataset} ds={unit.ds}").select(wanted)
         return table
 
     def iter_tables(self, units: Sequence[WorkUnit], epoch: int, skip_batches: int = 0) -> Iterator[pa.Table]:
