@@ -14,7 +14,8 @@ marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic a
   a reader never finds the folder missing; writers of one folder take turns on its lock file), so a crash
   never leaves partial output and a rerun replaces exactly that folder; on an object store, which has no rename, the
   data goes into a fresh version folder ``<folder>/_v=<version>/`` (ids sort by time) and the marker, written last as
-  one PUT, names that version (``{"published": ..., "version": ...}``), so readers switch from the whole old version
+  one conditional PUT (only if the marker is still the one read: concurrent writers never move it back to an older
+  version), names that version (``{"published": ..., "version": ...}``), so readers switch from the whole old version
   to the whole new one; the older versions are then removed but the one replaced (kept for readers that had just
   resolved it) and any newer one (a concurrent writer's); a failure removes its own version folder only;
 * a single file (JSON, a report page) through :func:`write_bytes` / :func:`write_json`: locally a temporary
@@ -489,6 +490,44 @@ def _version_names(folder: str) -> tuple[list[str], list[str]]:
     return versions, [n for n in names if not n.startswith(VERSION_PREFIX)]
 
 
+# The marker of a store without conditional writes (not S3): written unconditionally.
+_UNCONDITIONAL = "<unconditional>"
+
+
+def _marker_tag(path: str) -> str | None:
+    """The ETag of the marker object at ``path`` (None: there is none) on S3, for a conditional switch;
+    ``_UNCONDITIONAL`` on other stores."""
+    fs, key = filesystem(path)
+    if "s3" not in fs.protocol:
+        return _UNCONDITIONAL
+    bucket, name, _ = fs.split_path(key)
+    try:
+        return str(fs.call_s3("head_object", Bucket=bucket, Key=name)["ETag"])
+    except FileNotFoundError:
+        return None
+
+
+def _put_marker(path: str, text: str, tag: str | None) -> bool:
+    """Write the marker at ``path`` if it is still the object ``tag`` names (None: if there is still none): an S3
+    conditional PUT. False when another writer changed it since it was read; other stores: write, True."""
+    if tag == _UNCONDITIONAL:
+        write_text(path, text)
+        return True
+    fs, key = filesystem(path)
+    bucket, name, _ = fs.split_path(key)
+    condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+    try:
+        fs.call_s3("put_object", Bucket=bucket, Key=name, Body=text.encode(), **condition)
+    except OSError as err:
+        code = (getattr(err.__cause__, "response", None) or {}).get("Error", {}).get("Code")
+        if isinstance(err, FileExistsError) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False
+        raise
+    finally:
+        fs.invalidate_cache(key)
+    return True
+
+
 @contextmanager
 def _publish_version(final: str, marker: str) -> Iterator[str]:
     """Publish a new version of ``final`` on an object store, which has no rename.
@@ -499,40 +538,50 @@ def _publish_version(final: str, marker: str) -> Iterator[str]:
     (:func:`resolve`) see the old version or the new one, never none and never a mix. A failure before the switch
     removes the new folder and leaves the old version as it was.
 
-    Concurrent writers: a writer whose version is older than the one published when it is about to switch steps
-    aside (its folder is removed: as if it had published and been replaced at once); a writer that finds a newer
-    complete version after its switch points the marker at it, so the newest version wins. Afterwards the older
-    versions are removed, except the one visible before the switch (kept for readers that resolved it just before)
-    and those still being written (another writer's, which steps aside on seeing a newer one), and none newer
-    than its own. Objects directly in ``final`` (a partition landed with a plain marker) are treated as the
-    version before the first ``_v=`` one. Without a conditional PUT a writer that stalls between its check and its
-    switch while two others publish can still point the marker at a removed folder for a moment: writers of one
-    partition are meant to take turns (the DAGs run one build of a day at a time); this only keeps a race harmless.
+    Concurrent writers: the switch is a compare-and-swap (the marker's ETag read, then a conditional PUT that S3
+    refuses if the marker changed meanwhile; read again and decide again), so the marker only moves to newer
+    versions: a writer that finds a newer version published steps aside (its folder is removed, as if it had
+    published and been replaced at once). Afterwards the older versions are removed, except the one visible before
+    the switch (kept for readers that resolved it just before) and those still being written (another writer's,
+    which steps aside on seeing a newer one), and none newer than its own. Objects directly in ``final`` (a
+    partition landed with a plain marker) are treated as the version before the first ``_v=`` one. (A store
+    without conditional writes, not S3, writes the marker unconditionally.)
     """
+    import logging
+
     version = new_version()
     folder = _version_folder(final, version)
     stamp = json.dumps({"published": dt.datetime.now(dt.UTC).isoformat(), "version": version}, sort_keys=True)
+    path = join(final, marker)
     try:
         yield folder
         write_text(join(folder, marker), stamp)  # the version folder is complete
-        _, replaced = _marker_state(final, marker)
+    except BaseException:
+        remove_tree(folder)
+        raise
+    while True:
+        try:
+            tag = _marker_tag(path)  # before reading the content: a change in between fails the conditional PUT
+            _, replaced = _marker_state(final, marker)
+        except BaseException:
+            remove_tree(folder)
+            raise
+        if replaced == version:  # an earlier PUT of ours went through (its answer was lost and it was retried)
+            break
         if replaced is not None and replaced > version:  # a newer version was published meanwhile: it stays
             remove_tree(folder)
-            import logging
-
             logging.getLogger(__name__).info(
                 "%s: version %s was published while %s was written; it stays, %s is dropped",
                 final, replaced, version, version)
             return
-    except BaseException:
-        remove_tree(folder)
-        raise
-    write_text(join(final, marker), stamp)  # the switch (a failed PUT leaves the folder to a later publish)
+        # The switch (a failed PUT leaves the folder to a later publish: its answer may have been lost).
+        if _put_marker(path, stamp, tag):
+            break
+        logging.getLogger(__name__).info("%s: the marker changed while %s was switching to: reading it again",
+                                         final, version)
     try:
         _tidy(final, marker, version, replaced)
     except Exception as err:  # published: what is left over goes with a later publish
-        import logging
-
         logging.getLogger(__name__).warning("%s: version %s is published, but removing older versions failed: %s",
                                             final, version, err)
 
@@ -544,28 +593,13 @@ def _tidy(final: str, marker: str, version: str, replaced: str | None) -> None:
     if current != version:
         return  # a later publish switched since: its own tidy-up applies
     versions, others = _version_names(final)
-
-    def complete(other: str) -> bool:
-        return exists(join(_version_folder(final, other), marker))
-
-    # Versions between the replaced one and this one: complete, one that another writer made visible just before
-    # this switch (or that steps aside, seeing this one); incomplete, another writer's still being written, which
-    # steps aside once it sees this newer one, and removes itself.
-    between = {v: complete(v) for v in versions if (replaced is None or v > replaced) and v < version}
-    grace = next((v for v in sorted(between, reverse=True) if between[v]), replaced)
-    for other in reversed([v for v in versions if v > version]):
-        # A newer complete version: its writer switched before this one did (whose switch then overwrote it) or is
-        # about to. The newest wins either way: point at it (the same PUT its writer makes); this one, visible for
-        # a moment, is kept for the readers that resolved it.
-        try:
-            text = read_bytes(join(_version_folder(final, other), marker))
-        except FileNotFoundError:
-            continue  # still being written: its writer switches to it later
-        write_bytes(join(final, marker), text)
-        grace = version
-        break
     for old in versions:
-        if old < version and old != grace and between.get(old, True):
+        if old >= version or old == replaced:  # newer: another writer's, which switches next; replaced: kept for
+            continue                           # the readers that resolved it just before the switch
+        # Older than the replaced one: nobody can resolve it any more. Between the two and complete: another writer's,
+        # which will never be switched to (the marker moved past it); incomplete: still being written, its writer
+        # steps aside on seeing this version and removes it.
+        if (replaced is not None and old < replaced) or exists(join(_version_folder(final, old), marker)):
             remove_tree(_version_folder(final, old))
     if replaced is not None:  # the objects of a plain version older than the one replaced
         for name in others:

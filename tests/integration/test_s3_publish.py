@@ -139,6 +139,35 @@ def test_concurrent_writers_leave_one_of_them_whole_and_nothing_else(root: str):
         assert storage.exists(storage.join(part, name, storage.MARKER))
 
 
+def test_a_writer_stalled_before_its_switch_never_moves_the_marker_back(root: str, monkeypatch: pytest.MonkeyPatch):
+    # The race a plain PUT could not close: writer "stalled" reads the marker, then stalls while "late" (a newer
+    # version) and "later" publish; its switch is an S3 conditional PUT, refused since the marker changed: it reads
+    # again, steps aside, and the marker stays on the newest version, whose folder is whole.
+    publish(root, "seed")
+    put_marker = storage._put_marker
+    answers = []
+
+    def stall_once(path: str, text: str, tag: str | None) -> bool:
+        if not answers:
+            answers.append(None)
+            publish(root, "late")
+            publish(root, "later")
+        answers.append(put_marker(path, text, tag))
+        return answers[-1]
+
+    monkeypatch.setattr(storage, "_put_marker", stall_once)
+    publish(root, "stalled")  # its version id is the oldest of the three: taken when it started
+    # late's and later's switches went through; then the stalled one's conditional PUT was refused (and not tried
+    # again: the marker it read again names a newer version).
+    assert answers == [None, True, True, False]
+    assert tokens(storage.read_table(root, DATASET, DAY)) == {"later"}
+    part = storage.partition(root, DATASET, DAY)
+    kept = versions(root)
+    assert current(root) == max(kept) and len(kept) == 2, kept  # later, and late kept for its readers
+    for name in kept:
+        assert len(storage.glob(storage.join(part, name), "*.parquet")) == FILES
+
+
 def test_a_failed_publish_leaves_the_previous_version_and_removes_its_own_folder(root: str):
     publish(root, "one")
     before = versions(root)
