@@ -123,6 +123,22 @@ def _run(tag: str, scratch: Path) -> dict[str, Any]:
         threading.Thread(target=_announce_run, args=(scratch / "run-a-created", since), daemon=True).start()
         dr = dag.test(run_conf=conf)
     else:
+        # Its job asks for room once run a's job holds the quota (run a's waits for the MLflow store first: under
+        # load run b's would otherwise get there first, and the runs' roles swap).
+        from operators import job_history
+        from operators.training import DistributedTrainingOperator
+
+        submit = DistributedTrainingOperator.submit_job
+
+        def run_a_holds_the_quota() -> bool:
+            rows = job_history.rows(dag_id="pin_ranker_training", team=TEAM)  # the team of this module's runs
+            return any(r["state"] != job_history.WAITING for r in rows)
+
+        def submit_once_run_a_is_admitted(self: Any, context: Any) -> Any:
+            _wait_until("run a's job to be admitted", run_a_holds_the_quota, ADMISSION_TIMEOUT_S)
+            return submit(self, context)
+
+        DistributedTrainingOperator.submit_job = submit_once_run_a_is_admitted  # type: ignore[method-assign]
         # Once run a exists (two dag.test() writing the same new DAG version at once collide); its promotion is
         # not waited for (run a's is).
         _wait_until("run a", (scratch / "run-a-created").exists, ADMISSION_TIMEOUT_S)
