@@ -22,14 +22,13 @@ def array_index(environ: dict[str, str] | None = None) -> int | None:
 
 
 def parse_shards(text: str) -> list[int]:
-    """``0,3,5-7`` → [0, 3, 5, 6, 7]."""
+    """``0,3,5-7`` → [0, 3, 5, 6, 7]; anything else is a ValueError naming the item (a USER error to the CLIs)."""
     shards: list[int] = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        if "-" in item:
-            a, b = item.split("-", 1)
-            shards.extend(range(int(a), int(b) + 1))
-        else:
-            shards.append(int(item))
+        first, _, last = item.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise ValueError(f"shard list {text!r}: {item!r} is not a shard number or a range like 5-7")
+        shards.extend(range(int(first), int(last or first) + 1))
     return shards
 
 

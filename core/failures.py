@@ -13,6 +13,7 @@ raises the same typed errors, which the tasks' retry policy retries (``INFRA``) 
 from __future__ import annotations
 
 import enum
+import errno
 import signal
 import sys
 from collections.abc import Iterable
@@ -166,11 +167,19 @@ _AWS_USER_CODES = (
 )
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a disk or a disk quota is full (OSError's errno; DuckDB and others only say it in words)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    message = str(exc).lower()
+    return "no space left on device" in message or "disk quota exceeded" in message
+
+
 def classify(exc: BaseException) -> FailureClass:
     """The failure class of an exception; the one place an error's class is decided.
 
     Typed errors carry their class; out of memory (torch or Python) → OOM; errors of the process group or
-    rendezvous, connection errors and time-outs, an MLflow server or an AWS API that does not answer or
+    rendezvous, connection errors and time-outs, a full disk, an MLflow server or an AWS API that does not answer or
     replies 5xx / throttling → INFRA; missing or refused AWS credentials, a bucket that does not exist → USER;
     anything else → USER. Causes (``raise ... from``) are followed when the error itself says nothing.
     """
@@ -210,6 +219,8 @@ def _classify_one(exc: BaseException) -> FailureClass | None:
         return FailureClass.INFRA  # a tracking database or HTTP service that does not answer
     if isinstance(exc, ConnectionError | TimeoutError):
         return FailureClass.INFRA
+    if disk_full(exc):
+        return FailureClass.INFRA  # once space is freed the same work succeeds: the retries' backoff gives time
     if isinstance(exc, RuntimeError) and "out of memory" in message:
         return FailureClass.OOM
     if isinstance(exc, RuntimeError) and any(marker in message for marker in _INFRA_MARKERS):

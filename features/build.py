@@ -61,7 +61,16 @@ from core.contracts import (
     USER_WINDOW_SCHEMA,
     SequenceDigest,
 )
-from core.failures import DataError, ExitCode, InfraError, PinflowError
+from core.failures import (
+    DataError,
+    ExitCode,
+    FailureClass,
+    InfraError,
+    PinflowError,
+    classify,
+    disk_full,
+    exit_code_for,
+)
 from core.storage import (
     DATA_FILE,
     MARKER,
@@ -1449,6 +1458,7 @@ def _run_sharded(args: argparse.Namespace, engine: DuckDBSettings, require: bool
 def main(argv: Sequence[str] | None = None) -> int:
     from core import config
 
+    args: argparse.Namespace | None = None
     try:
         args = _parser(config.load().features).parse_args(argv)
         summary = run(args)
@@ -1458,6 +1468,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a bad setting (the typed settings' or a step's own check): fix the command
         print(f"features.build: USER error: {exc}", file=sys.stderr)
         return int(ExitCode.USER)
+    except Exception as exc:
+        if classify(exc) is FailureClass.USER:
+            raise  # a bug: the traceback says where (exit 1, USER)
+        # Nothing was published (a partition appears only whole); the exit code tells the operator to retry or stop.
+        log.error("failed", exc_info=exc)
+        hint = ""
+        if disk_full(exc) and args is not None:
+            hint = (f" (the disk is full: free space under the storage root {args.root} or in DuckDB's temp directory "
+                    f"{args.temp_directory or tempfile.gettempdir()}; the task's retries build it again)")
+        print(f"features.build: {classify(exc).value} error: {exc}{hint}", file=sys.stderr)
+        return int(exit_code_for(exc))
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 

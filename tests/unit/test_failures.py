@@ -47,6 +47,10 @@ def mlflow_error(code: str, message: str) -> Exception:
         (ConnectionRefusedError(), INFRA),
         (RuntimeError("[gloo] Timed out waiting 1800000ms for recv"), INFRA),
         (ValueError("shape mismatch"), USER),
+        (OSError(28, "No space left on device"), INFRA),
+        (OSError(122, "Disk quota exceeded"), INFRA),
+        (RuntimeError('IO Error: Could not write file "/tmp/x.tmp": No space left on device'), INFRA),  # DuckDB's
+        (FileNotFoundError(2, "No such file or directory"), USER),
         (aws_error(503, "SlowDown"), INFRA),
         (aws_error(500, "InternalError"), INFRA),
         (aws_error(400, "ThrottlingException"), INFRA),

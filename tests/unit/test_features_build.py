@@ -491,3 +491,25 @@ def test_cli_prints_summary_and_exits_data_on_missing_input(root: Path, capsys: 
     assert '"features/user_daily"' in capsys.readouterr().out
     assert build.main(["--root", str(root), "--ds", "2024-02-01"]) == ExitCode.DATA
     assert "ds=2024-02-01" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_full_disk_exits_infra_naming_it_and_keeps_the_published_partition(
+    root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["--root", str(root), "--ds", D1, "--step", "daily", "--skip-validation"]
+    assert build.main(argv) == 0
+    before = read_table(root, contracts.USER_DAILY, D1)
+    folder = Path(partition(root, contracts.USER_DAILY, D1)).parent
+    entries = sorted(p.name for p in folder.iterdir())
+
+    def full_disk(*_args: object, **_kwargs: object) -> pa.Table:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(build, "_conform", full_disk)
+    capsys.readouterr()
+    assert build.main(argv) == ExitCode.INFRA  # retried by the task, not failed as a bug
+    err = capsys.readouterr().err
+    assert "INFRA error" in err and f"the disk is full: free space under the storage root {root}" in err
+    assert read_table(root, contracts.USER_DAILY, D1).equals(before)
+    assert sorted(p.name for p in folder.iterdir()) == entries  # no half-written copy left beside it

@@ -234,6 +234,9 @@ def test_checksums_do_not_depend_on_order_and_see_a_swapped_pin():
 
 def test_shard_lists_and_array_indexes():
     assert arrays.parse_shards("0,3,5-7") == [0, 3, 5, 6, 7]
+    for typo in ("1-x", "7-5", "-1", "a"):
+        with pytest.raises(ValueError, match="is not a shard number or a range like 5-7"):
+            arrays.parse_shards(typo)
     assert arrays.format_shards([7, 0, 5, 3, 6]) == "0,3,5-7"
     assert arrays.shards_of_this_process([3, 5, 9], {}) == [3, 5, 9]
     assert arrays.shards_of_this_process([3, 5, 9], {"AWS_BATCH_JOB_ARRAY_INDEX": "1"}) == [5]
