@@ -208,6 +208,27 @@ def test_small_memory_limit_spills_instead_of_failing(daily_root: Path, tmp_path
     assert list(spill.iterdir()) == []  # each connection's spill folder is removed afterwards
 
 
+@pytest.mark.unit
+def test_outputs_cut_into_many_files_hold_the_same_rows_in_the_same_order(
+    daily_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large output is written as several files encoded side by side (build.FILE_BYTES); read in name order they
+    are the one-file output, row for row, with the same metadata (the sequences' content digest included)."""
+    root = tmp_path / "root"
+    shutil.copytree(daily_root, root)
+    monkeypatch.setattr(build, "FILE_BYTES", 2048)
+    build.build_day(root, DAYS[6], engine=ENGINE, require_validation=False, **PARAMS)
+    for dataset in OUTPUTS:
+        files = storage.data_files(root, dataset, DAYS[6])
+        assert len(files) > 2, dataset
+        assert [Path(f).name for f in files] == [f"part-{i:05d}.parquet" for i in range(len(files))]
+        assert read_table(root, dataset, DAYS[6]).equals(read_table(daily_root, dataset, DAYS[6])), dataset
+        ignore = {"input_versions", "daily_versions", "built_at"}  # when the inputs were published
+        new, old = read_metadata(root, dataset, DAYS[6]), read_metadata(daily_root, dataset, DAYS[6])
+        assert {k: v for k, v in new.items() if k not in ignore} == {k: v for k, v in old.items() if k not in ignore}
+    assert read_examples(root, DAYS[6]).equals(read_examples(daily_root, DAYS[6]))
+
+
 # --- examples reference their sequence --------------------------------------------------------------------
 
 
