@@ -23,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -462,17 +463,21 @@ def _pins_view(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], day
 
 
 # Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
-# md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages.
-KEEP_HASH_MACRO = """
-CREATE OR REPLACE TEMP MACRO keep_hash(impression_id, seed) AS
-  ('0x' || substr(md5(seed::VARCHAR || ':' || impression_id::VARCHAR), 1, 13))::BIGINT::DOUBLE
-  / 4503599627370496.0
-"""
+# md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages. Evaluated without
+# parsing the digest: u < rate <=> those bits (an integer) < ceil(rate * 2^52) <=> the digest's hex string sorts
+# before that bound written as 13 lowercase hex digits ('0'-'9' sort before 'a'-'f'; a digest whose first 13
+# digits equal the bound is longer, so sorts after it). A third of the hash's cost, the same rows.
+KEEP_NEGATIVE_HASH = "md5($seed_prefix || i.impression_id::VARCHAR) < $keep_below"
+
+
+def _keep_hash_params(negative_downsample: float, seed: int) -> dict[str, str]:
+    """The parameters of KEEP_NEGATIVE_HASH for a rate in (0, 1)."""
+    return {"seed_prefix": f"{seed}:", "keep_below": format(math.ceil(negative_downsample * 2**52), "013x")}
+
 
 # The sampling condition of an impression without a positive label. At the rates 1 and 0 it is TRUE and FALSE
 # without hashing (u < 1 always, u < 0 never): the same rows, without an md5 per impression.
 KEEP_NEGATIVE = "/* keep negative */"
-KEEP_NEGATIVE_HASH = "keep_hash(i.impression_id, $seed) < $negative_downsample"
 
 
 def _keep_negative(negative_downsample: float) -> str:
@@ -1273,8 +1278,7 @@ def build_examples(
             f"global_{k}": v for k, v in global_rates.items()
         }
         if keep_negative == KEEP_NEGATIVE_HASH:
-            con.execute(KEEP_HASH_MACRO)
-            params |= {"seed": seed, "negative_downsample": negative_downsample}
+            params |= _keep_hash_params(negative_downsample, seed)
         params["seq_ds"] = dt.date.fromisoformat(features_ds)
         counts = _row(con, IMPRESSION_COUNTS_SQL)
         metadata = {

@@ -438,6 +438,23 @@ def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) 
         assert set(first["impression_id"].to_pylist()) == positives | ({5} if kept_5 else set())
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("rate", [0.2, 0.5, 1e-3, 0.999999, 2**-52, 0.1 + 2**-40])
+def test_the_sampling_condition_keeps_exactly_the_impressions_of_the_documented_hash(rate: float) -> None:
+    """The SQL compares md5 hex strings; it must keep exactly those with int(md5[:13], 16) / 2^52 < rate."""
+    import duckdb
+
+    ids = list(range(-50, 20_000)) + [2**62 + 7, 10**15]
+    seed = 7
+    expected = {i for i in ids if int(hashlib.md5(f"{seed}:{i}".encode()).hexdigest()[:13], 16) / 2**52 < rate}
+    with duckdb.connect() as con:
+        con.register("i", pa.table({"impression_id": pa.array(ids, pa.int64())}))
+        condition = build.KEEP_NEGATIVE_HASH
+        rows = con.execute(f"SELECT impression_id FROM i WHERE {condition}", build._keep_hash_params(rate, seed)).fetchall()
+    assert {r[0] for r in rows} == expected
+    assert 0 < len(expected) or rate < 1e-6
+
+
 # --- validation -----------------------------------------------------------------------------------------
 
 
