@@ -8,8 +8,9 @@ Command line::
 validates one raw partition (``features.validation.partition.validate_partition``: storage and schema, the
 Great Expectations suite, the history checks), writes its report to
 ``<root>/reports/validation/<dataset>/ds=<ds>/result.json``, exits 0 when the partition passes, 2 when it
-fails validation, 1 when the tool itself fails (a bad argument, an invalid platform configuration, storage
-that does not answer), and prints the report location as its last line.
+fails validation, 75 (``ExitCode.INFRA``: try again) when the storage is full or does not answer, 1 when the
+tool itself fails (a bad argument, an invalid platform configuration, a bug), and prints the report location
+as its last line.
 
 The thresholds are the ``validation:`` section of the platform configuration (``core.config``, with its
 ``PINFLOW_VALIDATION__*`` overrides), the same as the DAG's validation tasks use, so the command and the
@@ -30,7 +31,7 @@ from typing import NoReturn
 
 from core import config as platform_config
 from core import contracts, storage
-from core.failures import ConfigError
+from core.failures import ConfigError, ExitCode, FailureClass, classify, disk_full
 from features.validation.checks import Check, dataset_name, day_bounds
 from features.validation.partition import check_names, validate_partition
 from features.validation.report import ValidationReport, report_dir
@@ -56,6 +57,7 @@ __all__ = [
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_FAILED = 2
+EXIT_RETRY = int(ExitCode.INFRA)  # the storage is full or does not answer: the same command succeeds later
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -73,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
             "Validate one raw partition <root>/raw/<dataset>/ds=<ds> against its contract, GX suite and history, "
             "and write the report to <root>/reports/validation/<dataset>/ds=<ds>/result.json. Thresholds come "
             "from the validation: section of the platform configuration (PINFLOW_VALIDATION__* overrides). "
-            "Exit status: 0 passed, 2 failed validation, 1 error of the tool. "
+            "Exit status: 0 passed, 2 failed validation, 75 storage full or not answering (retry), 1 error of the tool. "
             "The last line printed is the report location."
         ),
     )
@@ -112,10 +114,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_docs=cfg.validation.data_docs and not args.no_data_docs,
             quarantine=args.quarantine,
         )
-    except Exception as err:  # noqa: BLE001 - the CLI turns any tool error into exit status 1
-        if not isinstance(err, ValueError | ConfigError):  # a bad argument or setting needs no traceback; a bug does
-            traceback.print_exc(file=sys.stderr)
-        print(f"error: validating {where}: {type(err).__name__}: {err}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - the CLI turns any tool error into an exit status
+        message = f"error: validating {where}: {type(err).__name__}: {err}"
+        if isinstance(err, ValueError | ConfigError):  # a bad argument or setting: the message says which
+            print(message, file=sys.stderr)
+            return EXIT_ERROR
+        if classify(err) is FailureClass.INFRA:  # the world, not the command: the same command succeeds later
+            hint = (f"the disk is full: free space under {args.root or 'the storage root'} or in the temp folder"
+                    if disk_full(err) else "the storage did not answer")
+            print(f"{message} ({hint}; run the same command again)", file=sys.stderr)
+            return EXIT_RETRY
+        traceback.print_exc(file=sys.stderr)  # a bug: the traceback says where
+        print(message, file=sys.stderr)
         return EXIT_ERROR
     if report.success:
         print(

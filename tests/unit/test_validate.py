@@ -398,6 +398,36 @@ def test_cli_tool_errors_exit_1(tmp_path: Path, argv: list[str], capsys) -> None
     assert "error" in capsys.readouterr().err
 
 
+def test_cli_on_a_full_disk_exits_75_naming_it_and_writes_no_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk is the world, not a bug: exit 75 (INFRA: the DAG's retries and a rerun succeed once space is
+    freed), one line naming it, no traceback; the partition stays as it was and no report half-appears."""
+    import errno
+
+    from features.validation import report as report_module
+
+    write_day(tmp_path)
+    before = sorted(p.name for p in Path(storage.partition(tmp_path, "raw/events", DS)).iterdir())
+    write_json = storage.write_json
+
+    def full_disk(location: str, payload: object) -> None:
+        if location.endswith("result.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", location)
+        write_json(location, payload)
+
+    monkeypatch.setattr(report_module.storage, "write_json", full_disk)
+
+    code = validate.main(["events", "--root", str(tmp_path), "--ds", DS, "--no-data-docs"])
+
+    err = capsys.readouterr().err
+    assert code == validate.EXIT_RETRY == 75, err
+    assert "No space left on device" in err and f"free space under {tmp_path}" in err and "Traceback" not in err
+    assert sorted(p.name for p in Path(storage.partition(tmp_path, "raw/events", DS)).iterdir()) == before
+    reports = Path(validate.report_dir(tmp_path, "events", DS)).parent
+    assert not reports.exists() or [p.name for p in reports.iterdir()] == [], "no report and no staging folder left"
+
+
 def test_module_import_is_cheap() -> None:
     code = "import sys, features.validate; print(sorted({'great_expectations', 'pandas'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
