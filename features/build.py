@@ -468,24 +468,21 @@ def _pins_view(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], day
 # before that bound written as 13 lowercase hex digits ('0'-'9' sort before 'a'-'f'; a digest whose first 13
 # digits equal the bound is longer, so sorts after it). A third of the hash's cost, the same rows.
 KEEP_NEGATIVE_HASH = "md5($seed_prefix || i.impression_id::VARCHAR) < $keep_below"
-
-
-def _keep_hash_params(negative_downsample: float, seed: int) -> dict[str, str]:
-    """The parameters of KEEP_NEGATIVE_HASH for a rate in (0, 1)."""
-    return {"seed_prefix": f"{seed}:", "keep_below": format(math.ceil(negative_downsample * 2**52), "013x")}
-
-
-# The sampling condition of an impression without a positive label. At the rates 1 and 0 it is TRUE and FALSE
-# without hashing (u < 1 always, u < 0 never): the same rows, without an md5 per impression.
 KEEP_NEGATIVE = "/* keep negative */"
 
 
-def _keep_negative(negative_downsample: float) -> str:
-    if negative_downsample >= 1.0:
-        return "TRUE"
-    if negative_downsample <= 0.0:
-        return "FALSE"
-    return KEEP_NEGATIVE_HASH
+def _keep_negative(negative_downsample: float, seed: int) -> tuple[str, dict[str, str]]:
+    """The sampling condition of an impression without a positive label, and its query parameters.
+
+    TRUE when every 52-bit value is below the bound (rate 1, or a rate within 2^-52 of it), FALSE at rate 0:
+    the same rows, without an md5 per impression.
+    """
+    bound = math.ceil(negative_downsample * 2**52)
+    if bound >= 2**52:
+        return "TRUE", {}
+    if bound <= 0:
+        return "FALSE", {}
+    return KEEP_NEGATIVE_HASH, {"seed_prefix": f"{seed}:", "keep_below": format(bound, "013x")}
 
 
 _LABEL_COLUMNS = _indent([f"max((action = '{a}')::TINYINT) AS {a}" for a in LABELS], 9)
@@ -1273,12 +1270,11 @@ def build_examples(
         if missing_inputs:
             log.warning("examples of ds=%s: no features of %s (cold start): %s", ds, features_ds, missing_inputs)
         con.execute(SMOOTHED_MACRO)
-        keep_negative = _keep_negative(negative_downsample)
+        keep_negative, keep_params = _keep_negative(negative_downsample, seed)
         params: dict[str, Any] = {"prior": prior_impressions, "unknown": UNKNOWN_ID} | {
             f"global_{k}": v for k, v in global_rates.items()
         }
-        if keep_negative == KEEP_NEGATIVE_HASH:
-            params |= _keep_hash_params(negative_downsample, seed)
+        params |= keep_params
         params["seq_ds"] = dt.date.fromisoformat(features_ds)
         counts = _row(con, IMPRESSION_COUNTS_SQL)
         metadata = {

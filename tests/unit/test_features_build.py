@@ -439,7 +439,7 @@ def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) 
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("rate", [0.2, 0.5, 1e-3, 0.999999, 2**-52, 0.1 + 2**-40])
+@pytest.mark.parametrize("rate", [0.2, 0.5, 1e-3, 0.999999, 1 - 2**-53, 1.0, 0.0, 2**-52, 0.1 + 2**-40])
 def test_the_sampling_condition_keeps_exactly_the_impressions_of_the_documented_hash(rate: float) -> None:
     """The SQL compares md5 hex strings; it must keep exactly those with int(md5[:13], 16) / 2^52 < rate."""
     import duckdb
@@ -447,12 +447,12 @@ def test_the_sampling_condition_keeps_exactly_the_impressions_of_the_documented_
     ids = list(range(-50, 20_000)) + [2**62 + 7, 10**15]
     seed = 7
     expected = {i for i in ids if int(hashlib.md5(f"{seed}:{i}".encode()).hexdigest()[:13], 16) / 2**52 < rate}
+    condition, params = build._keep_negative(rate, seed)
     with duckdb.connect() as con:
         con.register("i", pa.table({"impression_id": pa.array(ids, pa.int64())}))
-        condition = build.KEEP_NEGATIVE_HASH
-        rows = con.execute(f"SELECT impression_id FROM i WHERE {condition}", build._keep_hash_params(rate, seed)).fetchall()
+        rows = con.execute(f"SELECT impression_id FROM i WHERE {condition}", params or None).fetchall()
     assert {r[0] for r in rows} == expected
-    assert 0 < len(expected) or rate < 1e-6
+    assert (condition != build.KEEP_NEGATIVE_HASH) == (rate in (1 - 2**-53, 1.0, 0.0))  # no md5 where none is needed
 
 
 # --- validation -----------------------------------------------------------------------------------------
