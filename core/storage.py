@@ -16,8 +16,10 @@ marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic a
   data goes into a fresh version folder ``<folder>/_v=<version>/`` (ids sort by time) and the marker, written last as
   one conditional PUT (only if the marker is still the one read: concurrent writers never move it back to an older
   version), names that version (``{"published": ..., "version": ...}``), so readers switch from the whole old version
-  to the whole new one; the older versions are then removed but the one replaced (kept for readers that had just
-  resolved it) and any newer one (a concurrent writer's); a failure removes its own version folder only;
+  to the whole new one; the older versions are then removed once the one replaced had been published for
+  ``SUPERSEDED_GRACE_SECONDS`` (readers that resolved them have had that long to finish), never the one replaced
+  (kept for readers that had just resolved it) nor a newer one (a concurrent writer's); a failure removes its own
+  version folder only;
 * a single file (JSON, a report page) through :func:`write_bytes` / :func:`write_json`: locally a temporary
   sibling and a rename, on an object store one PUT, which S3 makes visible whole or not at all.
 
@@ -423,6 +425,11 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
 
 VERSION_PREFIX = "_v="  # a name starting with "_": readers that list a folder (pyarrow, glob "*.parquet") skip it
 
+# A version older than the one a publish replaced is removed only if that one had been published for this long: a
+# reader that resolved an old version has at least this long to read it, however often the folder is republished
+# (versions left meanwhile go with the first publish after the grace).
+SUPERSEDED_GRACE_SECONDS = 900.0
+
 
 def new_version() -> str:
     """A version id that sorts by time: ``YYYYmmddTHHMMSSffffffZ-<8 hex>``."""
@@ -494,17 +501,22 @@ def _version_names(folder: str) -> tuple[list[str], list[str]]:
 _UNCONDITIONAL = "<unconditional>"
 
 
-def _marker_tag(path: str) -> str | None:
-    """The ETag of the marker object at ``path`` (None: there is none) on S3, for a conditional switch;
-    ``_UNCONDITIONAL`` on other stores."""
+def _marker_tag(path: str) -> tuple[str | None, float | None]:
+    """(the ETag of the marker object at ``path``, for a conditional switch: None if there is none, and
+    ``_UNCONDITIONAL`` on stores other than S3; when the store says it was written, Unix seconds, or None)."""
     fs, key = filesystem(path)
     if "s3" not in fs.protocol:
-        return _UNCONDITIONAL
+        try:
+            written = fs.modified(key)
+        except (FileNotFoundError, NotImplementedError):
+            written = None
+        return _UNCONDITIONAL, written.timestamp() if written is not None else None
     bucket, name, _ = fs.split_path(key)
     try:
-        return str(fs.call_s3("head_object", Bucket=bucket, Key=name)["ETag"])
+        head = fs.call_s3("head_object", Bucket=bucket, Key=name)
     except FileNotFoundError:
-        return None
+        return None, None
+    return str(head["ETag"]), head["LastModified"].timestamp()
 
 
 def _put_marker(path: str, text: str, tag: str | None) -> bool:
@@ -541,9 +553,12 @@ def _publish_version(final: str, marker: str) -> Iterator[str]:
     Concurrent writers: the switch is a compare-and-swap (the marker's ETag read, then a conditional PUT that S3
     refuses if the marker changed meanwhile; read again and decide again), so the marker only moves to newer
     versions: a writer that finds a newer version published steps aside (its folder is removed, as if it had
-    published and been replaced at once). Afterwards the older versions are removed, except the one visible before
-    the switch (kept for readers that resolved it just before) and those still being written (another writer's,
-    which steps aside on seeing a newer one), and none newer than its own. Objects directly in ``final`` (a
+    published and been replaced at once). Afterwards the complete versions between the one replaced and its own are
+    removed (the marker moved past them: never published); those older than the one replaced only if that one had
+    been published for ``SUPERSEDED_GRACE_SECONDS`` (so a reader that resolved an old version has that long to read
+    it, however fast the folder is republished); never the one replaced (kept for readers that resolved it just
+    before the switch), one still being written (another writer's, which steps aside on seeing a newer one) or one
+    newer than its own. Objects directly in ``final`` (a
     partition landed with a plain marker) are treated as the version before the first ``_v=`` one. (A store
     without conditional writes, not S3, writes the marker unconditionally.)
     """
@@ -561,7 +576,9 @@ def _publish_version(final: str, marker: str) -> Iterator[str]:
         raise
     while True:
         try:
-            tag = _marker_tag(path)  # before reading the content: a change in between fails the conditional PUT
+            # Before reading the content: a change in between fails the conditional PUT (so when the switch goes
+            # through, ``since`` is when the version it replaces was published).
+            tag, since = _marker_tag(path)
             _, replaced = _marker_state(final, marker)
         except BaseException:
             remove_tree(folder)
@@ -580,28 +597,35 @@ def _publish_version(final: str, marker: str) -> Iterator[str]:
         logging.getLogger(__name__).info("%s: the marker changed while %s was switching to: reading it again",
                                          final, version)
     try:
-        _tidy(final, marker, version, replaced)
+        _tidy(final, marker, version, replaced, since)
     except Exception as err:  # published: what is left over goes with a later publish
         logging.getLogger(__name__).warning("%s: version %s is published, but removing older versions failed: %s",
                                             final, version, err)
 
 
-def _tidy(final: str, marker: str, version: str, replaced: str | None) -> None:
+def _tidy(final: str, marker: str, version: str, replaced: str | None, since: float | None) -> None:
     """Remove the versions of ``final`` that readers no longer need now that ``version`` replaced ``replaced`` (None:
-    a plain marker or none, whose objects are then kept); see :func:`_publish_version`."""
+    a plain marker or none, whose objects are then kept), published at ``since`` (None: not known); see
+    :func:`_publish_version`."""
     _, current = _marker_state(final, marker)
     if current != version:
         return  # a later publish switched since: its own tidy-up applies
+    # The versions older than the replaced one stopped being published before it was: nobody resolved them in the
+    # time it was published. Both times from the store's clock.
+    now = _marker_tag(join(final, marker))[1]
+    expired = since is not None and now is not None and now - since >= SUPERSEDED_GRACE_SECONDS
     versions, others = _version_names(final)
     for old in versions:
         if old >= version or old == replaced:  # newer: another writer's, which switches next; replaced: kept for
             continue                           # the readers that resolved it just before the switch
-        # Older than the replaced one: nobody can resolve it any more. Between the two and complete: another writer's,
-        # which will never be switched to (the marker moved past it); incomplete: still being written, its writer
-        # steps aside on seeing this version and removes it.
-        if (replaced is not None and old < replaced) or exists(join(_version_folder(final, old), marker)):
+        if replaced is not None and old < replaced:
+            if expired:
+                remove_tree(_version_folder(final, old))
+        # Between the two and complete: another writer's, which will never be switched to (the marker moved past
+        # it); incomplete: still being written, its writer steps aside on seeing this version and removes it.
+        elif exists(join(_version_folder(final, old), marker)):
             remove_tree(_version_folder(final, old))
-    if replaced is not None:  # the objects of a plain version older than the one replaced
+    if replaced is not None and expired:  # the objects of a plain version older than the one replaced
         for name in others:
             if name != marker:
                 path = join(final, name)
@@ -1030,7 +1054,8 @@ def check_pin(pin: Pin) -> None:
     if pin.frozen:  # a version folder: never changed, but removed by the publishes after the one that replaced it
         if _remote_files(pin.location) != pin.files:
             raise DataError(_rebuilt(pin, f"its version folder was removed by later publishes (a publish keeps the "
-                                          f"version it replaced only); the partition now holds {resolve(pin.source)}"))
+                                          f"version it replaced, older ones for {SUPERSEDED_GRACE_SECONDS:.0f} s after"
+                                          f" they were replaced); the partition now holds {resolve(pin.source)}"))
         return
     try:
         marker, files = _remote_state(pin.location, what)
@@ -1041,7 +1066,7 @@ def check_pin(pin: Pin) -> None:
 
 
 def _rebuilt(pin: Pin, now: str) -> str:
-    kept = ("An object store keeps a replaced version only until the next publish" if pin.frozen else
+    kept = ("An object store keeps a replaced version only until the publishes after it" if pin.frozen else
             "An object store keeps no copy of a pinned version")
     return (
         f"{pin.dataset} partition ds={pin.ds} ({pin.location}) changed during this run: the run pinned version "

@@ -190,7 +190,9 @@ def s3(moto_server: str, tmp_path: Path):
         yield fs
 
 
-def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as_data(tmp_path: Path, s3):
+def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as_data(
+    tmp_path: Path, s3, monkeypatch: pytest.MonkeyPatch
+):
     from operators.training import pin_inputs
 
     root = "s3://pinflow-pins/storage"
@@ -218,6 +220,9 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
             assert parquet.read_row_group(0).num_rows == 1000  # the pinned version is still there
         assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000  # and still read after the rebuild
         assert storage.read_metadata(root, EXAMPLES, DAYS[0]) == {"rows": 1000}
+        storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(6)}))  # a second rebuild soon after:
+        assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000  # the grace keeps the pinned version
+        monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)  # a rebuild after the grace removes it
         with pytest.raises(DataError, match=rf"examples partition ds={DAYS[0]} .* changed during this run"):
             with storage.parquet_file(files[0]) as parquet:  # opened on the pinned version ...
                 storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(5)}))  # ... which this removes

@@ -111,32 +111,53 @@ def read_while(procs: list[subprocess.Popen[bytes]], root: str) -> int:
     return reads
 
 
-def test_a_reader_never_sees_a_missing_or_mixed_partition_while_it_is_republished(root: str):
+def assert_whole(root: str, kept: list[str]) -> None:
+    """Every version left is whole: its own marker, all its files."""
+    part = storage.partition(root, DATASET, DAY)
+    for name in kept:
+        assert len(storage.glob(storage.join(part, name), "*.parquet")) == FILES
+        assert storage.exists(storage.join(part, name, storage.MARKER))
+
+
+def tidy_after_the_grace(root: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Publish once more as if the grace had passed: the versions left then (the new one and the one it replaced)."""
+    before = current(root)
+    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    publish(root, "after-the-grace")
+    kept = versions(root)
+    assert kept == [before, current(root)], kept
+    return kept
+
+
+def test_a_reader_never_sees_a_missing_or_mixed_partition_while_it_is_republished(
+    root: str, monkeypatch: pytest.MonkeyPatch
+):
     publish(root, "seed")
     reads = read_while(writers(root, ["w"], 15), root)
     assert reads > 0
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"w-14"}
     assert storage.read_metadata(root, DATASET, DAY) == {"token": "w-14"}
-    # The current version and the one it replaced, nothing else; the marker names the current one.
+    # Republished faster than the grace: every version published is still whole (a reader that resolved any of
+    # them can finish it); the marker names the newest.
     kept = versions(root)
-    assert len(kept) == 2 and current(root) == max(kept), kept
+    assert len(kept) == 16 and current(root) == max(kept), kept
+    assert_whole(root, kept)
+    # The first publish after the grace leaves the version it replaced and its own, nothing else.
+    kept = tidy_after_the_grace(root, monkeypatch)
     assert storage.list_names(storage.partition(root, DATASET, DAY)) == [storage.MARKER, *kept]
     assert json.loads(storage.read_text(storage.join(storage.partition(root, DATASET, DAY), storage.MARKER))).keys() \
         == {"published", "version"}
 
 
-def test_concurrent_writers_leave_one_of_them_whole_and_nothing_else(root: str):
+def test_concurrent_writers_leave_one_of_them_whole_and_nothing_else(root: str, monkeypatch: pytest.MonkeyPatch):
     publish(root, "seed")
     assert read_while(writers(root, ["a", "b"], 8), root) > 0
     table = storage.read_table(root, DATASET, DAY)
     assert table.num_rows == FILES * ROWS and tokens(table) <= {"a-7", "b-7"} and len(tokens(table)) == 1
     kept = versions(root)
-    assert current(root) in kept and len(kept) <= 2, kept
-    # Every version left is whole (its own marker, all its files).
-    part = storage.partition(root, DATASET, DAY)
-    for name in kept:
-        assert len(storage.glob(storage.join(part, name), "*.parquet")) == FILES
-        assert storage.exists(storage.join(part, name, storage.MARKER))
+    assert current(root) in kept and len(kept) <= 17, kept  # the seed and the 16 publishes at most, every one whole
+    assert_whole(root, kept)
+    assert_whole(root, tidy_after_the_grace(root, monkeypatch))
 
 
 def test_a_writer_stalled_before_its_switch_never_moves_the_marker_back(root: str, monkeypatch: pytest.MonkeyPatch):
@@ -163,7 +184,8 @@ def test_a_writer_stalled_before_its_switch_never_moves_the_marker_back(root: st
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"later"}
     part = storage.partition(root, DATASET, DAY)
     kept = versions(root)
-    assert current(root) == max(kept) and len(kept) == 2, kept  # later, and late kept for its readers
+    # later, late kept for its readers and the seed for the grace; the stalled writer's folder is gone.
+    assert current(root) == max(kept) and len(kept) == 3, kept
     for name in kept:
         assert len(storage.glob(storage.join(part, name), "*.parquet")) == FILES
 
@@ -183,7 +205,9 @@ def test_a_failed_publish_leaves_the_previous_version_and_removes_its_own_folder
     assert storage.complete_days(root, DATASET) == [DAY]
 
 
-def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(root: str, tmp_path: Path):
+def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(
+    root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     publish(root, "one")
     pin = storage.pin_partition(root, DATASET, DAY, str(tmp_path / "pins"))
     assert pin.frozen and pin.location == storage.join(pin.source, current(root))
@@ -200,7 +224,12 @@ def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(root: str,
             assert parquet.read().num_rows == ROWS
         assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
 
-        publish(root, "three")  # the pinned version is now two publishes old: removed
+        publish(root, "three")  # two publishes old, within the grace: still there
+        assert tokens(storage.read_table(root, DATASET, DAY)) == {"one"}
+        assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
+
+        monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+        publish(root, "four")  # after the grace: the pinned version is removed
         for read in (storage.data_files, storage.read_table, storage.read_metadata):
             with pytest.raises(DataError, match=rf"{DATASET} partition ds={DAY} .* version folder was removed"):
                 read(root, DATASET, DAY)
@@ -209,10 +238,12 @@ def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(root: str,
                 pass
     finally:
         storage.use_pins(root, {})
-    assert tokens(storage.read_table(root, DATASET, DAY)) == {"three"}
+    assert tokens(storage.read_table(root, DATASET, DAY)) == {"four"}
 
 
-def test_partitions_with_a_plain_marker_are_read_as_before_and_replaced_by_versions(root: str, s3: Any):
+def test_partitions_with_a_plain_marker_are_read_as_before_and_replaced_by_versions(
+    root: str, s3: Any, monkeypatch: pytest.MonkeyPatch
+):
     part = storage.partition(root, DATASET, DAY)
     # Landed by an upstream producer (or older code): data files, then a marker that names no version.
     for f in range(FILES):
@@ -227,10 +258,13 @@ def test_partitions_with_a_plain_marker_are_read_as_before_and_replaced_by_versi
     pin = storage.pin_partition(root, DATASET, DAY, "unused")
     assert not pin.frozen and pin.location == part  # checked against its ETags when read, as before
 
-    publish(root, "one")  # the plain objects are the version it replaced: kept for readers, for one publish
+    publish(root, "one")  # the plain objects are the version it replaced: kept for readers
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"one"}
     assert len(storage.glob(part, "*.parquet")) == FILES
-    publish(root, "two")
+    publish(root, "two")  # within the grace: kept
+    assert len(storage.glob(part, "*.parquet")) == FILES
+    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    publish(root, "two")  # after it: removed
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"two"}
     assert storage.glob(part, "*.parquet") == [] and not storage.exists(storage.join(part, storage.METADATA_FILE))
     assert len(versions(root)) == 2

@@ -210,6 +210,48 @@ def test_a_partition_is_published_whole_and_a_rerun_replaces_exactly_it(base: st
     assert storage.complete_days(base, "features/user_daily")[0] == "2026-01-01"
 
 
+def test_replaced_versions_stay_readable_for_the_grace_however_fast_a_partition_is_republished(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    import pyarrow as pa
+
+    root = f"memory:///{tmp_path.name}/grace"
+    dataset, day = "features/user_daily", "2026-01-01"
+    part = storage.partition(root, dataset, day)
+
+    def versions() -> list[str]:
+        return [n for n in storage.list_names(part) if n.startswith(storage.VERSION_PREFIX)]
+
+    try:
+        storage.write_table(root, dataset, day, pa.table({"x": [0]}))
+        resolved = storage.resolve(part)  # a reader resolves the first version, then reads slowly
+        for x in (1, 2, 3):
+            storage.write_table(root, dataset, day, pa.table({"x": [x]}))
+        assert len(versions()) == 4  # three publishes within the grace: every version stays
+        assert storage.read_parquet(storage.join(resolved, storage.DATA_FILE))["x"].to_pylist() == [0]
+
+        # The store says the current version was published an hour ago (the marker as read before the switch): the
+        # next publish removes what is older than it, keeping the one it replaces.
+        real, calls = storage._marker_tag, []
+
+        def an_hour_earlier_before_the_switch(path: str) -> tuple[str | None, float | None]:
+            tag, written = real(path)
+            calls.append(path)
+            return tag, written - 3600 if len(calls) == 1 and written is not None else written
+
+        monkeypatch.setattr(storage, "_marker_tag", an_hour_earlier_before_the_switch)
+        storage.write_table(root, dataset, day, pa.table({"x": [4]}))
+        assert len(calls) == 2  # before the switch, and the tidy-up's now
+        monkeypatch.setattr(storage, "_marker_tag", real)
+        kept = versions()
+        assert len(kept) == 2 and storage.resolve(part) == storage.join(part, kept[1])
+        assert not storage.exists(resolved)
+        assert storage.read_table(root, dataset, day)["x"].to_pylist() == [4]
+    finally:
+        fs, path = storage.filesystem(root)
+        fs.rm(path, recursive=True)
+
+
 def test_a_folder_moves_and_copies_between_roots(base: str, tmp_path: Path):
     storage.write_json(storage.join(base, "a", "x.json"), {"k": 1})
     storage.write_json(storage.join(base, "a", "sub", "y.json"), {"k": 2})
