@@ -24,7 +24,8 @@ marker ``_SUCCESS`` is there. **One publishing rule** makes every write atomic a
   sibling and a rename, on an object store one PUT, which S3 makes visible whole or not at all.
 
 Readers find a folder's files through :func:`resolve` (:func:`partition_folder` for a partition): on an object
-store the version folder its marker names; a plain marker (not JSON naming a version: a partition an upstream
+store the version folder its marker names (:func:`read_table` on a local root opens the folder once and its files
+through that handle: one version, whatever a publish does meanwhile); a plain marker (not JSON naming a version: a partition an upstream
 producer landed, or one written by older code) means the files directly in the folder, as on a local root.
 
 Listings are never served from fsspec's cache: other processes and nodes write the files.
@@ -732,6 +733,8 @@ def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[st
     import pyarrow as pa
 
     pin = pinned(root, dataset, ds)
+    if pin is None and not is_remote(root):
+        return _read_local_partition(local_path(partition(root, dataset, ds)), dataset, ds, columns)
     for attempt in range(_PIN_ATTEMPTS):
         version, files = (None, _pinned_files(pin)) if pin is not None else _data_files(root, dataset, ds)
         if not files:
@@ -741,7 +744,7 @@ def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[st
         except FileNotFoundError:
             if pin is not None:
                 check_pin(pin)  # a DataError naming the partition when its pinned version went
-            # On an object store, a version that two later publishes removed while it was read: read the new one.
+            # On an object store, a version removed while it was read (after the grace): read the new one.
             if version is None or attempt == _PIN_ATTEMPTS - 1 or _marker_state(partition(root, dataset, ds))[1] == version:
                 raise
             continue
@@ -749,6 +752,56 @@ def read_table(root: Location, dataset: str, ds: str | dt.date, columns: list[st
             check_pin(pin)  # on an object store: still the pinned version after the read (checked before it too)
         return table
     raise AssertionError("unreachable")
+
+
+def _in_place(fd: int, path: Path) -> bool:
+    """Whether the folder open as ``fd`` is still the one at ``path``: a local publish exchanges a folder whole and
+    deletes the old one, never puts it back, so a folder that is still in place was in place all along."""
+    held = os.fstat(fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _read_local_partition(path: Path, dataset: str, ds: str | dt.date, columns: list[str] | None) -> pa.Table:
+    """The Parquet files of a complete local partition, every one from the same published version: the folder is
+    opened once and its files are opened through that handle, so a publish that exchanges the folder meanwhile
+    (and deletes the old one, whose open files stay readable) never mixes two versions or loses a file."""
+    import fnmatch
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    what = f"{dataset} partition ds={ds_str(ds)}"
+    for _ in range(_PIN_ATTEMPTS):
+        try:
+            folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"{what} is missing or incomplete: no {MARKER} marker in {path}") from None
+        opened: list[IO[bytes]] = []
+        try:
+            names = sorted(os.listdir(folder))
+            try:
+                if MARKER not in names:
+                    raise FileNotFoundError(f"{what} is missing or incomplete: no {MARKER} marker in {path}")
+                for name in names:
+                    if fnmatch.fnmatch(name, "*.parquet") and not name.startswith("."):
+                        opened.append(os.fdopen(os.open(name, os.O_RDONLY, dir_fd=folder), "rb"))
+                if not opened:
+                    raise FileNotFoundError(f"{what} has a marker but no Parquet file")
+            except FileNotFoundError:
+                if _in_place(folder, path):
+                    raise
+                continue  # the folder listed was replaced and is being deleted: open the new one
+            if _in_place(folder, path):  # every file opened is of the version in place
+                return pa.concat_tables([pq.read_table(f, columns=columns) for f in opened])
+        finally:
+            for f in opened:
+                f.close()
+            os.close(folder)
+    raise OSError(f"{what} was republished {_PIN_ATTEMPTS} times while it was opened: read it again later")
 
 
 def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
@@ -933,14 +986,6 @@ def _pin_local(source: Path, target: Path, what: str) -> tuple[str, dict[str, di
     its files may be gone already), so the pin starts over on the new version.
     """
 
-    def still_in_place(fd: int) -> bool:
-        held = os.fstat(fd)
-        try:
-            now = os.stat(source)
-        except FileNotFoundError:
-            return False
-        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
-
     for _ in range(_PIN_ATTEMPTS):
         shutil.rmtree(target, ignore_errors=True)
         try:
@@ -950,7 +995,7 @@ def _pin_local(source: Path, target: Path, what: str) -> tuple[str, dict[str, di
         try:
             names = sorted(n for n in os.listdir(fd) if not n.startswith("."))
             if MARKER not in names:
-                if not still_in_place(fd):
+                if not _in_place(fd, source):
                     continue
                 raise FileNotFoundError(f"{what} is incomplete: no {MARKER} marker in {source}")
             target.mkdir(parents=True)
@@ -961,10 +1006,10 @@ def _pin_local(source: Path, target: Path, what: str) -> tuple[str, dict[str, di
                     continue  # readers read the files directly in the partition only
                 _link_or_copy(fd, name, target / name)
                 files[name] = {"size": info.st_size, "etag": None}
-            if still_in_place(fd):
+            if _in_place(fd, source):
                 return (target / MARKER).read_text(), files
         except (_Replaced, FileNotFoundError) as err:  # a file of a replaced version deleted under us
-            if still_in_place(fd):
+            if _in_place(fd, source):
                 if isinstance(err, _Replaced):
                     raise FileNotFoundError(f"{what}: a file vanished from {source} while it was pinned") from None
                 raise

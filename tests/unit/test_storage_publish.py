@@ -89,3 +89,41 @@ def test_exchange_falls_back_to_a_rename_pair(tmp_path: Path, monkeypatch: pytes
             storage.write_text(storage.join(staging, "x.txt"), token)
     assert (final / "x.txt").read_text() == "two"
     assert os.listdir(tmp_path) == ["ds=2026-01-01"]
+
+
+# Each writer publishes a partition of three Parquet files `rounds` times; every row of one version holds one token.
+TABLE_WRITER = textwrap.dedent(
+    """
+    import sys
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from core import storage
+
+    root, writer, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    for i in range(rounds):
+        with storage.write_partition(root, "features/user_daily", "2026-01-01") as staging:
+            for f in range(3):
+                pq.write_table(pa.table({"token": [f"{writer}-{i}"] * 500}), storage.join(staging, f"part-{f}.parquet"))
+    """
+)
+
+
+@pytest.mark.unit
+def test_read_table_on_a_local_root_reads_one_whole_version_while_two_writers_republish(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    root = str(tmp_path / "storage")
+    storage.write_table(root, "features/user_daily", "2026-01-01", pa.table({"token": ["seed"] * 1500}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    writers = [subprocess.Popen([sys.executable, "-c", TABLE_WRITER, root, w, "60"], env=env, stderr=subprocess.PIPE)
+               for w in ("w1", "w2")]
+    reads, seen = 0, set()
+    while any(w.poll() is None for w in writers) or reads == 0:
+        table = storage.read_table(root, "features/user_daily", "2026-01-01")  # never missing
+        tokens = set(table.column("token").to_pylist())
+        assert table.num_rows == 1500 and len(tokens) == 1, f"read {reads}: a mixed partition {sorted(tokens)}"
+        seen |= tokens
+        reads += 1
+    errors = [w.stderr.read().decode() if w.stderr else "" for w in writers]
+    assert [w.wait() for w in writers] == [0, 0], errors
+    assert len(seen) > 2, seen  # the reads overlapped the publishes
