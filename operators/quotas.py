@@ -37,6 +37,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from core.config import PlatformConfig, QuotaConfig, TeamConfig
 from core.failures import ConfigError
 from operators import job_history as history
+from operators.triggers import not_before
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,7 @@ class QuotaTrigger(BaseTrigger):
             if verdict.admitted:
                 waited = time.monotonic() - started
                 self.log.info("team %s has room for job %s after %.0fs", self.team, self.job_name, waited)
+                await not_before(self, started)
                 yield TriggerEvent({"team": self.team, "job_name": self.job_name, "room": True, "waited_s": waited})
                 return
             if time.monotonic() - last_log > 60:

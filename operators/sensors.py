@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from core import config, storage
 from core.failures import DataError
+from operators.triggers import not_before
 
 
 def missing_partitions(root: str, datasets: Sequence[str], ds: str) -> dict[str, str]:
@@ -75,15 +77,18 @@ class RawPartitionTrigger(BaseTrigger):
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        started = time.monotonic()
         deadline = dt.datetime.fromisoformat(self.timeout_at) if self.timeout_at else None
         while True:
             # Stat calls (local) and HEAD / LIST requests (object store) block: in a thread they never block
             # the triggerer's event loop.
             missing = await asyncio.to_thread(missing_partitions, self.root, self.datasets, self.ds)
             if not missing:
+                await not_before(self, started)
                 yield TriggerEvent({"status": "success", "ds": self.ds, "missing": {}})
                 return
             if deadline is not None and dt.datetime.now(dt.UTC) >= deadline:
+                await not_before(self, started)
                 yield TriggerEvent({"status": "timeout", "ds": self.ds, "missing": missing})
                 return
             self.log.info("ds=%s still waiting for %s", self.ds, sorted(missing))

@@ -9,6 +9,22 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+# Airflow 3.3 fails a deferred task when the scheduler learns that the worker which deferred it has exited only after
+# the resumed try is already running (apache/airflow#71580, #72716: "Executor reported that the task instance
+# finished with state success, but the task instance's state attribute is running", then a retry minutes later).
+# That exit takes a few seconds to reach the scheduler, so a trigger that fires at once (a job of seconds, a quota
+# with room) could lose its task to the race: in a triggerer, pinflow's triggers fire no sooner than this after they
+# start.
+MIN_SECONDS_TO_EVENT = 10.0
+
+
+async def not_before(trigger: BaseTrigger, started: float) -> None:
+    """Wait until ``MIN_SECONDS_TO_EVENT`` after ``started`` (``time.monotonic()`` when ``trigger`` started) if a
+    triggerer runs it (it set ``trigger_id``); one run inline by ``dag.test()`` has no scheduler to race with."""
+    remaining = MIN_SECONDS_TO_EVENT - (time.monotonic() - started)
+    if trigger.trigger_id is not None and remaining > 0:
+        await asyncio.sleep(remaining)
+
 
 class ComputeJobTrigger(BaseTrigger):
     """Poll a job on a compute backend until it ends, its heartbeats stall, or it waits too long in its queue.
@@ -68,6 +84,7 @@ class ComputeJobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from operators.jobs import STALLED, JobWatch, describe_beats, poll_delays, read_heartbeats
 
+        started = time.monotonic()
         backend = await asyncio.to_thread(self._backend)
         watch = JobWatch(self.stall_seconds, self.queue_timeout_seconds)
         delays = poll_delays(self.poll_seconds)
@@ -82,6 +99,7 @@ class ComputeJobTrigger(BaseTrigger):
                     beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
                     if beats:
                         self.log.info("job %s ended: %s", self.job_id, describe_beats(beats))
+                await not_before(self, started)
                 yield TriggerEvent({
                     **self._job(),
                     "state": status.state.value,
@@ -93,6 +111,7 @@ class ComputeJobTrigger(BaseTrigger):
             verdict = watch.observe(status)
             if verdict is not None:
                 await asyncio.to_thread(backend.cancel, self.job_id)
+                await not_before(self, started)
                 yield TriggerEvent({**self._job(), "state": verdict[0], "failure_class": "INFRA", "reason": verdict[1],
                                     **watch.times()})
                 return
@@ -112,6 +131,7 @@ class ComputeJobTrigger(BaseTrigger):
                     self.log.info("job %s: %s", self.job_id, describe_beats(beats))
                 if watch.stalled(beats):
                     await asyncio.to_thread(backend.cancel, self.job_id)
+                    await not_before(self, started)
                     yield TriggerEvent({
                         **self._job(),
                         "state": STALLED,

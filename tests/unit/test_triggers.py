@@ -144,3 +144,24 @@ def test_on_kill_cancels(monkeypatch):
     monkeypatch.setattr(ComputeJobTrigger, "_backend", lambda self: backend)
     asyncio.run(make().on_kill())
     assert backend.cancelled == ["abc-123"]
+
+
+@pytest.mark.unit
+def test_in_a_triggerer_a_job_that_has_already_ended_is_reported_no_sooner_than_the_minimum_delay(monkeypatch):
+    """Airflow 3.3 fails a resumed task whose trigger fired before the scheduler saw the deferring worker exit
+    (apache/airflow#72716): in a triggerer (which sets trigger_id) the event waits until MIN_SECONDS_TO_EVENT after
+    the trigger started; run inline (dag.test(), these tests: no trigger_id) it comes at once."""
+    import operators.triggers as triggers
+
+    slept = []
+
+    async def record(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(triggers.asyncio, "sleep", record)
+    inline = make()
+    assert first_event(inline, Scripted([JobState.SUCCEEDED]), monkeypatch)["state"] == "SUCCEEDED" and slept == []
+    in_triggerer = make()
+    in_triggerer.trigger_id = 7
+    assert first_event(in_triggerer, Scripted([JobState.SUCCEEDED]), monkeypatch)["state"] == "SUCCEEDED"
+    assert len(slept) == 1 and 9.0 < slept[0] <= triggers.MIN_SECONDS_TO_EVENT == 10.0, slept
