@@ -612,9 +612,11 @@ def _tidy(final: str, marker: str, version: str, replaced: str | None, since: fl
     if current != version:
         return  # a later publish switched since: its own tidy-up applies
     # The versions older than the replaced one stopped being published before it was: nobody resolved them in the
-    # time it was published. Both times from the store's clock.
-    now = _marker_tag(join(final, marker))[1]
-    expired = since is not None and now is not None and now - since >= SUPERSEDED_GRACE_SECONDS
+    # time it was published. Both times from the store's clock (asked only when there is a replaced version).
+    expired = False
+    if replaced is not None and since is not None:
+        now = _marker_tag(join(final, marker))[1]
+        expired = now is not None and now - since >= SUPERSEDED_GRACE_SECONDS
     versions, others = _version_names(final)
     for old in versions:
         if old >= version or old == replaced:  # newer: another writer's, which switches next; replaced: kept for
