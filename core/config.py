@@ -163,7 +163,8 @@ class TrainingConfig(Section):
         0, ge=0, description="train until this many examples were seen (as many epochs as that takes, up to 100); 0: by epochs"
     )
     min_steps: int = Field(
-        100, ge=0, description="a run that trains fewer optimizer steps than this (or than its warmup) warns in its summary"
+        100, ge=0, description="the fewest optimizer steps of a run: a run by epochs takes more passes until it has "
+        "this many (up to 100); a run with fewer (a max_steps cap, a short target_examples) warns and is not promoted"
     )
     batch_size: int = Field(512, ge=8, le=65536, description="examples per rank per step")
     lr: float = Field(0.003, gt=0, le=1, description="peak learning rate (AdamW, warmup then cosine)")
@@ -186,6 +187,20 @@ class TrainingConfig(Section):
     )
     preflight: bool = Field(True, description="run the nodes' health check (training.preflight) before training")
     quota_poll_seconds: float = Field(30, gt=0, description="between checks of the team's quota while a job waits for room")
+
+
+class PromotionConfig(Section):
+    """The promotion gate (``operators.promotion``): the floors a trained model must clear before it can become its
+    family's champion, whether or not the family has one yet. The comparison with the champion (on the same day)
+    and its tolerance are ``training.promotion_tolerance`` (the training form's ``promotion_tolerance``)."""
+
+    min_lift_over_chance: float = Field(
+        0.01, ge=0, le=0.5, description="every head's AUC on the evaluation day must be at least 0.5 + this"
+    )
+    min_lift_over_baseline: float = Field(
+        0.0, ge=0, le=0.5, description="every head with a baseline on the evaluation day (the ranker's popularity) "
+        "must beat the baseline's AUC by at least this"
+    )
 
 
 class FamilyConfig(Section):
@@ -386,6 +401,7 @@ class PlatformConfig(Section):
     features: FeaturesConfig = FeaturesConfig()
     validation: ValidationConfig = ValidationConfig()
     training: TrainingConfig = TrainingConfig()
+    promotion: PromotionConfig = PromotionConfig()
     inference: InferenceConfig = InferenceConfig()
     hpo: HpoConfig = HpoConfig()
     families: dict[str, FamilyConfig] = Field(

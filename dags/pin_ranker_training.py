@@ -40,10 +40,13 @@ lands (training the `training.model` family, the ranker by default), or from the
 
 It trains with `torchrun` on the chosen backend, evaluates on the evaluation day (the family's metrics next
 to a baseline and the synthetic world's oracle), logs to MLflow (the family's experiment, tags for DAG, run,
-try, backend, job, team and family) and registers the family's model. The promotion gate gives the new
-version the `champion` alias only if its mean AUC is at least the champion's on the same day; the decision
-and its reason (AUC per head, new vs champion) are in the promote task's log and XCom and on the MLflow
-version. A promotion emits `pinflow_champion_model`, which starts corpus inference of that family.
+try, backend, job, team and family) and registers the family's model. The job also evaluates the family's
+current champion on the same day. The promotion gate gives the new version the `champion` alias only if it
+trained at least `training.min_steps` steps on the days asked for, every head's AUC clears chance and the
+baseline (`promotion:` floors, the first model of a family too), and its mean AUC is at least the champion's on
+that day (within `promotion_tolerance`); the decision and the numbers it compared are in the promote task's log
+and XCom, the run's note and on the MLflow version. A promotion emits `pinflow_champion_model`, which starts
+corpus inference of that family; a model that is not promoted emits nothing (the promote task is skipped).
 
 The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
 team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The `team` param picks whose
@@ -67,7 +70,8 @@ extra links open the job's console page and the MLflow run.
         "team": team_param(_cfg),
         "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
-        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on."),
+        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on; fewer complete days fail the run unless accept_fewer_days."),
+        "accept_fewer_days": Param(False, type="boolean", description="Train on the complete days there are when fewer than train_days exist (the model is registered, not promoted)."),
         "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, description=f"Passes over the training days (empty: {_family_default('epochs')})."),
         "max_steps": Param(_training.max_steps or None, type=["null", "integer"], minimum=1, description="Training length: a cap on optimizer steps over the epochs or target_examples (empty: no cap). The run's summary warns when it trained fewer steps than its warmup or than training.min_steps."),
         "target_examples": Param(_training.target_examples or None, type=["null", "integer"], minimum=1, description="Training length as examples seen (all ranks), instead of epochs: as many passes as that takes, up to 100 (empty: by epochs)."),
@@ -87,7 +91,8 @@ extra links open the job's console page and the MLflow run.
         from operators.training import plan_training_days
 
         assert params is not None
-        return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]))
+        return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]),
+                                  bool(params.get("accept_fewer_days")))
 
     train = DistributedTrainingOperator(
         task_id="train",
@@ -111,7 +116,7 @@ extra links open the job's console page and the MLflow run.
         from airflow.sdk.exceptions import AirflowSkipException
 
         from operators import job_history
-        from operators.training import promote_if_better
+        from operators.promotion import promote_if_better
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]))

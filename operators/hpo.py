@@ -61,6 +61,7 @@ RUN_FIELDS: dict[str, type] = {
 PLATFORM_FIELDS = (
     "root", "train_days", "eval_ds", "output_dir", "checkpoint_dir", "mlflow_tracking_uri", "mlflow_artifact_location",
     "family", "family_module", "experiment", "model_name", "tags", "register", "run_name", "log_every",
+    "train_days_requested", "evaluate_champion",
 )
 # Study and trial user attributes (the study's state lives in its storage).
 SPEC_ATTR = "pinflow.spec"
@@ -760,7 +761,7 @@ def promote_best(name: str, tolerance: float, promote: bool = True) -> dict[str,
 
     Returns the decision (also kept in the study); None when promotion is switched off.
     """
-    from operators.training import promote_if_better
+    from operators.promotion import promote_if_better
 
     study, spec = load(name)
     best = _best(study)

@@ -20,11 +20,13 @@ TUNABLE = (
 )
 
 
-def plan_training_days(model: str, end_ds: str | None, train_days: int) -> dict[str, Any]:
+def plan_training_days(model: str, end_ds: str | None, train_days: int, accept_fewer_days: bool = False) -> dict[str, Any]:
     """Evaluation day and training days from the complete partitions of the family's dataset.
 
-    The evaluation day is ``end_ds`` (default: the newest complete day); training uses up to
-    ``train_days`` days before it. An unknown family is a USER error.
+    The evaluation day is ``end_ds`` (default: the newest complete day); training uses the ``train_days``
+    complete days before it. Fewer complete days than asked for is a USER error naming them, unless
+    ``accept_fewer_days``: the run then trains on those it has and the promotion gate does not promote its model.
+    An unknown family is a USER error.
     """
     from core.storage import complete_days  # a local root or s3://...
 
@@ -40,7 +42,14 @@ def plan_training_days(model: str, end_ds: str | None, train_days: int) -> dict[
     train = [d for d in days if d < eval_ds][-train_days:]
     if not train:
         raise DataError(f"no {dataset} partition before the evaluation day {eval_ds}: build earlier days first")
-    return {"model": model, "dataset": dataset, "train_days": train, "eval_ds": eval_ds}
+    if len(train) < train_days and not accept_fewer_days:
+        raise UserError(
+            f"train_days={train_days}, but only {len(train)} complete {dataset} partition(s) lie before the evaluation "
+            f"day {eval_ds} ({train[0]}..{train[-1]}) under {root}: build the missing days, lower train_days to "
+            f"{len(train)}, or set accept_fewer_days (the model is then trained but not promoted)"
+        )
+    return {"model": model, "dataset": dataset, "train_days": train, "eval_ds": eval_ds,
+            "train_days_requested": train_days}
 
 
 INPUTS_DIR = "inputs"  # beside a run's checkpoints: its pinned input partitions and their manifest
@@ -275,6 +284,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "max_steps": training.max_steps,
             "target_examples": training.target_examples,
             "min_steps": training.min_steps,
+            "train_days_requested": int(self.plan.get("train_days_requested") or len(self.plan["train_days"])),
             "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
                      "job": name, "team": str(self.team or training.team), "family": family_name},
         }
@@ -574,53 +584,3 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             get_backend(self._job["backend"]).cancel(self._job["job_id"])
             job_history.note(job_history.mark_ended, self._job["backend"], self._job["job_id"], job_history.CANCELLED,
                              reason="the task was killed")
-
-
-def promote_if_better(result: dict[str, Any], tolerance: float) -> dict[str, Any]:
-    """Give the new version the ``champion`` alias if its mean AUC is at least the champion's (within tolerance)
-    on the same evaluation day; record the decision on the version either way.
-
-    Only a registry that answers "no champion" promotes unconditionally; a registry that does not answer
-    raises INFRA (the task retries), so an MLflow outage never promotes a model.
-    """
-    from operators import registry
-
-    cfg = config.load()
-    client = registry.client(cfg.mlflow)
-    name, version = result["model_name"], str(result["model_version"])
-    new_auc = float(result["metrics"]["mean_auc"])
-    decision: dict[str, Any] = {"model_name": name, "model_version": version, "auc": new_auc}
-    try:
-        champion = registry.champion(client, name)
-        if champion is None:
-            promote, why = True, "no champion yet"
-        else:
-            champ_run = client.get_run(str(champion.run_id))
-            champ_metrics = champ_run.data.metrics
-            champ_auc = float(champ_metrics.get("eval_mean_auc", float("nan")))
-            same_day = champ_run.data.params.get("eval_ds") == result.get("eval_ds")
-            heads = {
-                head: {"new": value, "champion": champ_metrics.get(f"eval_auc_{head}")}
-                for head, value in (result["metrics"].get("auc") or {}).items()
-            }
-            decision.update(champion_version=str(champion.version), champion_auc=champ_auc, heads=heads)
-            if not same_day:
-                promote, why = True, "champion was evaluated on another day; the newer model wins"
-            elif new_auc + tolerance >= champ_auc:
-                promote, why = True, f"mean AUC {new_auc:.4f} >= champion {champ_auc:.4f} - {tolerance}"
-            else:
-                promote, why = False, f"mean AUC {new_auc:.4f} < champion {champ_auc:.4f} - {tolerance}"
-        per_head = ", ".join(
-            f"{head} {v['new']:.4f} vs {v['champion']:.4f}" for head, v in decision.get("heads", {}).items()
-            if v["new"] is not None and v["champion"] is not None
-        )
-        why += f" (AUC per head, new vs champion: {per_head})" if per_head else ""
-        client.set_model_version_tag(name, version, "promotion", ("promoted: " if promote else "rejected: ") + why)
-        if promote:
-            client.set_registered_model_alias(name, registry.CHAMPION, version)
-    except PinflowError:
-        raise
-    except Exception as err:
-        raise as_typed(err, f"promotion of {name} version {version}") from err
-    decision.update(promoted=promote, reason=why)
-    return decision

@@ -218,8 +218,10 @@ def run_chain(
             f"evaluated on {days[-1]}")
         train_run = run_dag(
             dags["pin_ranker_training"], log_file, run_id_for(days[-1], family),
+            # Every param the runs differ in, each time: dag.test() keeps a run's conf in the DAG's params, so a
+            # key left out would take the previous run's value (the ranker's --epochs for the content model).
             run_conf={"model": family, "end_ds": days[-1], "train_days": train_days,
-                      **({"epochs": args.epochs} if args.epochs and family == "pin_ranker" else {})},
+                      "epochs": args.epochs if family == "pin_ranker" else None},
         )
         result = train_run.get_task_instance("train").xcom_pull(task_ids="train")
         promotion = train_run.get_task_instance("promote").xcom_pull(task_ids="promote")

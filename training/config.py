@@ -90,8 +90,17 @@ class RunConfig:
         "0 = train for `epochs`", _TRAINING.target_examples,
     )
     min_steps: int = _f(
-        "a run with fewer optimizer steps than this (or than warmup_steps) gets a warning in result.json",
-        _TRAINING.min_steps,
+        "the fewest optimizer steps of the run: training by epochs takes more passes (each in its own order, up to "
+        "100 epochs) until it has this many; a run with fewer (max_steps, a short target_examples) warns in "
+        "result.json and the promotion gate does not promote it", _TRAINING.min_steps,
+    )
+    train_days_requested: int = _f(
+        "training days the run asked for; fewer in train_days (the run accepted fewer) are recorded in result.json "
+        "and the promotion gate does not promote the model (0: len(train_days))", 0,
+    )
+    evaluate_champion: bool = _f(
+        "rank 0 also evaluates the registered champion of model_name (the MLflow alias 'champion') on eval_ds, for "
+        "the promotion gate's comparison on the same day (result.json 'champion')", True,
     )
     # --- data -------------------------------------------------------------------------------------
     num_workers: int = _f(
@@ -176,7 +185,8 @@ class RunConfig:
         for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s".split():
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in "max_steps target_examples min_steps checkpoint_every warmup_steps num_workers num_threads".split():
+        for name in ("max_steps target_examples min_steps checkpoint_every warmup_steps num_workers num_threads "
+                     "train_days_requested").split():
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.lr <= 0:

@@ -120,6 +120,23 @@ class ModelFamily:
         """A small serving batch, one array per name of ``serving_inputs`` (the MLflow signature's example)."""
         raise NotImplementedError
 
+    def model_from_serving(self, module: nn.Module) -> nn.Module:
+        """The trainable ``model`` (what ``evaluate`` takes) holding the weights of a registered serving module: how
+        the promotion gate evaluates the champion on a new model's day (``training.champion``).
+
+        By default the serving form wraps the model as its one child (``serving`` returns ``Wrapper(model)``): the
+        module's state dict, without that child's name, is loaded into ``build_model("model")``, strictly. A family
+        whose serving form changes the weights overrides this.
+        """
+        state = module.state_dict()
+        prefixes = {key.split(".", 1)[0] for key in state}
+        if len(prefixes) == 1 and all("." in key for key in state):
+            prefix = f"{next(iter(prefixes))}."
+            state = {key.removeprefix(prefix): value for key, value in state.items()}
+        model = self.build_model("model")
+        model.load_state_dict(state, strict=True)
+        return model
+
     def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         """What a serving caller needs to build the inputs (stored with the registered model)."""
         return {}

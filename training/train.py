@@ -273,16 +273,21 @@ class Trainer:
             seed=cfg.seed,
             drop_last=cfg.strategy == "torchrec",  # its lookups need one batch size on every rank
         )
-        self.epochs, budget = cfg.epochs, 0
+        budget = 0
         if cfg.target_examples:  # a budget in examples: as many epochs as it takes (each epoch has its own order)
             budget = math.ceil(cfg.target_examples / (cfg.batch_size * env.world_size))
-            self.epochs = MAX_EPOCHS
         self.steps_per_epoch = []
-        for epoch in range(self.epochs):
-            self.steps_per_epoch.append(stream.steps_per_epoch(epoch))
+        for epoch in range(MAX_EPOCHS):
             if budget and sum(self.steps_per_epoch) >= budget:
                 break
+            # By epochs: at least min_steps steps, so that a small dataset is not under-trained at the defaults.
+            if not budget and epoch >= cfg.epochs and sum(self.steps_per_epoch) >= cfg.min_steps:
+                break
+            self.steps_per_epoch.append(stream.steps_per_epoch(epoch))
         self.epochs = len(self.steps_per_epoch)
+        if not budget and self.epochs > cfg.epochs:
+            log.info("%d epoch(s) of %d steps are fewer than min_steps=%d: training %d epochs instead", cfg.epochs,
+                     sum(self.steps_per_epoch[: cfg.epochs]), cfg.min_steps, self.epochs)
         if min(self.steps_per_epoch) == 0:
             raise DataError(
                 f"{stream.total_rows} training rows in {len(stream.units)} row groups over {env.world_size} "
@@ -309,6 +314,11 @@ class Trainer:
             warnings.append(
                 f"trained {self.step} steps, fewer than min_steps={cfg.min_steps}: the model may be undertrained; "
                 "raise epochs or target_examples, or lower batch_size"
+            )
+        if cfg.train_days_requested > len(cfg.train_days):
+            warnings.append(
+                f"trained on {len(cfg.train_days)} of the {cfg.train_days_requested} days asked for: the run accepted "
+                "fewer days"
             )
         return warnings
 
@@ -608,12 +618,20 @@ class Trainer:
         )
         metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
+        champion = None
+        if cfg.evaluate_champion:  # the promotion gate compares with the champion on this same day
+            from training.champion import evaluate_champion
+
+            hb.update(progress=0, force=True, phase="evaluating the champion")
+            champion = evaluate_champion(cfg, family, self.tracker.run_id, device=device,
+                                         on_batch=lambda _: hb.update(phase="evaluating the champion"))
 
         hb.update(progress=0, force=True, phase="logging")
         seconds = time.monotonic() - self.started
         tracker = self.tracker
         tracker.log_metrics(
-            {**flat_metrics(metrics), "examples_seen": examples_seen, "train_steps": step, "train_seconds": seconds},
+            {**flat_metrics(metrics), **flat_metrics((champion or {}).get("metrics") or {}, "champion_eval_"),
+             "examples_seen": examples_seen, "train_steps": step, "train_seconds": seconds},
             step=step,
             flush=True,
         )
@@ -637,6 +655,11 @@ class Trainer:
             "train_days": list(cfg.train_days),
             "metrics": metrics,
             "steps": step,
+            "epochs": self.epochs,
+            "min_steps": cfg.min_steps,
+            "warmup_steps": cfg.warmup_steps,
+            "train_days_requested": cfg.train_days_requested or len(cfg.train_days),
+            "champion": champion,  # the registered champion evaluated on eval_ds (training.champion), or None
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
             "warnings": self.budget_warnings(),

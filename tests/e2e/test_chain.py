@@ -21,6 +21,7 @@ def demo_run(airflow_db, pinflow_home):
     events.mkdir(exist_ok=True)
     transport = {"type": "file", "log_file_path": str(events / "event")}
     env = {**os.environ, "PINFLOW_TRAINING__PROCS_PER_NODE": "2", "PINFLOW_TRAINING__BATCH_SIZE": "128",
+           "PINFLOW_TRAINING__MIN_STEPS": "0",  # a tiny world: one short epoch, as asked
            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(transport), "AIRFLOW__OPENLINEAGE__NAMESPACE": "pinflow",
            # The demo puts the repository on sys.path, where `pip install -e .` left pinflow.egg-info: pinflow's
            # entry point is then seen twice, and the Task SDK 1.3 plugin loader stops at a duplicate name and drops

@@ -42,7 +42,7 @@ def test_the_content_family_trains_under_torchrun_and_scores_every_pin(tmp_path:
     config = {
         "root": str(root), "train_days": DAYS[:-1], "eval_ds": DAYS[-1], "output_dir": str(tmp_path / "job"),
         "checkpoint_dir": str(tmp_path / "checkpoints"), "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'm.db'}",
-        "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "pin_content", "epochs": 8,
+        "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "pin_content", "epochs": 8, "min_steps": 0,
         "batch_size": 16, "lr": 0.01, "checkpoint_every": 5, "heartbeat_every_s": 0.5, "params": {"width": 32},
     }
     (tmp_path / "RUN.json").write_text(json.dumps(config))

@@ -47,6 +47,7 @@ COMMON = {
     "batch_size": 16,
     "checkpoint_every": 4,
     "keep_checkpoints": 1,
+    "min_steps": 0,  # short on purpose: exactly the epochs asked for
 }
 
 

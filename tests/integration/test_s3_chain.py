@@ -39,6 +39,7 @@ SHARDS = 2
 TRAINING = {
     "epochs": 1, "batch_size": 64, "deterministic": True, "num_threads": 1, "register": True, "checkpoint_every": 0,
     "heartbeat_every_s": 1.0, "params": {"ablation": False, "sequence_length": WINDOW["sequence_length"]},
+    "min_steps": 0,  # short on purpose: exactly the epochs asked for
 }
 
 

@@ -41,6 +41,7 @@ COMMON = {
     "keep_checkpoints": 1,
     "min_lr_ratio": 1.0,
     "heartbeat_every_s": 0.5,
+    "min_steps": 0,  # short on purpose: exactly the epochs asked for
 }
 
 

@@ -47,6 +47,7 @@ def run_config(tmp_path: Path, **overrides) -> Path:
         "heartbeat_every_s": 0.2,
         "log_every": 2,
         "num_workers": 0,
+        "min_steps": 0,  # short on purpose: exactly the epochs asked for
         **overrides,
         # The ranker's hyperparameters, small; ``params`` in the overrides add to them.
         "params": {
@@ -241,6 +242,7 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
         "batch_size": 16,
         "checkpoint_every": 3,
         "keep_checkpoints": 1,
+        "min_steps": 0,  # short on purpose: exactly the epochs asked for
         "params": {"ablation": strategy != "fsdp"},
         # TorchRec: the tables row-wise (by hand on CPU), each rank holding half of every table's rows.
         **({"sharding": "row_wise"} if strategy == "torchrec" else {}),

@@ -50,6 +50,7 @@ TEAM_ENV = {
     "PINFLOW_TEAMS__PAGES__INSTANCE_TYPE": "g5.12xlarge", "PINFLOW_TEAMS__PAGES__QUOTA__JOBS": "1",
     "PINFLOW_TRAINING__QUOTA_POLL_SECONDS": "1", "PINFLOW_TRAINING__POLL_SECONDS": "0.5",
     "PINFLOW_TRAINING__PREFLIGHT": "false", "OMP_NUM_THREADS": "1",
+    "PINFLOW_TRAINING__MIN_STEPS": "0",  # the runs are short on purpose: exactly the epochs asked for
 }
 # Run a trains long enough to be seen training while run b waits (a sleep per step: no CPU taken from the rest);
 # run b, two steps.

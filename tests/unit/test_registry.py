@@ -13,10 +13,11 @@ from core.config import MlflowConfig, PlatformConfig
 from core.failures import FailureClass, InfraError, UserError
 from operators import registry
 from operators.inference import plan_inference
-from operators.training import promote_if_better
+from operators.promotion import promote_if_better
 
 pytestmark = pytest.mark.unit
-RESULT = {"model_name": "pin_ranker", "model_version": "1", "metrics": {"mean_auc": 0.7}, "eval_ds": "2026-11-20"}
+RESULT = {"model_name": "pin_ranker", "model_version": "1", "metrics": {"auc": {"click": 0.7}, "mean_auc": 0.7},
+          "eval_ds": "2026-11-20", "steps": 500, "warmup_steps": 20, "train_days": ["2026-11-19"], "champion": None}
 
 
 def closed_port() -> int:
@@ -45,7 +46,7 @@ def test_an_mlflow_outage_is_infra_and_promotes_nothing(use_mlflow):
         plan_inference("pin_ranker", "champion", None, 2)
 
 
-def test_no_champion_yet_promotes_and_an_unknown_version_is_a_user_error(use_mlflow, tmp_path: Path):
+def test_the_first_model_above_its_floors_is_promoted_and_an_unknown_version_is_a_user_error(use_mlflow, tmp_path: Path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     use_mlflow(uri)
     client = registry.client(MlflowConfig(tracking_uri=uri))
@@ -57,8 +58,11 @@ def test_no_champion_yet_promotes_and_an_unknown_version_is_a_user_error(use_mlf
     assert registry.champion(client, "pin_ranker") is None
 
     decision = promote_if_better(RESULT, tolerance=0.0)
-    assert decision["promoted"] and decision["reason"] == "no champion yet"
+    assert decision["promoted"] and decision["reason"].startswith("the family's first model; every head clears")
     assert str(registry.champion(client, "pin_ranker").version) == "1"
+    tag = client.get_model_version("pin_ranker", "1").tags["promotion"]
+    assert tag.startswith("promoted: the family's first model") and "click 0.7000" in tag
+    assert promote_if_better(RESULT, tolerance=0.0)["reason"] == "version 1 is already the champion"  # a retry
 
     with pytest.raises(UserError, match="no version or alias '7'"):
         plan_inference("pin_ranker", "7", None, 2)
