@@ -186,6 +186,28 @@ class TrainingConfig(Section):
         86400, ge=0, description="a job queued (not yet running) this long is cancelled as INFRA (retried); 0: no limit"
     )
     preflight: bool = Field(True, description="run the nodes' health check (training.preflight) before training")
+    num_workers: int | None = Field(
+        None, ge=0, le=64, description="input worker processes per training process (input_engine local); empty: "
+        "derived from the node: on a GPU node its vCPUs per process less the trainer's threads and one (at most 16), "
+        "on a CPU node a quarter of them (the local backend: this machine's CPUs); more than the node's CPUs is refused"
+    )
+    num_threads: int | None = Field(
+        None, ge=1, le=256, description="torch threads per training process; empty: derived with num_workers (2 on a "
+        "GPU node, the CPUs the workers leave on a CPU node)"
+    )
+    prefetch_factor: int = Field(2, ge=1, le=64, description="batches each input worker prepares ahead")
+    pin_memory: bool | None = Field(None, description="page-locked batches for faster copies to the GPU; empty: on CUDA")
+    input_engine: Literal["local", "ray"] = Field(
+        "local", description="local: each process reads its input with its own worker processes (DataLoader); ray: "
+        "a Ray Data pipeline on the cluster's CPU workers builds the batches (RAY_ADDRESS, else a node-local cluster)"
+    )
+    data_bound_share: float = Field(
+        0.2, gt=0, lt=1, description="a job whose processes wait for input this share of their step time or more is "
+        "data-bound: said in the task log, the progress tab, result.json and the job history, with what to change"
+    )
+    ray_cpus: int = Field(0, ge=0, description="input_engine ray: CPUs of the node-local Ray cluster a job starts when "
+                          "RAY_ADDRESS names none; 0: the node's")
+    ray_task_cpus: float = Field(1.0, gt=0, description="input_engine ray: CPUs one read-and-encode task reserves")
     quota_poll_seconds: float = Field(30, gt=0, description="between checks of the team's quota while a job waits for room")
 
 

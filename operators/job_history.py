@@ -89,6 +89,7 @@ jobs = sa.Table(
     sa.Column("mlflow_run_id", sa.String(64)),
     sa.Column("promoted", sa.Boolean),
     sa.Column("promotion_reason", sa.Text),
+    sa.Column("input_wait_share", sa.Float, comment="share of step time the ranks waited for input (data-bound)"),
     sa.Column("output_dir", sa.Text),
     sa.Column("checkpoint_dir", sa.Text),
     sa.Column("console_url", sa.Text),
@@ -160,7 +161,20 @@ def _engine(url: str) -> sa.Engine:
     else:
         eng = sa.create_engine(url, pool_pre_ping=True)
     metadata.create_all(eng)
+    _add_new_columns(eng)
     return eng
+
+
+def _add_new_columns(eng: sa.Engine) -> None:
+    """Columns added to the table since a database was created (nullable, so old rows stay valid)."""
+    have = {c["name"] for c in sa.inspect(eng).get_columns(TABLE)}
+    missing = [c for c in jobs.columns if c.name not in have]
+    if not missing:
+        return
+    with eng.connect() as conn, conn.begin():
+        for column in missing:
+            kind = column.type.compile(dialect=eng.dialect)
+            conn.exec_driver_sql(f'ALTER TABLE {TABLE} ADD COLUMN "{column.name}" {kind}')
 
 
 @contextlib.contextmanager
@@ -293,12 +307,14 @@ def mark_ended(
 
 
 def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:
-    """What the finished job produced: its MLflow run and registered model version."""
+    """What the finished job produced: its MLflow run and registered model version, and the share of its step time
+    spent waiting for input."""
     with transaction(url) as conn:
         conn.execute(
             sa.update(jobs).where(jobs.c.backend == backend, jobs.c.job_id == job_id).values(
                 model_name=result.get("model_name"), model_version=str(result.get("model_version") or "") or None,
                 mlflow_run_id=result.get("mlflow_run_id"), updated_at=now(),
+                input_wait_share=(result.get("input") or {}).get("wait_share"),
             )
         )
 

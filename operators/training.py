@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
     "epochs", "batch_size", "lr", "strategy", "sharding", "seed", "max_steps", "target_examples", "checkpoint_every", "heartbeat_every_s",
-    "fail_nan_at_step", "debug_step_sleep_s",
+    "fail_nan_at_step", "debug_step_sleep_s", "num_workers", "num_threads", "prefetch_factor", "pin_memory", "input_engine",
 )
 
 
@@ -284,6 +285,12 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "max_steps": training.max_steps,
             "target_examples": training.target_examples,
             "min_steps": training.min_steps,
+            "prefetch_factor": training.prefetch_factor,
+            "pin_memory": training.pin_memory,
+            "input_engine": training.input_engine,
+            "data_bound_share": training.data_bound_share,
+            "ray_cpus": training.ray_cpus,
+            "ray_task_cpus": training.ray_task_cpus,
             "train_days_requested": int(self.plan.get("train_days_requested") or len(self.plan["train_days"])),
             "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
                      "job": name, "team": str(self.team or training.team), "family": family_name},
@@ -291,6 +298,9 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
         if isinstance(self.overrides.get("params"), dict):  # family hyperparameters over the configured ones
             run_config["params"] = {**run_config["params"], **self.overrides["params"]}
+        procs = training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node)
+        run_config["num_workers"], run_config["num_threads"] = self._input_workers(
+            cfg, backend_name, str(self.team or training.team), procs, self.overrides)
         # The job's own models check RUN.json here, before anything is submitted (a bad value: USER, now).
         source = f"RUN.json of {name} (platform config and the run's params)"
         RunConfig.from_dict(run_config, source=source).family_instance()
@@ -303,7 +313,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             image=training.image,
             distributed=True,
             nodes=training.nodes if self.nodes in (None, "") else int(self.nodes),
-            procs_per_node=training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node),
+            procs_per_node=procs,
             gpus_per_node=training.gpus_per_node,
             checkpoint_dir=run_config["checkpoint_dir"],
             # The nodes' health check (devices, all-reduce, disk, inputs, MLflow) as the job's first step.
@@ -312,6 +322,30 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         validate_for(spec, cfg.teams, backend=backend_name)
         backend.dry_run(spec)  # the backend's own checks (schema, resources) before anything is submitted
         return backend, spec, run_config, output_dir
+
+    def _input_workers(self, cfg: config.PlatformConfig, backend: str, team: str, procs: int,
+                       overrides: dict[str, Any]) -> tuple[int, int]:
+        """Input workers and torch threads per process (``resources.input_workers``): the form's, else
+        ``training:``'s, else derived from the node (the local backend: this machine's CPUs, no GPU; otherwise the
+        job's instance type). input_engine ray reads with one reader per process (its workers are Ray's)."""
+        from operators.backends.resources import Catalog, input_workers
+
+        training = cfg.training
+        workers = overrides.get("num_workers") if overrides.get("num_workers") not in (None, "") else training.num_workers
+        threads = overrides.get("num_threads") if overrides.get("num_threads") not in (None, "") else training.num_threads
+        engine = overrides.get("input_engine") or training.input_engine
+        if backend == "local":
+            cpus, gpus, where = len(os.sched_getaffinity(0)), 0, "this machine, the local backend"
+        else:
+            catalog = Catalog.from_config(cfg)
+            itype = self.instance_type or (cfg.teams[team].instance_type if team in cfg.teams else "") or training.instance_type
+            if itype not in catalog.instance_types:
+                itype = training.instance_type  # the job spec's own check names an unknown type
+            node = catalog.instance_types[itype]
+            cpus, gpus, where = node.vcpus, node.gpus if training.gpus_per_node is None else training.gpus_per_node, itype
+        workers, threads = input_workers(cpus, procs, gpus, None if workers is None else int(workers),
+                                         None if threads is None else int(threads), where=where)
+        return (0 if engine == "ray" else workers), threads
 
     def _remember(self, context: Context, job: dict[str, Any]) -> None:
         """Keep the job for on_kill, the extra links and the log."""

@@ -104,9 +104,23 @@ class RunConfig:
     )
     # --- data -------------------------------------------------------------------------------------
     num_workers: int = _f(
-        "DataLoader worker processes per rank (0 = read in the training process; raise it on GPU nodes)", 0
+        "DataLoader worker processes per rank, input_engine local (0 = read in the training process); the training "
+        "operator derives it from the node (training.num_workers)", 0
     )
     num_threads: int = _f("torch intra-op threads per rank (0 = torch's default)", 1)
+    prefetch_factor: int = _f("batches each DataLoader worker prepares ahead (num_workers > 0)", _TRAINING.prefetch_factor)
+    pin_memory: bool | None = _f("page-locked batches for faster copies to the GPU (null: on CUDA)", None)
+    input_engine: Literal["local", "ray"] = _f(
+        "local: each rank reads with its DataLoader workers; ray: a Ray Data pipeline on the cluster's CPU workers "
+        "builds each rank's batches, the same batches in the same order as local with num_workers 0 "
+        "(training.ray_input)", _TRAINING.input_engine,
+    )
+    data_bound_share: float = _f(
+        "share of step time spent waiting for input from which the job is called data-bound (result.json input)",
+        _TRAINING.data_bound_share,
+    )
+    ray_cpus: int = _f("input_engine ray: CPUs of the node-local Ray cluster (0: the node's)", _TRAINING.ray_cpus)
+    ray_task_cpus: float = _f("input_engine ray: CPUs a read-and-encode task reserves", _TRAINING.ray_task_cpus)
     eval_batch_size: int = _f("batch size of the evaluation pass", 1024)
     # --- checkpoints, heartbeats, logging ---------------------------------------------------------
     checkpoint_every: int = _f("save a checkpoint every this many steps (0 = only at the end)", 500)
@@ -182,7 +196,7 @@ class RunConfig:
                 parse_ds(ds)
             except ValueError as e:
                 problems.append(str(e))
-        for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s".split():
+        for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s prefetch_factor".split():
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         for name in ("max_steps target_examples min_steps checkpoint_every warmup_steps num_workers num_threads "
@@ -197,6 +211,11 @@ class RunConfig:
             problems.append(f"embedding_memory_mb={self.embedding_memory_mb} must not be negative")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             problems.append(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0 < self.data_bound_share < 1:
+            problems.append(f"data_bound_share={self.data_bound_share} must be in (0, 1)")
+        if self.ray_cpus < 0 or self.ray_task_cpus <= 0:
+            problems.append(f"ray_cpus={self.ray_cpus} must not be negative and ray_task_cpus={self.ray_task_cpus} "
+                            "must be positive")
         if self.heartbeat_every_s <= 0:
             problems.append(f"heartbeat_every_s={self.heartbeat_every_s} must be positive")
         for dataset, days in self.inputs.items():

@@ -1,11 +1,14 @@
 """Streaming a model family's training rows from Parquet partitions into batches of tensors.
 
-:class:`ExampleStream` never reads a whole day: its unit of work is a Parquet row group (or a slice of
-one, when there are too few row groups to spread over every rank and worker). From the Parquet footers
-alone it plans, for each epoch, which units every rank and every DataLoader worker reads, in an order that
-depends only on ``(seed, epoch)``. Because the plan is known up front, every rank can compute how many
-batches each rank will produce and all stop at the same step (:meth:`ExampleStream.steps_per_epoch`):
-no rank waits in a collective for a rank that ran out of data.
+:class:`ExampleStream` never reads a whole day: its unit of work is a whole Parquet row group, decoded once
+per epoch by the one reader (rank and DataLoader worker) it is dealt to; a row group is never sliced between
+readers, because a slice costs the decoding of its whole row group. From the Parquet footers alone it plans, for
+each epoch, which units every rank and every DataLoader worker reads, in an order that depends only on
+``(seed, epoch)``. Because the plan is known up front, every rank can compute how many batches each rank will
+produce and all stop at the same step (:meth:`ExampleStream.steps_per_epoch`): no rank waits in a collective for
+a rank that ran out of data. With fewer row groups than readers some readers idle, and ranks dealt fewer rows
+leave the others' tail of an epoch untrained (a different tail each epoch). The feature build writes row groups
+of 64Ki rows: a production day of millions of examples is hundreds of units, a small day one.
 
 Which dataset and columns are read, and how rows become tensors, is the model family's (``training.sdk``):
 the stream hands each table of ``batch_size`` rows to the family's ``encode``. Examples store each user's action
@@ -24,9 +27,11 @@ run changes nothing read here (the units planned at start keep pointing at the p
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -105,6 +110,13 @@ class PinEmbeddings:
             raise ValueError(f"pin embeddings must be [n, dim] for n={len(self.pin_ids)} ids, got {self.vectors.shape}")
         self.dim = int(self.vectors.shape[1])
         self.ds = ds
+        # The vectors and a zero row after them (row len(self): an unknown pin), and, for ids that are small
+        # non-negative integers (as they usually are), a direct id -> row index instead of a binary search.
+        self._padded = np.concatenate([self.vectors, np.zeros((1, self.dim), dtype=np.float32)])
+        self._dense: np.ndarray | None = None
+        if len(self.pin_ids) and self.pin_ids[0] >= 0 and self.pin_ids[-1] < 16 * len(self.pin_ids) + 4096:
+            self._dense = np.full(int(self.pin_ids[-1]) + 1, -1, dtype=np.int64)
+            self._dense[self.pin_ids] = np.arange(len(self.pin_ids))
 
     @classmethod
     def from_snapshot(cls, root: str | os.PathLike[str], ds: str) -> PinEmbeddings:
@@ -118,21 +130,22 @@ class PinEmbeddings:
 
     def rows(self, pin_ids: np.ndarray) -> np.ndarray:
         """Row of each id in the table, -1 where the pin is unknown."""
+        pin_ids = np.asarray(pin_ids, dtype=np.int64)
         if len(self.pin_ids) == 0:
             return np.full(np.shape(pin_ids), -1, dtype=np.int64)
+        if self._dense is not None:
+            inside = (pin_ids >= 0) & (pin_ids < len(self._dense))
+            return np.where(inside, self._dense[np.where(inside, pin_ids, 0)], -1)
         pos = np.searchsorted(self.pin_ids, pin_ids)
         pos = np.minimum(pos, len(self.pin_ids) - 1)
         return np.where(self.pin_ids[pos] == pin_ids, pos, -1)
 
-    def lookup(self, pin_ids: np.ndarray) -> np.ndarray:
-        """Embeddings of ``pin_ids`` (any shape) as float32 [..., 32]; unknown pins get zeros."""
-        pin_ids = np.asarray(pin_ids, dtype=np.int64)
+    def lookup(self, pin_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Embeddings of ``pin_ids`` (any shape) as float32 [..., dim]; unknown pins, and those where ``mask`` is
+        False, get zeros."""
         rows = self.rows(pin_ids)
-        if len(self.pin_ids) == 0:
-            return np.zeros((*pin_ids.shape, self.dim), dtype=np.float32)
-        out = self.vectors[np.maximum(rows, 0)]
-        out[rows < 0] = 0.0
-        return out
+        known = rows >= 0 if mask is None else (rows >= 0) & mask
+        return np.take(self._padded, np.where(known, rows, len(self.pin_ids)), axis=0)
 
 
 # --- sequences referenced by examples ------------------------------------------------------------
@@ -360,17 +373,13 @@ class WorkUnit:
 def example_units(
     root: str | os.PathLike[str],
     days: Sequence[str],
-    min_units: int = 1,
     *,
     dataset: str = EXAMPLES,
     columns: Sequence[str] = (),
 ) -> list[WorkUnit]:
-    """Work units of the ``dataset`` partitions of ``days`` in a fixed order, read from the footers only.
-
-    Row groups are split into equal slices only when there are fewer than ``min_units`` of them, so that
-    every rank and worker gets something to read.
-    """
-    groups: list[tuple[str, int, int, str]] = []
+    """Work units of the ``dataset`` partitions of ``days`` in a fixed order, read from the footers only: one per
+    non-empty row group."""
+    units: list[WorkUnit] = []
     for ds in days:
         try:
             files = data_files(root, dataset, ds)
@@ -389,13 +398,7 @@ def example_units(
             for rg in range(meta.num_row_groups):
                 rows = meta.row_group(rg).num_rows
                 if rows:
-                    groups.append((path, rg, rows, ds))
-    split = max(1, -(-min_units // max(1, len(groups))))
-    units = []
-    for name, rg, rows, ds in groups:
-        pieces = min(split, rows)
-        bounds = np.linspace(0, rows, pieces + 1).astype(int)
-        units += [WorkUnit(name, rg, int(a), int(b), ds) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+                    units.append(WorkUnit(path, rg, 0, rows, ds))
     return units
 
 
@@ -431,12 +434,82 @@ def read_unit(
     return table.select(wanted)
 
 
+PACKED, LAYOUT = "_packed", "_layout"  # batches packed into one buffer (:func:`pack_batches`)
+# A DataLoader worker hands over at least this many rows at a time (batches_per_item batches): what crosses from a
+# worker to the trainer costs a fixed price per item (a shared-memory segment, a descriptor, a mapping, about a
+# millisecond on a small machine), which a small batch alone would not repay.
+ITEM_ROWS = 4096
+
+
+def pack_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Batches as one contiguous byte buffer (in shared memory) and their layout, to cross from a DataLoader worker
+    to the trainer in one piece; :func:`unpack_batches` gives back views of the same bytes."""
+    layouts: list[list[tuple[str, str, list[int], int, int]]] = []
+    offset = 0
+    for batch in batches:
+        layout = []
+        for name, tensor in batch.items():
+            offset = -(-offset // 64) * 64  # aligned for any dtype's view
+            nbytes = tensor.numel() * tensor.element_size()
+            layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+            offset += nbytes
+        layouts.append(layout)
+    # Filled in private memory (numpy copies; shared pages cost far more to fill), then shared by the DataLoader.
+    target = np.empty(offset, dtype=np.uint8)
+    for batch, layout in zip(batches, layouts, strict=True):
+        for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
+            target[start:start + nbytes] = tensor.numpy().reshape(-1).view(np.uint8)
+    return {PACKED: torch.from_numpy(target), LAYOUT: json.dumps(layouts)}
+
+
+def unpack_batches(item: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """The batches of an item from :func:`pack_batches` (views of its buffer); a plain batch as a list of one."""
+    if PACKED not in item:
+        return [item]
+    buffer = item[PACKED]
+    return [{name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+             for name, dtype, shape, start, nbytes in layout} for layout in json.loads(item[LAYOUT])]
+
+
+class UnitReader:
+    """Reads work units as a stream's readers see them: the unit's rows, shuffled by ``(seed, epoch, key)`` (the
+    unit's number in its stream), their sequence references resolved. Picklable by :meth:`spec` (a Ray worker
+    builds its own from it: ``training.ray_input``); sequence partitions and digests are loaded once per reader."""
+
+    def __init__(self, root: str, dataset: str = EXAMPLES, columns: Sequence[str] = (), seed: int = 0,
+                 shuffle: bool = True) -> None:
+        self.root, self.dataset, self.columns = str(root), dataset, list(columns)
+        self.seed, self.shuffle = seed, shuffle
+        self._digests: dict[str, str | None] = {}
+        self._resolver = SequenceResolver(root)
+
+    def spec(self) -> dict[str, Any]:
+        return {"root": self.root, "dataset": self.dataset, "columns": self.columns, "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def read(self, unit: WorkUnit, epoch: int, key: int) -> pa.Table:
+        with parquet_file(unit.path) as parquet:
+            names = parquet.schema_arrow.names
+            wanted = self.columns or resolved_columns(names)
+            resolve = _needs_resolving(wanted, names)
+            table = parquet.read_row_group(unit.row_group, columns=read_columns(wanted, names) if resolve else self.columns or None)
+        table = table.slice(unit.start, unit.rows)
+        if self.shuffle:
+            table = table.take(pa.array(np.random.default_rng([self.seed, epoch, key]).permutation(table.num_rows)))
+        if resolve:  # after the slice and the shuffle: a row's resolved lists depend on that row only
+            if unit.ds not in self._digests:
+                self._digests[unit.ds] = read_metadata(self.root, self.dataset, unit.ds).get("sequence_digest")
+            table = self._resolver.resolve(table, self._digests[unit.ds], f"{self.dataset} ds={unit.ds}").select(wanted)
+        return table
+
+
 class ExampleStream(IterableDataset):
     """Batches (dicts of tensors, from ``encode``) of one rank's share of the rows of ``dataset`` on ``days``.
 
-    Use it with ``DataLoader(stream, batch_size=None, num_workers=stream.num_workers)``: the stream batches
-    by itself, every worker reads its own units and yields full batches, the last one of each worker may be
-    short (``drop_last``: dropped). Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
+    Iterate it through a :meth:`loader` (a ``DataLoader`` of ``num_workers`` workers, its items unpacked): the
+    stream batches by itself, every worker reads its own units and yields full batches, the last one of each
+    worker may be short (``drop_last``: dropped); a worker hands over ``batches_per_item`` consecutive batches at
+    a time, so the loader's batches come in turns of that many per worker. Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
     number on every rank; ranks with more data drop their tail for that epoch).
     """
 
@@ -473,14 +546,13 @@ class ExampleStream(IterableDataset):
         # Full batches only (each worker's short tail is dropped): TorchRec's all-to-all lookups need the same
         # batch size on every rank at every step.
         self.drop_last = drop_last
-        self.epoch = 0
-        self.skip = 0  # batches of this epoch already trained on (a resumed run starts after them)
-        self.units = example_units(
-            root, self.days, min_units=4 * world_size * max(1, num_workers), dataset=dataset, columns=columns
-        )
+        self.batches_per_item = max(1, -(-ITEM_ROWS // batch_size)) if num_workers else 1
+        # (epoch, skip) in shared memory: a loader's workers live across epochs and read them at each epoch's
+        # start. skip: batches of the epoch already trained on (a resumed run starts after them).
+        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.units = example_units(root, self.days, dataset=dataset, columns=columns)
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
-        self._digests: dict[str, str | None] = {}
-        self._resolver = SequenceResolver(root)
+        self._reader = UnitReader(self.root, dataset, self.columns, seed, shuffle)
 
     @property
     def total_rows(self) -> int:
@@ -488,8 +560,15 @@ class ExampleStream(IterableDataset):
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Iterate ``epoch`` next, starting after its first ``skip`` batches (which are not read)."""
-        self.epoch = epoch
-        self.skip = skip
+        self._position[0], self._position[1] = epoch, skip
+
+    @property
+    def epoch(self) -> int:
+        return int(self._position[0])
+
+    @property
+    def skip(self) -> int:
+        return int(self._position[1])
 
     def position(self, epoch: int, batches: int) -> dict[str, int]:
         """The input position for a checkpoint: ``batches`` of ``epoch`` have been consumed.
@@ -504,12 +583,13 @@ class ExampleStream(IterableDataset):
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "batch_size": self.batch_size,
+            "batches_per_item": self.batches_per_item,
             "total_rows": self.total_rows,
         }
 
     def load_position(self, state: dict[str, int]) -> None:
         """Continue from a :meth:`position` (the next :meth:`__iter__` starts right after it)."""
-        layout = ("seed", "world_size", "num_workers", "batch_size", "total_rows")
+        layout = ("seed", "world_size", "num_workers", "batch_size", "batches_per_item", "total_rows")
         changed = {k: (state[k], getattr(self, k)) for k in layout if k in state and state[k] != getattr(self, k)}
         if changed:
             raise ValueError(
@@ -530,21 +610,26 @@ class ExampleStream(IterableDataset):
     def resume_order(self, epoch: int, skip: int) -> list[tuple[int, int]]:
         """(planned worker, batches it skips) for each loader worker, so a loader resumes after ``skip`` batches.
 
-        ``DataLoader`` takes batches from its workers in turn (0, 1, ..., W-1, 0, ...), passing over a
-        worker that has finished. Replaying that turn order for ``skip`` batches gives each planned
-        worker's share of them and whose turn is next; a resumed loader starts its turns at its worker 0,
-        so its worker j reads the j-th planned worker in turn from there (finished ones last).
+        ``DataLoader`` takes items from its workers in turn (0, 1, ..., W-1, 0, ...), passing over a worker
+        that has finished; an item is a worker's next ``batches_per_item`` batches (counted from the worker's
+        first batch, its last item shorter). Replaying that turn order for ``skip`` batches gives each planned
+        worker's share of them and whose turn is next (the worker whose item was being taken, whose first item
+        after the restart is the rest of that item); a resumed loader starts its turns at its worker 0, so its
+        worker j reads the j-th planned worker in turn from there (finished ones last).
         """
         left = self.worker_batches(epoch)
-        n = len(left)
+        n, k = len(left), self.batches_per_item
         taken = [0] * n
-        w = 0
-        for _ in range(skip):
-            if all(t >= c for t, c in zip(taken, left, strict=True)):
-                break
+        w, consumed = 0, 0
+        while consumed < skip and any(t < c for t, c in zip(taken, left, strict=True)):
             while taken[w] >= left[w]:
                 w = (w + 1) % n
-            taken[w] += 1
+            item = min(k, left[w] - taken[w])
+            if consumed + item > skip:  # the restart falls inside this item: its worker is next, for the rest
+                taken[w] += skip - consumed
+                break
+            taken[w] += item
+            consumed += item
             w = (w + 1) % n
         turn = [(w + i) % n for i in range(n)]
         active = [i for i in turn if taken[i] < left[i]]
@@ -553,6 +638,13 @@ class ExampleStream(IterableDataset):
 
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *key])
+
+    def reader(self) -> UnitReader:
+        return self._reader
+
+    def unit_key(self, unit: WorkUnit) -> int:
+        """The unit's number in this stream: with the seed and the epoch, what its rows are shuffled by."""
+        return self._unit_index[unit]
 
     def plan(self, epoch: int) -> list[list[list[WorkUnit]]]:
         """Units per rank per worker for ``epoch``: ``plan[rank][worker]``."""
@@ -573,20 +665,7 @@ class ExampleStream(IterableDataset):
 
     # ----------------------------------------------------------------------------------------------
     def _read(self, unit: WorkUnit, epoch: int) -> pa.Table:
-        with parquet_file(unit.path) as parquet:
-            names = parquet.schema_arrow.names
-            wanted = self.columns or resolved_columns(names)
-            resolve = _needs_resolving(wanted, names)
-            table = parquet.read_row_group(unit.row_group, columns=read_columns(wanted, names) if resolve else self.columns or None)
-        table = table.slice(unit.start, unit.rows)
-        if self.shuffle:
-            key = self._unit_index[unit]
-            table = table.take(pa.array(self._rng(epoch, key).permutation(table.num_rows)))
-        if resolve:  # after the slice and the shuffle: a row's resolved lists depend on that row only
-            if unit.ds not in self._digests:
-                self._digests[unit.ds] = read_metadata(self.root, self.dataset, unit.ds).get("sequence_digest")
-            table = self._resolver.resolve(table, self._digests[unit.ds], f"{self.dataset} ds={unit.ds}").select(wanted)
-        return table
+        return self._reader.read(unit, epoch, self._unit_index[unit])
 
     def iter_tables(self, units: Sequence[WorkUnit], epoch: int, skip_batches: int = 0) -> Iterator[pa.Table]:
         """Tables of ``batch_size`` rows (the last may be short) over ``units`` in order.
@@ -626,7 +705,51 @@ class ExampleStream(IterableDataset):
                     f"{info.num_workers}: pass num_workers=stream.num_workers"
                 )
             torch.set_num_threads(1)
+            pa.set_cpu_count(1)  # one thread per worker: the workers are the parallelism
             workers, skips = [workers[info.id]], [skips[info.id]]
         for units, skip in zip(workers, skips, strict=True):
-            for table in self.iter_tables(units, self.epoch, skip):
-                yield self.encode(table)
+            tables = self.iter_tables(units, self.epoch, skip)
+            if info is None:
+                yield from (self.encode(table) for table in tables)
+                continue
+            # From a worker, items of batches_per_item batches counted from the worker's first batch (a resumed
+            # worker first finishes the item it was in), each one buffer (unpacked by loader()).
+            item: list[dict[str, torch.Tensor]] = []
+            size = self.batches_per_item - skip % self.batches_per_item
+            for table in tables:
+                item.append(self.encode(table))
+                if len(item) == size:
+                    yield pack_batches(item)
+                    item, size = [], self.batches_per_item
+            if item:
+                yield pack_batches(item)
+
+    def loader(self, *, pin_memory: bool = False, prefetch_factor: int = 2, generator: Any = None) -> StreamLoader:
+        """A :class:`StreamLoader` of this stream: iterate it once per epoch (after :meth:`set_epoch`)."""
+        return StreamLoader(self, pin_memory=pin_memory, prefetch_factor=prefetch_factor, generator=generator)
+
+
+class StreamLoader:
+    """The batches of a stream's current epoch (after its ``skip``), through a ``DataLoader`` of the stream's
+    ``num_workers`` workers, unpacked in the order the workers' items come; without workers, the stream itself.
+
+    The workers are started by the first epoch and serve every later one (a new process per worker and epoch
+    costs more than a small epoch's reading); they stop when this loader is dropped. The stream does not hold
+    its loader, so that dropping the loader stops the workers at once.
+    """
+
+    def __init__(self, stream: ExampleStream, *, pin_memory: bool = False, prefetch_factor: int = 2,
+                 generator: Any = None) -> None:
+        from torch.utils.data import DataLoader
+
+        self.stream = stream
+        self.items = DataLoader(stream, batch_size=None, num_workers=stream.num_workers, pin_memory=pin_memory,
+                                prefetch_factor=prefetch_factor, persistent_workers=True, generator=generator,
+                                ) if stream.num_workers else None
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.items is None:
+            yield from self.stream
+            return
+        for item in self.items:
+            yield from unpack_batches(item)

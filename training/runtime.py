@@ -73,7 +73,8 @@ class Heartbeat:
     failed), step, epoch, loss (absent before the first step), examples_per_s (since the previous beat),
     progress (a counter that grows with any work: training steps, evaluation batches), time (ISO),
     unix_time, host, pid; once training: total_steps, epochs, percent, steps_per_s and eta_s (from the steps
-    of this try so far), and on rank 0 loss_history, ``[step, loss]`` pairs thinned to at most
+    of this try so far), input_wait_share (of this try's step time, waiting for the next batch) and
+    data_bound_share (the threshold of the data-bound verdict), and on rank 0 loss_history, ``[step, loss]`` pairs thinned to at most
     ``LOSS_POINTS`` (the training page's loss curve).
     """
 
@@ -194,8 +195,63 @@ def progress_line(beats: list[dict[str, Any]], ranks: int | None = None) -> str:
         parts.append(f"{rate:,.0f} examples/s")
     if lead.get("eta_s") is not None and phase == "training":
         parts.append(f"ETA {_duration(float(lead['eta_s']))}")
+    shares = [float(b["input_wait_share"]) for b in beats if b.get("input_wait_share") is not None]
+    if shares:  # the rank that waits most: one slow reader holds every rank at the next collective
+        threshold = float(lead.get("data_bound_share") or 1.0)
+        parts.append(f"input wait {max(shares):.0%}" + (" (data-bound)" if max(shares) >= threshold else ""))
     line = ", ".join(parts)
     return line if ranks else f"{line} ({len(beats)} rank(s) reporting)"
+
+
+class InputClock:
+    """How long a rank waits for its next batch (``wait_s``) against how long it computes its steps
+    (``compute_s``): the share of step time spent waiting says whether the job is data-bound."""
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0
+        self.compute_s = 0.0
+
+    def add(self, wait_s: float, compute_s: float) -> None:
+        self.wait_s += wait_s
+        self.compute_s += compute_s
+
+    @property
+    def share(self) -> float | None:
+        total = self.wait_s + self.compute_s
+        return self.wait_s / total if total > 0 else None
+
+
+def cpus_per_process() -> int:
+    """The CPUs this process may use, shared by the node's training processes (torchrun's LOCAL_WORLD_SIZE)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+def input_verdict(wait_s: float, compute_s: float, worst_share: float | None, *, threshold: float, engine: str,
+                  num_workers: int, cpus: int) -> dict[str, Any]:
+    """The job's data-bound verdict: the share of step time its ranks waited for input (all ranks together; the
+    worst rank's too) and, at or above ``threshold``, what to change. ``cpus``: CPUs per training process."""
+    total = wait_s + compute_s
+    share = wait_s / total if total > 0 else None
+    data_bound = share is not None and max(share, worst_share or 0.0) >= threshold
+    shown = max(share or 0.0, worst_share or 0.0)
+    if not data_bound:
+        advice = None
+    elif engine == "ray":
+        advice = (f"data-bound: {shown:.0%} of step time waiting for input; give the Ray cluster more CPU workers "
+                  "(a larger RayCluster on EKS, training.ray_cpus on a node-local one)")
+    elif cpus - 1 > num_workers:
+        advice = (f"data-bound: {shown:.0%} of step time waiting for input; raise num_workers to "
+                  f"{min(cpus - 1, max(num_workers + 1, 2 * num_workers))} (the node has {cpus} CPUs per training "
+                  "process) or use input_engine ray")
+    else:
+        advice = (f"data-bound: {shown:.0%} of step time waiting for input, and the node has no CPU to spare for more "
+                  f"input workers ({cpus} per training process, num_workers {num_workers}): use input_engine ray "
+                  "(CPU workers on other nodes) or fewer processes per node")
+    return {"engine": engine, "num_workers": num_workers, "wait_s": round(wait_s, 3), "compute_s": round(compute_s, 3),
+            "wait_share": None if share is None else round(share, 4),
+            "worst_rank_wait_share": None if worst_share is None else round(worst_share, 4),
+            "threshold": threshold, "data_bound": data_bound, "advice": advice}
 
 
 def failure_path(output_dir: str | os.PathLike[str], rank: int) -> str:

@@ -70,8 +70,17 @@ class ModelFamily:
         return None
 
     def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
-        """Rows of ``dataset`` → the model's input tensors, with ``labels`` (and ``row_id``, a row's key)."""
+        """Rows of ``dataset`` → the model's input tensors, with ``labels`` (and ``row_id``, a row's key).
+
+        Row-wise: a row's tensors depend on that row only (the input engines encode a batch in pieces, and a
+        batch encoded in pieces and joined must equal the batch encoded whole). Runs in the input workers (local
+        engine) or on Ray's CPU workers (ray engine); :meth:`finish` completes the batch in the trainer."""
         raise NotImplementedError
+
+    def finish(self, batch: dict[str, torch.Tensor], context: Any) -> dict[str, torch.Tensor]:
+        """The trainer's end of ``encode``, on each batch as it arrives from the input workers: what multiplies a
+        batch's size (a dense lookup by ids) is cheaper done here than shipped between processes. None by default."""
+        return batch
 
     # --- model ----------------------------------------------------------------------------------
     def variants(self) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
+import importlib.util
 import json
 import logging
 import math
@@ -45,7 +46,16 @@ from core import storage
 from core.failures import ConfigError, ExitCode, NanLossError, exit_code_for
 from training.config import RunConfig, fields_help
 from training.faults import FaultInjector, LossHook
-from training.runtime import DistEnv, Heartbeat, failure_path, setup_logging, write_failure
+from training.runtime import (
+    DistEnv,
+    Heartbeat,
+    InputClock,
+    cpus_per_process,
+    failure_path,
+    input_verdict,
+    setup_logging,
+    write_failure,
+)
 
 if TYPE_CHECKING:  # torch is imported only when training starts
     from training.checkpoint import Part
@@ -177,6 +187,10 @@ class Trainer:
         self.env = env
         self.heartbeat = heartbeat
         self.tracker: Any = None
+        self.input_clock = InputClock()
+        self.loader: Any = None  # the local engine's StreamLoader (its input workers), made by the first epoch
+        self.ray_input: Any = None  # training.ray_input.RayExampleBatches under input_engine ray
+        self.ray_started = False  # this rank started the node's Ray cluster (it stops it)
         self.started = time.monotonic()
         self.faults = FaultInjector(config, env)
         self.family = config.family_instance()
@@ -204,9 +218,11 @@ class Trainer:
         """Train, resuming from the newest complete checkpoint; return the result on rank 0 (None elsewhere)."""
         self.set_threads_and_seed()
         self.setup_distributed()
-        log.info("rank %d/%d on %s, family %s, strategy %s", self.env.rank, self.env.world_size, self.device,
-                 self.family.name, self.config.strategy)
+        log.info("rank %d/%d on %s, family %s, strategy %s, input %s (%d worker(s), %d thread(s))", self.env.rank,
+                 self.env.world_size, self.device, self.family.name, self.config.strategy, self.config.input_engine,
+                 self.config.num_workers, self.config.num_threads)
         self.plan_data()
+        self.setup_ray_input()
         self.build_parts()
         self.seed_rank_stream()
         self.setup_tracking()
@@ -253,6 +269,36 @@ class Trainer:
         self.device = device
         return device
 
+    def setup_ray_input(self) -> None:
+        """input_engine ray: join the job's Ray cluster (RAY_ADDRESS, else the node's, started by local rank 0)."""
+        if self.config.input_engine != "ray":
+            return
+        import socket
+        import tempfile
+
+        import torch.distributed as dist
+
+        from training.ray_input import RayExampleBatches, connect
+
+        env = self.env
+        node = os.environ.get("GROUP_RANK") or socket.gethostname()
+
+        def exchange(value: Any) -> Any:  # local rank 0's cluster address, to the ranks of its node
+            gathered: list[Any] = [None] * env.world_size
+            dist.all_gather_object(gathered, (node, env.local_rank, value))
+            return next((v for n, r, v in gathered if n == node and r == 0), None)
+
+        temp_dir = os.path.join(tempfile.gettempdir(), "pinflow-ray")
+        # Not imported here (nor ray.data, whose lookup imports ray): Ray reads its authentication settings when it
+        # is imported, and connect sets them first.
+        if importlib.util.find_spec("ray") is None:
+            exchange(None)
+            raise ConfigError("input_engine ray needs Ray Data in the training image: pip install -c constraints.txt "
+                              "'ray[data]', or use input_engine local")
+        self.ray_started = connect(env.local_rank, exchange, self.config.ray_cpus, temp_dir)
+        assert self.stream is not None
+        self.ray_input = RayExampleBatches(self.stream, self.config.to_dict(), cpus_per_task=self.config.ray_task_cpus)
+
     def plan_data(self) -> None:
         """This rank's example stream, the steps of each epoch (the same on every rank) and the total."""
         from core.failures import DataError
@@ -269,7 +315,7 @@ class Trainer:
             columns=family.columns,
             rank=env.rank,
             world_size=env.world_size,
-            num_workers=cfg.num_workers,
+            num_workers=cfg.num_workers if cfg.input_engine == "local" else 0,  # ray: one ordered reader per rank
             seed=cfg.seed,
             drop_last=cfg.strategy == "torchrec",  # its lookups need one batch size on every rank
         )
@@ -442,9 +488,19 @@ class Trainer:
                 break
             if self.step >= self.epoch_start[epoch] + self.steps_per_epoch[epoch]:
                 continue  # finished before the restart
-            for batch in self.batches():
+            batches = iter(self.batches())
+            while True:
+                waited = time.perf_counter()
+                batch = next(batches, None)  # the time spent here is time waiting for input
+                if batch is None:
+                    break
+                batch = self.family.finish(batch, self.context)  # the trainer's end of encode: input work too
+                computed = time.perf_counter()
                 stats = self.train_step(batch, loss_hook=self.faults.loss_hook(self.step))
-                self.heartbeat.update(examples=stats.examples, step=self.step, epoch=epoch, loss=self.last_loss)
+                self.input_clock.add(computed - waited, time.perf_counter() - computed)
+                self.heartbeat.update(examples=stats.examples, step=self.step, epoch=epoch, loss=self.last_loss,
+                                      input_wait_share=self.input_clock.share,
+                                      data_bound_share=self.config.data_bound_share)
                 self.log_progress(force=self.step == self.total_steps)
                 self.log_step(stats)
                 if self.checkpoints.due(self.step):
@@ -464,7 +520,6 @@ class Trainer:
     def batches(self) -> Iterator[dict[str, Any]]:
         """This rank's batches of ``epoch`` after those already trained on, up to its steps (or the total)."""
         import torch
-        from torch.utils.data import DataLoader
 
         cfg, stream, epoch = self.config, self.stream, self.epoch
         assert stream is not None
@@ -474,18 +529,20 @@ class Trainer:
                 f"checkpoint data position {stream.skip} disagrees with step {self.step} of epoch {epoch}"
             )
         stream.set_epoch(epoch, skip)  # the skipped batches are not read at all
-        loader = DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-            persistent_workers=False,
-            # Its own generator: starting a loader draws a seed, which must not move the global RNG
-            # (a resumed run starts one more loader than the uninterrupted run did).
-            generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch),
-        )
         self.batches_in_epoch = skip
-        for batch in loader:
+        if self.ray_input is not None:
+            limit = min(self.steps_per_epoch[epoch], self.total_steps - self.epoch_start[epoch])
+            yield from self.ray_input.batches(epoch, skip, limit)
+            return
+        if self.loader is None:  # its workers serve every epoch of this try
+            self.loader = stream.loader(
+                pin_memory=self.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+                prefetch_factor=cfg.prefetch_factor,
+                # Its own generator: starting a loader draws a seed, which must not move the global RNG
+                # (a resumed run starts one more loader than the uninterrupted run did).
+                generator=torch.Generator().manual_seed(cfg.seed * 1000),
+            )
+        for batch in self.loader:
             if self.batches_in_epoch >= self.steps_per_epoch[epoch] or self.step >= self.total_steps:
                 break
             yield batch
@@ -583,6 +640,7 @@ class Trainer:
         import torch.distributed as dist
 
         total_seen = self.examples_seen()
+        input_summary = self.input_summary()
         # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here. The result is the
         # family's plain model under every strategy: what is registered loads without a process group or TorchRec.
         full = {}
@@ -596,11 +654,39 @@ class Trainer:
                 full[name] = gather_full(module, build)
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
         dist.destroy_process_group()  # no collective may wait on rank 0 from here on
+        self.loader = None  # its input workers stop
+        self.stop_ray_input()
         if not self.env.is_main:
             return None
-        return self.finish(full, total_seen)
+        return self.finish(full, total_seen, input_summary)
 
-    def finish(self, models: dict[str, Any], examples_seen: int) -> dict[str, Any]:
+    def input_summary(self) -> dict[str, Any]:
+        """Every rank: the job's data-bound verdict (a collective: the waits of every rank, and the worst rank's share)."""
+        import torch
+        import torch.distributed as dist
+
+        clock = self.input_clock
+        totals = torch.tensor([clock.wait_s, clock.compute_s], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        worst = torch.tensor([clock.share or 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        cfg = self.config
+        verdict = input_verdict(float(totals[0]), float(totals[1]), float(worst[0]), threshold=cfg.data_bound_share,
+                                engine=cfg.input_engine, num_workers=cfg.num_workers, cpus=cpus_per_process())
+        if self.env.is_main:
+            (log.warning if verdict["data_bound"] else log.info)(
+                "input: %s of step time waiting for input (worst rank %s)%s", f"{verdict['wait_share'] or 0:.0%}",
+                f"{verdict['worst_rank_wait_share'] or 0:.0%}", f": {verdict['advice']}" if verdict["advice"] else "")
+        return verdict
+
+    def stop_ray_input(self) -> None:
+        if self.ray_input is None:
+            return
+        import ray
+
+        ray.shutdown()  # the rank that started the node's cluster stops it; the others disconnect
+
+    def finish(self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the family evaluates every variant, then MLflow gets the metrics and the registered model,
         and result.json is written."""
         from training.evaluate import flat_metrics
@@ -662,7 +748,8 @@ class Trainer:
             "champion": champion,  # the registered champion evaluated on eval_ds (training.champion), or None
             "examples_seen": examples_seen,
             "seconds": round(seconds, 3),
-            "warnings": self.budget_warnings(),
+            "warnings": self.budget_warnings() + ([input_summary["advice"]] if input_summary["advice"] else []),
+            "input": input_summary,  # the data-bound verdict (training.runtime.input_verdict)
             "inputs": cfg.input_versions(),  # the pinned version of each partition read (RUN.json inputs)
         }
         for warning in result["warnings"]:

@@ -163,3 +163,29 @@ def mib_quantity(mib: int) -> str:
 def milli_quantity(milli: int) -> str:
     """A Kubernetes CPU quantity (``182400m``; whole cores as a number)."""
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+
+
+def input_workers(cpus: int, procs: int, gpus: int, num_workers: int | None = None, num_threads: int | None = None,
+                  *, where: str = "") -> tuple[int, int]:
+    """Input worker processes (``num_workers``) and torch threads (``num_threads``) per training process on a node
+    of ``cpus`` CPUs running ``procs`` processes; a value given is kept, a missing one derived.
+
+    On a GPU node the model runs on the GPU and a process's CPUs feed it: 2 trainer threads, the rest but one (the
+    process's own loop and its pinned-memory thread) input workers, at most 16. On a CPU node the model runs on the
+    same CPUs: a quarter of a process's CPUs read, the rest compute (one CPU each: no input worker). More input
+    workers than the node's CPUs is a USER error naming the setting.
+    """
+    per = max(1, cpus // max(1, procs))
+    if gpus:
+        threads = num_threads or (2 if per >= 4 else 1)
+        workers = num_workers if num_workers is not None else max(0, min(16, per - threads - 1))
+    else:
+        workers = num_workers if num_workers is not None else per // 4
+        threads = num_threads or max(1, per - workers)
+    if procs * workers > cpus:
+        raise ConfigError(
+            f"num_workers={workers} x {procs} training process(es) per node is {procs * workers} input workers on a "
+            f"node of {cpus} CPUs{f' ({where})' if where else ''}: give at most {cpus // max(1, procs)} "
+            "(training.num_workers or the form's num_workers), or fewer processes per node"
+        )
+    return workers, threads

@@ -211,11 +211,14 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         eta = _duration(prog.get("eta_s")) if prog.get("eta_s") is not None else "—"
         percent = f" ({prog['percent']:.1f}%)" if prog.get("percent") is not None else ""
         loss = f"{prog['loss']:.4f}" if prog.get("loss") is not None else "—"
+        share, threshold = prog.get("input_wait_share"), prog.get("data_bound_share")
+        waiting = "" if share is None else f" · input wait {share:.0%}" + (
+            " <b>(data-bound)</b>" if threshold is not None and share >= threshold else "")
         parts.append(
             f'<h2>Progress</h2>{svg.progress_bar(prog.get("percent") or 0.0, title="training progress")}'
             f'<p class="big">step {prog["step"]} of {prog.get("total_steps") or "?"}{percent} · '
             f'epoch {prog.get("epoch")}/{prog.get("epochs") or "?"} · {prog["examples_per_s"]:,.0f} examples/s · '
-            f'ETA {eta} · loss {loss} · phase {escape(str(prog.get("phase")))}</p>'
+            f'ETA {eta} · loss {loss} · phase {escape(str(prog.get("phase")))}{waiting}</p>'
         )
         parts.append("<h2>Ranks</h2>" + _table(
             ["rank", "host", "pid", "phase", "step", "examples/s", "heartbeat age"],
@@ -248,6 +251,14 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         flat = [[escape(k), escape(f"{v:.4f}" if isinstance(v, float) else str(v))] for k, v in metrics.items()
                 if isinstance(v, (int, float, str)) or v is None]
         parts.append("<h2>Evaluation</h2>" + _table(["metric", "value"], flat))
+    verdict_of_input = (result or {}).get("input") or {}
+    if verdict_of_input.get("wait_share") is not None:
+        bound = bool(verdict_of_input.get("data_bound"))
+        parts.append(f'<h2>Input</h2><p class="{"warn" if bound else "pass"}">'
+                     f'{verdict_of_input["wait_share"]:.0%} of step time waiting for input '
+                     f'(worst rank {verdict_of_input.get("worst_rank_wait_share") or 0:.0%}; '
+                     f'{escape(str(verdict_of_input.get("engine")))} engine, {verdict_of_input.get("num_workers")} worker(s)): '
+                     + escape(verdict_of_input.get("advice") or "not data-bound") + "</p>")
     parts.append("<h2>Jobs of this run (every try)</h2>" + _table(
         ["try", "job", "state", "class", "submitted", "started", "ended", "quota wait", "queue wait", "run time",
          "GPU-h", "reason"],

@@ -227,13 +227,40 @@ def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "torchrec"])
+def kill_a_ray_worker(tasks_only: bool) -> bool:
+    """SIGKILL a Ray worker process running a read-and-encode task (``ray::MapBatches(...)``), or, unless
+    ``tasks_only``, an idle one of the pool (``ray::IDLE``); never Ray's own actors. True if one was killed."""
+    import signal
+
+    idle = None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::MapBatches"):
+            os.kill(int(proc.name), signal.SIGKILL)
+            return True
+        if title.startswith("ray::IDLE"):
+            idle = int(proc.name)
+    if idle is not None and not tasks_only:
+        os.kill(idle, signal.SIGKILL)
+        return True
+    return False
+
+
+@pytest.mark.parametrize(("strategy", "engine"), [("ddp", "workers"), ("fsdp", ""), ("torchrec", ""), ("ddp", "ray")])
 def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_run(
-    tmp_path: Path, world, strategy: str
+    tmp_path: Path, world, strategy: str, engine: str
 ):
+    """With input workers (ddp) and with the Ray engine: for Ray, the uninterrupted run reads with the local engine
+    (no workers) and the killed one with Ray, which also loses one of its workers mid-epoch: the same batches."""
     import signal
     import time
 
+    inputs = {"workers": {"num_workers": 1}, "ray": {"input_engine": "ray"}}.get(engine, {})
     common = {
         "strategy": strategy,
         "deterministic": True,
@@ -252,13 +279,14 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     # Uninterrupted.
     straight = tmp_path / "straight"
     straight.mkdir()
-    proc = run([*launch, str(run_config(straight, **common, root=str(tmp_path / "storage")))])
+    proc = run([*launch, str(run_config(straight, **common, **({} if engine == "ray" else inputs),
+                                        root=str(tmp_path / "storage")))])
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     # Killed: SIGKILL rank 1 once it is past a checkpoint, in the middle of the run, then restart.
     killed = tmp_path / "killed"
     killed.mkdir()
-    config = run_config(killed, **common, root=str(tmp_path / "storage"), debug_step_sleep_s=0.25)
+    config = run_config(killed, **common, **inputs, root=str(tmp_path / "storage"), debug_step_sleep_s=0.25)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(
         [sys.executable, *launch, str(config)],
@@ -271,18 +299,23 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     beat_file = killed / "job" / "heartbeat-rank1.json"
     deadline = time.monotonic() + 240
     killed_at = None
+    ray_worker_killed = engine != "ray"
     while time.monotonic() < deadline and job.poll() is None:
         try:
             beat = json.loads(beat_file.read_text())
         except (OSError, ValueError):
             beat = {}
-        if beat.get("phase") == "training" and 5 <= beat.get("step", 0) < beat.get("total_steps", 0) - 3:
+        if not ray_worker_killed and beat.get("phase") == "training" and beat.get("step", 0) >= 2:
+            # A task's worker if one is caught running (its task is retried), else an idle one of the pool.
+            ray_worker_killed = kill_a_ray_worker(tasks_only=beat.get("step", 0) < 4)
+        if ray_worker_killed and beat.get("phase") == "training" and 5 <= beat.get("step", 0) < beat.get("total_steps", 0) - 3:
             os.kill(beat["pid"], signal.SIGKILL)
             killed_at = beat["step"]
             break
         time.sleep(0.02)
     _, stderr = job.communicate(timeout=240)
     assert killed_at is not None, f"rank 1 never reached a step to kill it at: {stderr[-3000:]}"
+    assert ray_worker_killed
     assert job.returncode == ExitCode.INFRA, stderr[-3000:]  # a lost peer is retried
     assert not (killed / "job" / "result.json").exists()
 
@@ -290,6 +323,8 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stderr
     assert "not an exact resume" not in proc.stderr
+    if engine == "ray":
+        assert "input ray" in proc.stderr
 
     # FSDP2 and TorchRec row-wise save each rank's rows of a table (sharded at rest); DDP one replicated copy.
     import torch.distributed.checkpoint as dcp

@@ -221,19 +221,16 @@ def test_drop_last_gives_every_rank_only_full_batches_and_resumes_exactly(world:
         ranks = [stream(world, rank=r, world_size=2, num_workers=workers, drop_last=True) for r in range(2)]
         for s in ranks:
             s.set_epoch(1)
-        sizes = [[len(b["impression_id"]) for b in torch.utils.data.DataLoader(s, batch_size=None, num_workers=workers)]
-                 for s in ranks]
+        sizes = [[len(b["impression_id"]) for b in s.loader()] for s in ranks]
         assert all(size == 16 for rank in sizes for size in rank), sizes
         assert [len(rank) for rank in sizes] == ranks[0].batches_per_rank(1)
         kept = stream(world, rank=0, world_size=2, num_workers=workers)
         kept.set_epoch(1)
         assert sum(ranks[0].batches_per_rank(1)) < sum(kept.batches_per_rank(1))  # the world has short tails
-        full = [b["impression_id"].tolist() for b in torch.utils.data.DataLoader(ranks[0], batch_size=None,
-                                                                                  num_workers=workers)]
+        full = [b["impression_id"].tolist() for b in ranks[0].loader()]
         resumed = stream(world, rank=0, world_size=2, num_workers=workers, drop_last=True)
         resumed.load_position(ranks[0].position(1, 2))
-        assert [b["impression_id"].tolist() for b in torch.utils.data.DataLoader(
-            resumed, batch_size=None, num_workers=workers)] == full[2:], workers
+        assert [b["impression_id"].tolist() for b in resumed.loader()] == full[2:], workers
 
 
 def test_workers_split_a_ranks_share_disjointly(world: Path):
@@ -435,13 +432,11 @@ def test_a_resumed_stream_yields_exactly_the_remaining_batches(world: Path):
     for workers in (0, 2):
         full = stream(world, rank=0, world_size=1, num_workers=workers)
         full.set_epoch(1)
-        loader = torch.utils.data.DataLoader(full, batch_size=None, num_workers=workers)
-        expected = [b["impression_id"].tolist() for b in loader]
+        expected = [b["impression_id"].tolist() for b in full.loader()]
         for skip in (1, 3, len(expected) - 1):
             resumed = stream(world, rank=0, world_size=1, num_workers=workers)
             resumed.load_position(full.position(1, skip))
-            loader = torch.utils.data.DataLoader(resumed, batch_size=None, num_workers=workers)
-            assert [b["impression_id"].tolist() for b in loader] == expected[skip:], (workers, skip)
+            assert [b["impression_id"].tolist() for b in resumed.loader()] == expected[skip:], (workers, skip)
 
 
 def test_a_position_from_another_layout_is_refused(world: Path):

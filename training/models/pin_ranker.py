@@ -468,9 +468,14 @@ class PinRankerFamily(ModelFamily):
         return pins
 
     def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
-        batch = encode_batch(table, context, self.params.sequence_length, self.params.surfaces)
+        batch = encode_ids(table, context, self.params.sequence_length, self.params.surfaces)
         batch["row_id"] = batch.pop("impression_id")
         return batch
+
+    def finish(self, batch: dict[str, torch.Tensor], context: Any) -> dict[str, torch.Tensor]:
+        """The sequence's content embeddings, looked up where the batch is trained: [B, N, D] floats are 32 times
+        the bytes of the [B, N] ids, which is what crosses from the input workers (or Ray) to the trainer."""
+        return with_sequence_embeddings(batch, context)
 
     # --- model ----------------------------------------------------------------------------------
     def variants(self) -> tuple[str, ...]:
@@ -606,6 +611,14 @@ def encode_batch(
     table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
 ) -> dict[str, torch.Tensor]:
     """Rows of the ``examples`` schema → the model's input tensors (see ``training.model``) + labels."""
+    return with_sequence_embeddings(encode_ids(table, pins, sequence_length, surfaces), pins)
+
+
+def encode_ids(
+    table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
+) -> dict[str, torch.Tensor]:
+    """:func:`encode_batch` but for the sequence's content embeddings: ``seq_pin_ids`` [B, N] in place of
+    ``seq_pin_emb`` [B, N, D], D times smaller (:func:`with_sequence_embeddings` looks them up)."""
 
     def col(name: str, dtype: type) -> np.ndarray:
         return np.array(table.column(name).to_numpy(), dtype=dtype)
@@ -616,7 +629,7 @@ def encode_batch(
     ages, _ = _pad_lists(table.column("seq_age_hours"), sequence_length, np.float32)
     pin_ids = col("pin_id", np.int64)
     arrays = {
-        "seq_pin_emb": pins.lookup(seq_pins) * mask[..., None],
+        "seq_pin_ids": seq_pins,
         "seq_actions": np.where(mask, actions + 1, 0),
         "seq_categories": np.where(mask, categories, -1),
         "seq_age_hours": np.where(mask, ages, 0.0).astype(np.float32),
@@ -632,6 +645,14 @@ def encode_batch(
         "impression_id": col("impression_id", np.int64),
     }
     return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+
+
+def with_sequence_embeddings(batch: dict[str, torch.Tensor], pins: PinEmbeddings) -> dict[str, torch.Tensor]:
+    """``seq_pin_ids`` of :func:`encode_ids` replaced by ``seq_pin_emb``, their content embeddings (zeros past the
+    sequence's end), first among the inputs as :func:`encode_batch` makes them."""
+    embeddings = pins.lookup(batch["seq_pin_ids"].numpy(), mask=batch["seq_mask"].numpy())
+    rest = {name: value for name, value in batch.items() if name != "seq_pin_ids"}
+    return {"seq_pin_emb": torch.from_numpy(embeddings), **rest}
 
 
 def history_priors(root: str, ds: str) -> dict[str, float]:

@@ -1,0 +1,203 @@
+"""The training input pipeline (issue 31): input workers sized from the node, each row group decoded once per epoch,
+batches handed over packed in items and resumed exactly at any position, the Ray engine's cut of a rank's batches,
+the trainer-side end of encode, and the data-bound verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from core.failures import ConfigError
+from operators.backends.resources import input_workers
+from training import data
+from training.data import ExampleStream, PinEmbeddings, pack_batches, unpack_batches
+from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch, encode_ids, with_sequence_embeddings
+from training.ray_input import batch_pieces
+from training.runtime import input_verdict, progress_line
+from training.smoke_data import write_tiny_world
+
+pytestmark = pytest.mark.unit
+
+DAYS = ["2026-01-01", "2026-01-02", "2026-01-03"]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Path:
+    write_tiny_world(tmp_path, DAYS, rows_per_day=150, pins=60, row_group_size=20, max_sequence=12)
+    return tmp_path
+
+
+def stream(root: Path, **options: Any) -> ExampleStream:
+    pins = PinEmbeddings.from_snapshot(root, DAYS[-1])
+    kwargs = {"batch_size": 16, "seed": 5, "columns": EXAMPLE_COLUMNS, **options}
+    return ExampleStream(root, DAYS, lambda t: encode_batch(t, pins, 8), **kwargs)
+
+
+# --- workers and threads from the node ----------------------------------------------------------------------
+@pytest.mark.parametrize(("cpus", "procs", "gpus", "expected"), [
+    (192, 8, 8, (16, 2)),  # p5.48xlarge: 24 vCPUs a GPU, 2 trainer threads, the rest but one read (at most 16)
+    (96, 8, 8, (9, 2)),  # p4d.24xlarge: 12 a GPU
+    (48, 4, 4, (9, 2)),  # g5.12xlarge
+    (8, 1, 0, (2, 6)),  # m5.2xlarge, CPU training: a quarter reads, the rest computes
+    (2, 2, 0, (0, 1)),  # this machine's demo: one CPU a process, no input worker
+    (16, 2, 0, (2, 6)),
+])
+def test_input_workers_and_threads_derive_from_the_node(cpus, procs, gpus, expected):
+    assert input_workers(cpus, procs, gpus) == expected
+
+
+def test_a_given_value_is_kept_and_more_workers_than_cpus_is_a_user_error():
+    assert input_workers(8, 1, 0, num_workers=1, num_threads=3) == (1, 3)
+    with pytest.raises(ConfigError, match=r"num_workers=4 x 2 training process\(es\) per node is 8 input workers on "
+                                          r"a node of 2 CPUs \(this machine\): give at most 1"):
+        input_workers(2, 2, 0, num_workers=4, where="this machine")
+
+
+# --- decoding and resuming ---------------------------------------------------------------------------------
+def test_units_are_whole_row_groups_each_decoded_once_per_epoch_over_ranks_and_workers(world: Path, monkeypatch):
+    reads: list[tuple[str, int]] = []
+    real = data.UnitReader.read
+
+    def counting(self: data.UnitReader, unit: data.WorkUnit, epoch: int, key: int) -> Any:
+        reads.append((unit.path, unit.row_group))
+        return real(self, unit, epoch, key)
+
+    monkeypatch.setattr(data.UnitReader, "read", counting)
+    ranks = [stream(world, rank=r, world_size=2, num_workers=3) for r in range(2)]
+    groups = {(str(p), rg) for p in world.rglob("*.parquet") if "examples" in str(p)
+              for rg in range(pq.ParquetFile(p).num_row_groups)}
+    assert {(u.path, u.row_group) for u in ranks[0].units} == groups
+    for unit in ranks[0].units:
+        assert unit.start == 0 and unit.stop == pq.ParquetFile(unit.path).metadata.row_group(unit.row_group).num_rows
+    for s in ranks:  # what every worker of every rank reads in an epoch, as the workers run it
+        for units in s.plan(1)[s.rank]:
+            list(s.iter_tables(units, 1))
+    assert sorted(reads) == sorted(groups)  # each row group once, by one reader
+
+
+def test_resume_with_workers_is_exact_at_every_position(world: Path, monkeypatch):
+    monkeypatch.setattr(data, "ITEM_ROWS", 48)  # items of 3 batches of 16: restarts fall inside items too
+    full = stream(world, num_workers=2)
+    assert full.batches_per_item == 3
+    full.set_epoch(1)
+    expected = [b["impression_id"].tolist() for b in full.loader()]
+    assert sorted(i for b in expected for i in b) == list(range(1, 451))
+    # Inside the first items of each worker, at their ends, and near the end (each a new pair of workers).
+    for skip in (1, 2, 3, 4, 5, 7, len(expected) - 2, len(expected) - 1):
+        resumed = stream(world, num_workers=2)
+        resumed.load_position(full.position(1, skip))
+        assert [b["impression_id"].tolist() for b in resumed.loader()] == expected[skip:], skip
+
+
+def test_the_loaders_workers_serve_every_epoch_in_its_own_order(world: Path):
+    persistent = stream(world, num_workers=2)
+    loader = persistent.loader()
+    for epoch in (0, 1, 2):
+        fresh = stream(world, num_workers=2)
+        fresh.set_epoch(epoch)
+        persistent.set_epoch(epoch, skip=epoch)
+        expected = [b["impression_id"].tolist() for b in fresh.loader()]
+        assert [b["impression_id"].tolist() for b in loader] == expected[epoch:]
+
+
+def test_packed_batches_come_back_equal_as_views_of_one_buffer():
+    batches = [{"f": torch.randn(5, 3), "i": torch.arange(5, dtype=torch.int64), "m": torch.rand(5, 7) < 0.5,
+                "e": torch.zeros(0, 4)} for _ in range(3)]
+    item = pack_batches(batches)
+    back = unpack_batches(item)
+    assert len(back) == 3
+    for a, b in zip(batches, back, strict=True):
+        assert list(a) == list(b)
+        for name in a:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert back[2]["f"].untyped_storage().data_ptr() == item[data.PACKED].untyped_storage().data_ptr()
+    plain = {"x": torch.ones(2)}
+    assert unpack_batches(plain) == [plain]
+
+
+# --- the Ray engine's cut, and encode in two halves ----------------------------------------------------------
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_ray_engine_cuts_a_ranks_rows_into_the_local_engines_batches(drop_last):
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows = rng.integers(1, 60, rng.integers(1, 6)).tolist()
+        size = int(rng.integers(1, 20))
+        total = sum(rows)
+        last = total // size if drop_last else -(-total // size)
+        skip, limit = int(rng.integers(0, last + 1)), int(rng.integers(0, last + 2))
+        pieces = batch_pieces(rows, size, drop_last, skip, limit)
+        got: dict[int, list[int]] = {}
+        offset = 0
+        for unit_rows, unit in zip(rows, pieces, strict=True):
+            for batch, lo, hi, batch_rows in unit:
+                got.setdefault(batch, []).extend(range(offset + lo, offset + hi))
+                assert batch_rows == min(size, total - batch * size)
+            offset += unit_rows
+        want = {b: list(range(b * size, min(total, (b + 1) * size))) for b in range(skip, min(limit, last))}
+        assert got == want, (rows, size, skip, limit)
+
+
+def test_encode_in_two_halves_equals_the_whole_batch_and_is_row_wise(world: Path):
+    from training.data import read_examples
+
+    pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
+    table = read_examples(world, DAYS[1], EXAMPLE_COLUMNS)
+    whole = encode_batch(table, pins, 8)
+    halves = with_sequence_embeddings(encode_ids(table, pins, 8), pins)
+    pieces = [with_sequence_embeddings(encode_ids(table.slice(a, 37), pins, 8), pins) for a in range(0, 150, 37)]
+    assert list(whole) == list(halves)
+    for name in whole:
+        assert torch.equal(whole[name], halves[name]), name
+        assert torch.equal(whole[name], torch.cat([p[name] for p in pieces])), name
+
+
+def test_a_lookup_masks_and_treats_unknown_ids_as_zeros():
+    pins = PinEmbeddings(np.array([3, 1, 7]), np.arange(6, dtype=np.float32).reshape(3, 2) + 1)
+    ids = np.array([[1, 2, 7], [3, 0, -5]])
+    out = pins.lookup(ids, mask=np.array([[True, True, False], [True, True, True]]))
+    assert out.tolist() == [[[3, 4], [0, 0], [0, 0]], [[1, 2], [0, 0], [0, 0]]]
+    far = PinEmbeddings(np.array([10**12, 5]), np.ones((2, 2), dtype=np.float32))  # no direct index: searched
+    assert far.lookup(np.array([5, 10**12, 6])).tolist() == [[1, 1], [1, 1], [0, 0]]
+
+
+# --- the data-bound verdict --------------------------------------------------------------------------------
+def test_the_verdict_says_what_to_change():
+    calm = input_verdict(1.0, 9.0, 0.12, threshold=0.2, engine="local", num_workers=2, cpus=12)
+    assert not calm["data_bound"] and calm["advice"] is None and calm["wait_share"] == 0.1
+    bound = input_verdict(4.0, 6.0, 0.45, threshold=0.2, engine="local", num_workers=2, cpus=12)
+    assert bound["data_bound"] and bound["advice"] == (
+        "data-bound: 45% of step time waiting for input; raise num_workers to 4 (the node has 12 CPUs per training "
+        "process) or use input_engine ray")
+    full = input_verdict(4.0, 6.0, 0.4, threshold=0.2, engine="local", num_workers=0, cpus=1)
+    assert "no CPU to spare" in full["advice"] and "input_engine ray" in full["advice"]
+    ray = input_verdict(4.0, 6.0, 0.4, threshold=0.2, engine="ray", num_workers=0, cpus=1)
+    assert "Ray cluster more CPU workers" in ray["advice"]
+
+
+def test_the_progress_line_shows_the_worst_ranks_wait_for_input():
+    beats = [{"rank": 0, "step": 5, "total_steps": 10, "phase": "training", "input_wait_share": 0.1,
+              "data_bound_share": 0.2},
+             {"rank": 1, "step": 5, "total_steps": 10, "phase": "training", "input_wait_share": 0.38,
+              "data_bound_share": 0.2}]
+    assert "input wait 38% (data-bound)" in progress_line(beats)
+    beats[1]["input_wait_share"] = 0.15
+    assert progress_line(beats).endswith("input wait 15% (2 rank(s) reporting)")
+
+
+def test_an_old_job_history_gains_the_new_column(tmp_path: Path):
+    import sqlalchemy as sa
+
+    from operators import job_history
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = sa.MetaData()
+    sa.Table(job_history.TABLE, old, *[sa.Column(c.name, c.type) for c in job_history.jobs.columns
+                                       if c.name != "input_wait_share"])
+    old.create_all(sa.create_engine(url))
+    eng = job_history.engine(url)
+    assert "input_wait_share" in {c["name"] for c in sa.inspect(eng).get_columns(job_history.TABLE)}
