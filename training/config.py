@@ -54,7 +54,10 @@ class RunConfig:
         "checkpoints (torch.distributed.checkpoint) as step-XXXXXXXX/ folders; must be shared by all "
         "nodes; the newest complete one is resumed on start"
     )
-    mlflow_tracking_uri: str = _f("MLflow tracking (and registry) URI, e.g. sqlite:////abs/path/mlflow.db")
+    mlflow_tracking_uri: str = _f(
+        "MLflow tracking (and registry) URI, e.g. sqlite:////abs/path/mlflow.db; empty: no tracking (MLflow is not "
+        "imported; the serving module is exported to <output_dir>/model.pt2 and nothing is registered)"
+    )
     mlflow_artifact_location: str | None = _f(
         "artifact location given to a newly created MLflow experiment (ignored if it exists)", None
     )

@@ -248,7 +248,8 @@ def preflight(config: RunConfig, env: DistEnv, args: argparse.Namespace) -> dict
         checks["disk"] = _run_check("disk", check_disk, config, args.min_free_gb, env)
         if env.is_main:
             checks["data"] = _run_check("data", check_data, config)
-            checks["mlflow"] = _run_check("mlflow", check_mlflow, config)
+            if config.mlflow_tracking_uri:  # a run without tracking needs no server (nor MLflow installed)
+                checks["mlflow"] = _run_check("mlflow", check_mlflow, config)
         gathered: list[Any] = [None] * env.world_size
         dist.all_gather_object(gathered, {"rank": env.rank, "checks": checks})
     finally:

@@ -61,10 +61,30 @@ if TYPE_CHECKING:  # torch is imported only when training starts
     from training.checkpoint import Part
     from training.checkpoint_manager import CheckpointManager
     from training.data import ExampleStream
+    from training.sdk import ModelFamily
 
 log = logging.getLogger("training.train")
 
 RESULT_FILE = "result.json"
+LOCAL_MODEL_FILE = "model.pt2"  # the exported serving module of a run without MLflow tracking
+
+
+def export_serving(family: ModelFamily, model: Any, output_dir: str) -> str:
+    """The family's serving module exported with ``torch.export`` to ``<output_dir>/model.pt2`` (a run without
+    MLflow: the same program MLflow would have logged); returns its path."""
+    import copy
+    import io
+
+    import torch
+
+    serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
+    example = family.example_inputs()
+    program = torch.export.export(serving, tuple(torch.from_numpy(example[n]) for n in family.serving_inputs))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    path = storage.join(output_dir, LOCAL_MODEL_FILE)
+    storage.write_bytes(path, buffer.getvalue())
+    return path
 
 EPILOG = f"""\
 {fields_help()}
@@ -419,8 +439,13 @@ class Trainer:
         torch.manual_seed(self.config.seed + 1 + self.env.rank)
 
     def setup_tracking(self) -> None:
-        """Rank 0: start (or continue) the MLflow run and log the run's parameters."""
+        """Rank 0: start (or continue) the MLflow run and log the run's parameters; nothing without a tracking URI
+        (MLflow is then not even imported: a node that cannot reach a tracking server still trains)."""
         if not self.env.is_main:
+            return
+        if not self.config.mlflow_tracking_uri:
+            log.info("no MLflow tracking (mlflow_tracking_uri is empty): the model is exported to %s, not registered",
+                     storage.join(self.config.output_dir, LOCAL_MODEL_FILE))
             return
         from training.tracking import Tracker
 
@@ -705,22 +730,23 @@ class Trainer:
         metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
         champion = None
-        if cfg.evaluate_champion:  # the promotion gate compares with the champion on this same day
+        tracker = self.tracker
+        if cfg.evaluate_champion and tracker is not None:  # the promotion gate compares with the champion on this day
             from training.champion import evaluate_champion
 
             hb.update(progress=0, force=True, phase="evaluating the champion")
-            champion = evaluate_champion(cfg, family, self.tracker.run_id, device=device,
+            champion = evaluate_champion(cfg, family, tracker.run_id, device=device,
                                          on_batch=lambda _: hb.update(phase="evaluating the champion"))
 
         hb.update(progress=0, force=True, phase="logging")
         seconds = time.monotonic() - self.started
-        tracker = self.tracker
-        tracker.log_metrics(
-            {**flat_metrics(metrics), **flat_metrics((champion or {}).get("metrics") or {}, "champion_eval_"),
-             "examples_seen": examples_seen, "train_steps": step, "train_seconds": seconds},
-            step=step,
-            flush=True,
-        )
+        if tracker is not None:
+            tracker.log_metrics(
+                {**flat_metrics(metrics), **flat_metrics((champion or {}).get("metrics") or {}, "champion_eval_"),
+                 "examples_seen": examples_seen, "train_steps": step, "train_seconds": seconds},
+                step=step,
+                flush=True,
+            )
         feature_spec = {
             "family": family.name,
             "family_module": cfg.family_module,
@@ -729,11 +755,14 @@ class Trainer:
             "outputs": list(family.outputs),
             **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
         }
-        model_uri, version = tracker.log_model(family, models["model"], feature_spec)
-        tracker.end("FINISHED")
+        if tracker is not None:
+            model_uri, version = tracker.log_model(family, models["model"], feature_spec)
+            tracker.end("FINISHED")
+        else:  # no tracking: the serving module exported beside the result, nothing registered
+            model_uri, version = export_serving(family, models["model"], cfg.output_dir), None
         result = {
             "family": family.name,
-            "mlflow_run_id": tracker.run_id,
+            "mlflow_run_id": tracker.run_id if tracker is not None else None,
             "model_uri": model_uri,
             "model_name": cfg.registered_model,
             "model_version": version,
