@@ -404,7 +404,7 @@ def test_quota_of_one_job_makes_the_second_run_wait_then_run(stack):
     assert any(int(step) < int(total) for step, total, _ in first_lines), task_log[-4000:]
     assert all("loss" not in rest for step, _, rest in first_lines if step == "0"), first_lines
     assert re.search(r"step (\d+)/\1 \(100\.0%\), epoch 2/2, (evaluating|logging|done), loss [0-9.]+, [0-9,]+ "
-                     r"examples/s \(1 rank\(s\) reporting\)", task_log), task_log[-4000:]
+                     r"examples/s, input wait \d+%( \(data-bound\))? \(1 rank\(s\) reporting\)", task_log), task_log[-4000:]
     node_log = (stack.home / "jobs" / first["job_id"] / "node-0.log").read_text()
     assert re.search(r"progress: step (\d+)/\1 \(100\.0%\), epoch 2/2, loss [0-9.]+, [0-9,]+ examples/s, ETA 0s",
                      node_log), node_log[-3000:]
