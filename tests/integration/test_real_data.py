@@ -65,8 +65,10 @@ def _run(scenarios: list[dict[str, Any]]) -> None:
 
 # -- the world ------------------------------------------------------------------------------------------------
 def _env(home: Path) -> dict[str, str]:
+    # The nodes' preflight is another torchrun launch per run, tested on its own (test_train_torchrun, the GPU check).
     return {"PINFLOW_HOME": str(home), "PINFLOW_VALIDATION__EMBEDDING_DIM": EMBEDDING_DIM,
-            "PINFLOW_VALIDATION__DATA_DOCS": "false", "PINFLOW_TRAINING__POLL_SECONDS": "0.5"}
+            "PINFLOW_VALIDATION__DATA_DOCS": "false", "PINFLOW_TRAINING__POLL_SECONDS": "0.5",
+            "PINFLOW_TRAINING__PREFLIGHT": "false"}
 
 
 @pytest.fixture(scope="module")
