@@ -149,7 +149,9 @@ class Tracker:
     def log_model(self, family: ModelFamily, model: torch.nn.Module, feature_spec: dict[str, Any]) -> tuple[str, str | None]:
         """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
 
-        Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned.
+        Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned. The
+        registry itself is asked (the version whose run is this run), not only the state file beside the
+        checkpoints: a try that registered and then failed to write that file (a full disk) must not register twice.
         """
         if self.state.get("model_uri"):
             log.info(
@@ -158,6 +160,14 @@ class Tracker:
                 self.state.get("model_version"),
             )
             return str(self.state["model_uri"]), self.state.get("model_version")
+        registered = self.registered_version()
+        if registered is not None:
+            model_uri = f"models:/{self.config.registered_model}/{registered.version}"
+            log.info("this run registered its model already (an earlier try): %s", model_uri)
+            self.state.update(model_uri=model_uri, model_version=str(registered.version),
+                              logged_model_uri=str(registered.source))
+            storage.write_json(self.state_path, self.state)
+            return model_uri, str(registered.version)
         self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
         serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
         example = family.example_inputs()
@@ -177,6 +187,14 @@ class Tracker:
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
         storage.write_json(self.state_path, self.state)
         return model_uri, version
+
+    def registered_version(self) -> Any | None:
+        """The version of ``registered_model`` that this MLflow run registered, if any (the oldest)."""
+        if not self.config.register:
+            return None
+        versions = self.client.search_model_versions(
+            f"name='{self.config.registered_model}' and run_id='{self.run_id}'")
+        return min(versions, key=lambda v: int(v.version)) if versions else None
 
     def end(self, status: str = "FINISHED") -> None:
         try:

@@ -1,0 +1,49 @@
+"""MLflow on rank 0 (``training.tracking``): a model is registered once per run, whatever failed after it was."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from training.config import RunConfig
+
+pytestmark = pytest.mark.unit
+
+FAMILIES = Path(__file__).resolve().parents[1] / "families"
+
+
+def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp_path: Path, monkeypatch):
+    """Registration, then writing the state file beside the checkpoints failed (a full disk, say): the retry continues
+    the same MLflow run, and the registry, asked for this run's version, stops it registering a second."""
+    monkeypatch.syspath_prepend(str(FAMILIES))
+    from mlflow import MlflowClient
+
+    from training.sdk import load_family
+    from training.tracking import STATE_FILE, Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = RunConfig.from_dict({
+        "root": str(tmp_path), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02", "output_dir": str(tmp_path / "job"),
+        "checkpoint_dir": str(tmp_path / "checkpoints"), "mlflow_tracking_uri": uri,
+        "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "tiny_click", "family_module": "tiny_click",
+    })
+    family = load_family("tiny_click", "tiny_click", {})
+    first = Tracker(config)
+    uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"})
+    first.end("FAILED")
+    state = tmp_path / "checkpoints" / STATE_FILE
+    saved = json.loads(state.read_text())
+    state.write_text(json.dumps({k: saved[k] for k in ("run_id", "experiment_id")}))  # what a try had written before
+
+    again = Tracker(config)
+    assert again.run_id == first.run_id  # the same run, continued
+    assert again.log_model(family, family.build_model(), {"family": "tiny_click"}) == (uri_1, version_1) == (
+        "models:/tiny_click/1", "1")
+    again.end()
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert [str(v.version) for v in client.search_model_versions("name='tiny_click'")] == ["1"]
+    assert json.loads(state.read_text())["model_version"] == "1"
+    sys.modules.pop("tiny_click", None)
