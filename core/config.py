@@ -31,6 +31,12 @@ from core.failures import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FILE = REPO_ROOT / "config" / "platform.yaml"
 ENV_PREFIX = "PINFLOW_"
+# PINFLOW_* variables that are not settings: where things are, and what the platform hands its own processes.
+RUNTIME_VARIABLES = frozenset({
+    "PINFLOW_HOME", "PINFLOW_CONFIG", "PINFLOW_RDZV_PORT", "PINFLOW_ARRAY_INDEX", "PINFLOW_AGENT_PID",
+    "PINFLOW_CHECKPOINT_DIR", "PINFLOW_SCREENSHOTS", "PINFLOW_INFERENCE_DEBUG_BATCH_SLEEP_S", "PINFLOW_BIND_ADDRESS",
+    "PINFLOW_BUCKET",
+})
 
 
 class Section(BaseModel):
@@ -479,7 +485,26 @@ def pinflow_home() -> Path:
 
 
 def config_file() -> Path:
-    return Path(os.environ.get("PINFLOW_CONFIG") or CONFIG_FILE)
+    named = os.environ.get("PINFLOW_CONFIG")
+    if named and not Path(named).is_file():
+        raise ConfigError(f"PINFLOW_CONFIG={named} names no file: give the path of a platform configuration (YAML), "
+                          f"or unset it for {CONFIG_FILE}")
+    return Path(named or CONFIG_FILE)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (line {seen[key].start_mark.line + 1} and line "
+                    f"{key_node.start_mark.line + 1}): keep one", key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
 
 
 # --- reading ------------------------------------------------------------------------------------------------
@@ -487,7 +512,7 @@ def config_file() -> Path:
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) if path.exists() else {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) if path.exists() else {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if data is None:
@@ -501,11 +526,15 @@ def _overlay_env(data: dict[str, Any], environ: dict[str, str], sources: dict[tu
     """Apply ``PINFLOW_*`` overrides to ``data`` in place; ``sources`` records which variable set which key."""
     top_level = {name for name, f in PlatformConfig.model_fields.items() if not f.exclude}
     for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX):
+        if name.upper().startswith(ENV_PREFIX) and not name.startswith(ENV_PREFIX):
+            raise ConfigError(f"environment variable {name}: pinflow's variables are upper case ({name.upper()})")
+        if not name.startswith(ENV_PREFIX) or name in RUNTIME_VARIABLES:
             continue
         path = tuple(name[len(ENV_PREFIX):].lower().split("__"))
         if len(path) == 1 and path[0] not in top_level:
-            continue  # a runtime variable (PINFLOW_HOME, PINFLOW_RDZV_PORT), not a setting
+            raise ConfigError(f"environment variable {name} is not a setting{_env_hint(path[0], top_level)} (settings: "
+                              "PINFLOW_<SECTION>__<KEY> with two underscores, or PINFLOW_<TOP_LEVEL_KEY>; runtime "
+                              f"variables: {', '.join(sorted(RUNTIME_VARIABLES))})")
         try:
             value = yaml.safe_load(raw) if raw else raw
         except yaml.YAMLError:
@@ -518,6 +547,20 @@ def _overlay_env(data: dict[str, Any], environ: dict[str, str], sources: dict[tu
             node = child
         node[path[-1]] = value
         sources[path] = f"environment variable {name}"
+
+
+def _env_hint(name: str, top_level: set[str]) -> str:
+    """``(did you mean PINFLOW_...?)`` for a one-part variable name: a section and key joined by one underscore,
+    or a top-level key misspelt."""
+    for section in sorted(top_level, key=len, reverse=True):
+        if name.startswith(f"{section}_") and name[len(section) + 1:]:
+            key = name[len(section) + 1:]
+            fields = _known_keys(PlatformConfig, (section,))
+            close = difflib.get_close_matches(key, fields, n=1) if fields else [key]
+            if close:
+                return f" (did you mean {ENV_PREFIX}{section.upper()}__{close[0].upper()}?)"
+    close = difflib.get_close_matches(name, sorted(top_level), n=1)
+    return f" (did you mean {ENV_PREFIX}{close[0].upper()}?)" if close else ""
 
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -539,14 +582,17 @@ def _describe(err: ValidationError, file: Path, sources: dict[tuple[str, ...], s
     for problem in err.errors():
         loc = tuple(str(p) for p in problem["loc"])
         key = ".".join(loc) or "(top level)"
-        source = sources.get(loc, str(file))
+        # The variable that set this key or a section above it (a nested value set whole), else the file.
+        source = next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), str(file))
         if problem["type"] == "extra_forbidden":
             close = difflib.get_close_matches(loc[-1], _known_keys(PlatformConfig, loc[:-1]), n=1)
             hint = f" (did you mean {'.'.join((*loc[:-1], close[0]))!r}?)" if close else ""
             lines.append(f"{key}: unknown key in {source}{hint}")
         else:
             given = problem.get("input")
-            lines.append(f"{key} = {given!r} in {source}: {problem['msg']}")
+            hint = (" (YAML reads an unquoted yes, no, on or off as true or false: quote it, e.g. 'off')"
+                    if isinstance(given, bool) and problem["type"].startswith(("string", "literal", "enum")) else "")
+            lines.append(f"{key} = {given!r} in {source}: {problem['msg']}{hint}")
     return "invalid platform configuration:\n  " + "\n  ".join(lines) + (
         f"\n(keys, defaults and help: python -m core.config; file: {file})"
     )

@@ -92,10 +92,12 @@ extra links open the job's console page and the MLflow run.
 ) as dag:
 
     @task(retries=0)
-    def plan_run(params: dict | None = None) -> dict:
+    def plan_run(params: dict | None = None, dag_run: Any = None) -> dict:
+        from operators.run_conf import check_run_conf
         from operators.training import plan_training_days
 
         assert params is not None
+        check_run_conf({"dag_run": dag_run, "params": params})
         return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]),
                                   bool(params.get("accept_fewer_days")))
 

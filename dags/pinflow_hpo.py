@@ -94,8 +94,10 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
     @task
     def create_study(params: dict | None = None, dag_run: Any = None) -> dict:
         from operators import hpo
+        from operators.run_conf import check_run_conf
 
         assert params is not None
+        check_run_conf({"dag_run": dag_run, "params": params})
         return hpo.create_study(dag_run.dag_id, dag_run.run_id, dict(params), team=str(params["team"]))
 
     @task

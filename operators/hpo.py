@@ -327,6 +327,11 @@ def build_spec(form: dict[str, Any], cfg: PlatformConfig, plan: dict[str, Any] |
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"direction must be maximize or minimize, got {direction!r}")
     metric = str(form.get("metric") or hpo.metric)
+    if family.metrics and metric not in family.metrics:
+        close = difflib.get_close_matches(metric, family.metrics, n=1)
+        raise ConfigError(f"metric {metric!r} is not reported by model family {family_name}'s evaluation"
+                          + (f" (did you mean {close[0]!r}?)" if close else "")
+                          + f"; it reports {', '.join(family.metrics)}")
     budget = form.get("time_budget_minutes")
     budget = hpo.time_budget_minutes if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0:
@@ -350,17 +355,24 @@ def build_spec(form: dict[str, Any], cfg: PlatformConfig, plan: dict[str, Any] |
     configured = {**dict(fam.params), **fixed_params}
     load_family(family_name, fam.module, configured)  # the fixed params are the family's own (a USER error names one)
 
-    # Every end of every range must make a valid run of the family: a bad value fails now, not in trial 7.
+    # Every end of every range must make a valid run of the family, within the training form's own limits, and a
+    # model the family can build: a bad value fails now, not in trial 7.
+    form_limits = set(config.TrainingConfig.model_fields) & set(RUN_FIELDS)  # epochs, batch_size, lr
     for name, entry in entries.items():
         values = list(entry.choices) if entry.kind == "categorical" else [entry.low, entry.high]
         for value in values:
             try:
                 if entry.target == "params":
-                    load_family(family_name, fam.module, {**configured, name: value})
+                    load_family(family_name, fam.module, {**configured, name: value}).build_model("model")
                 else:
+                    if name in form_limits:
+                        config.with_overrides(config.TrainingConfig(), {name: value}, "the training form's limits")
                     _check_run({**run_fixed, name: value}, family_name, "run")
             except ConfigError as err:
                 raise ConfigError(f"search space entry {name!r}: {value!r} is not a valid value: {err}") from None
+            except (ValueError, TypeError, RuntimeError) as err:  # the family's model refused it when built
+                raise ConfigError(f"search space entry {name!r}: {value!r} cannot build model family "
+                                  f"{family_name}'s model: {err}") from None
 
     defaults = {**run_defaults(cfg, family_name), **run_fixed}
     family_defaults = dataclasses.asdict(load_family(family_name, fam.module, configured).params)

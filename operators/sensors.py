@@ -127,6 +127,9 @@ class RawPartitionSensor(BaseSensorOperator):
         return not missing
 
     def execute(self, context: Context) -> Any:
+        from operators.run_conf import check_run_conf
+
+        check_run_conf(context)  # a typo in the trigger's conf fails here, not after hours of waiting for a default
         if not self.deferrable:
             return super().execute(context)
         if self.poke(context):

@@ -22,6 +22,13 @@ from training.data import ExampleStream
 from training.runtime import DistEnv, Heartbeat
 
 
+def checkpoint_interval(every: int, total_steps: int) -> int:
+    """Steps between periodic checkpoints: ``every`` (``checkpoint_every``), but at least ten in a run of
+    ``total_steps`` (a run shorter than ``every`` would otherwise save none before its end, and each retry of it
+    would start again from step 0); 0: only at the end."""
+    return min(every, max(1, -(-total_steps // 10))) if every and total_steps else every
+
+
 @dataclass(frozen=True)
 class Resumed:
     """Where a resumed run continues: the loaded checkpoint's loop position and whether it is exact."""
@@ -62,8 +69,8 @@ class CheckpointManager:
         self.last_saved = -1  # the step of the newest complete checkpoint of this run, -1 before the first
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is one of the periodic ``checkpoint_every`` steps."""
-        every = self.config.checkpoint_every
+        """Whether ``step`` is one of the periodic checkpoint steps (:func:`checkpoint_interval`)."""
+        every = checkpoint_interval(self.config.checkpoint_every, int(self.extra.get("total_steps") or 0))
         return bool(every) and step % every == 0
 
     def save(self, step: int, epoch: int, batches_in_epoch: int) -> None:

@@ -126,7 +126,8 @@ class RunConfig:
     ray_task_cpus: float = _f("input_engine ray: CPUs a read-and-encode task reserves", _TRAINING.ray_task_cpus)
     eval_batch_size: int = _f("batch size of the evaluation pass", 1024)
     # --- checkpoints, heartbeats, logging ---------------------------------------------------------
-    checkpoint_every: int = _f("save a checkpoint every this many steps (0 = only at the end)", 500)
+    checkpoint_every: int = _f(
+        "save a checkpoint every this many steps, and at least ten times in a run (0 = only at the end)", 500)
     keep_checkpoints: int = _f("complete checkpoints to keep (older ones are deleted)", 2)
     heartbeat_every_s: float = _f("seconds between heartbeat files of each rank", 10.0)
     log_every: int = _f("log the train loss to MLflow every this many steps", 10)

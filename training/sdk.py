@@ -60,6 +60,9 @@ class ModelFamily:
     serving_inputs: ClassVar[tuple[str, ...]]
     outputs: ClassVar[tuple[str, ...]]
     corpus_schema: ClassVar[pa.Schema | None] = None  # set by a family that scores the corpus
+    # The flat names of what evaluate() reports (``auc_click`` for ``{"auc": {"click": ...}}``); optional: where a
+    # family declares them, a search's metric is checked against them before any trial trains.
+    metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Any) -> None:
         self.params = params

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from core import storage
 from core.config import ValidationConfig
+from core.contracts import TEXT_VOCAB
 from features.validation.checks import Check, raw_dataset, short
 
 
@@ -65,6 +66,20 @@ DERIVED: dict[str, tuple[DerivedCheck, ...]] = {
         DerivedCheck(
             "embedding.finite", "_check_embedding_finite",
             "an embedding with a NaN, infinite or null value", "true", ("embedding",),
+        ),
+        # The content model's inputs: one image width for every pin (the model reads it from the data), finite
+        # values, and text tokens inside the vocabulary.
+        DerivedCheck(
+            "image_embedding.one_width", "_check_image_one_width",
+            "an image_embedding whose width differs from the partition's most common one", "true", ("image_embedding",),
+        ),
+        DerivedCheck(
+            "image_embedding.finite", "_check_image_finite",
+            "an image_embedding with a NaN, infinite or null value", "true", ("image_embedding",),
+        ),
+        DerivedCheck(
+            "text_tokens.in_vocabulary", "_check_tokens_in_vocabulary",
+            f"a text token outside [0, {TEXT_VOCAB}) (the text vocabulary), or a null token", "true", ("text_tokens",),
         ),
     ),
     "users": (),
@@ -117,13 +132,66 @@ def derived_columns(
                 columns[check.column] = pc.list_value_length(table.column("embedding"))
             except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
                 not_run[check.name] = Check(check.name, None, details="not run: embedding is not a list column")
+        elif check.name == "image_embedding.one_width":
+            widths = one_width(table.column("image_embedding"))
+            if widths is None:
+                not_run[check.name] = Check(check.name, None, details="not run: image_embedding is not a list column")
+            else:
+                columns[check.column] = widths
+        elif check.name == "text_tokens.in_vocabulary":
+            tokens = tokens_in_range(table.column("text_tokens"), TEXT_VOCAB)
+            if tokens is None:
+                not_run[check.name] = Check(check.name, None, details="not run: text_tokens is not a list of integers")
+            else:
+                columns[check.column] = tokens
         else:
-            finite = embedding_finite(table.column("embedding"))
+            source = check.sources[0]
+            finite = embedding_finite(table.column(source))
             if finite is None:
-                not_run[check.name] = Check(check.name, None, details="not run: embedding is not a list of floats")
+                not_run[check.name] = Check(check.name, None, details=f"not run: {source} is not a list of floats")
             else:
                 columns[check.column] = finite
     return columns, not_run
+
+
+def _as_list_array(column: pa.ChunkedArray | pa.Array) -> pa.Array | None:
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type)):
+        return None
+    return arr
+
+
+def one_width(column: pa.ChunkedArray | pa.Array) -> pa.Array | None:
+    """Per row: the list has the partition's most common length (null rows stay null: not_null reports them)."""
+    import numpy as np
+
+    arr = _as_list_array(column)
+    if arr is None:
+        return None
+    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+    nulls = arr.is_null().to_numpy(zero_copy_only=False)
+    known = lengths[~nulls].astype(np.int64)
+    if not known.size:
+        return pa.array(np.ones(len(arr), dtype=bool), mask=nulls)
+    values, counts = np.unique(known, return_counts=True)
+    common = values[counts.argmax()]
+    return pa.array(np.where(nulls, True, lengths == common), mask=nulls)
+
+
+def tokens_in_range(column: pa.ChunkedArray | pa.Array, vocabulary: int) -> pa.Array | None:
+    """Per row: every token is a non-null integer in [0, ``vocabulary``) (null rows stay null)."""
+    import numpy as np
+
+    arr = _as_list_array(column)
+    if arr is None or not pa.types.is_integer(arr.type.value_type):
+        return None
+    flat = pc.list_flatten(arr)
+    parents = pc.list_parent_indices(arr).to_numpy()
+    values = flat.to_numpy(zero_copy_only=False) if flat.null_count == 0 else pc.fill_null(flat, -1).to_numpy()
+    bad = (values < 0) | (values >= vocabulary)
+    ok = np.ones(len(arr), dtype=bool)
+    ok[np.unique(parents[bad])] = False
+    return pa.array(ok, mask=arr.is_null().to_numpy(zero_copy_only=False))
 
 
 def reference_ids(root: storage.Location, dataset: str, ds: str, column: str) -> tuple[pa.Array | None, str]:

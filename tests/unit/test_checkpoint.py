@@ -130,3 +130,16 @@ def test_checksums_on_a_url_root(tmp_path: Path):
         assert not (tmp_path / "code-ran").exists()
     finally:
         fs.rm(fs._strip_protocol(url), recursive=True)
+
+
+@pytest.mark.parametrize(("every", "total", "expected"), [
+    (500, 273, 28),  # the demo's ranker: ten checkpoints, not none before its end (a retry would start at step 0)
+    (500, 100_000, 500),
+    (4, 76, 4),
+    (0, 273, 0),  # only at the end, as asked
+    (500, 5, 1),
+])
+def test_a_run_shorter_than_checkpoint_every_still_checkpoints_ten_times(every, total, expected):
+    from training.checkpoint_manager import checkpoint_interval
+
+    assert checkpoint_interval(every, total) == expected

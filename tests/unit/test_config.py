@@ -51,6 +51,19 @@ def test_environment_overrides_the_file(tmp_path: Path):
          "features.window_days = 0 in environment variable PINFLOW_FEATURES__WINDOW_DAYS: Input should be greater"),
         ("training: {team: search}\n", {}, "training.team='search' is not under teams:"),
         ("teams: {ranking: {queue: q}}\n", {}, "teams.ranking.share"),
+        # Misspellings that used to be ignored (issue 37): one underscore, a misspelt top-level key, lower case.
+        ("", {"PINFLOW_TRAINING_EPOCHS": "3"},
+         "environment variable PINFLOW_TRAINING_EPOCHS is not a setting (did you mean PINFLOW_TRAINING__EPOCHS?)"),
+        ("", {"PINFLOW_STORAGE_ROT": "/x"},
+         "environment variable PINFLOW_STORAGE_ROT is not a setting (did you mean PINFLOW_STORAGE_ROOT?)"),
+        ("", {"pinflow_training__epochs": "3"},
+         "environment variable pinflow_training__epochs: pinflow's variables are upper case (PINFLOW_TRAINING__EPOCHS)"),
+        ("training: {epochs: 2}\ntraining: {epochs: 3}\n", {}, "key 'training' is given twice (line 1 and line 2)"),
+        ("features: {backend: off}\n", {},
+         "features.backend = False in {file}: Input should be '', 'local', 'batch' or 'kubernetes' (YAML reads an "
+         "unquoted yes, no, on or off as true or false: quote it, e.g. 'off')"),
+        ("", {"PINFLOW_TEAMS": "{ranking: {queue: q}}"},  # a section set whole by a variable: the variable is named
+         "teams.ranking.share = {{'queue': 'q'}} in environment variable PINFLOW_TEAMS: Field required"),
     ],
 )
 def test_a_bad_key_or_value_names_the_key_and_where_it_came_from(tmp_path: Path, text, environ, says):
@@ -58,6 +71,25 @@ def test_a_bad_key_or_value_names_the_key_and_where_it_came_from(tmp_path: Path,
         read(tmp_path, text, **environ)
     assert says.format(file=tmp_path / "platform.yaml") in str(err.value)
     assert err.value.failure_class is FailureClass.USER
+
+
+def test_pinflow_config_naming_no_file_is_an_error(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PINFLOW_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match=r"PINFLOW_CONFIG=.*missing.yaml names no file"):
+        config.config_file()
+
+
+def test_a_typo_in_a_triggers_conf_fails_naming_the_param():
+    from core.failures import UserError
+    from operators.run_conf import check_run_conf
+
+    class Run:
+        dag_id, conf = "pin_daily_features", {"dss": "2026-11-02", "shards": 2}
+
+    check_run_conf({"dag_run": Run(), "params": {"ds": None, "shards": 1, "dss": None}})  # every key known
+    with pytest.raises(UserError, match=r"key\(s\) 'dss' \(did you mean 'ds'\?\) that pin_daily_features does not "
+                                        r"know: its params are ds, shards"):
+        check_run_conf({"dag_run": Run(), "params": {"ds": None, "shards": 1}})
 
 
 def test_overrides_are_checked_by_the_same_model():

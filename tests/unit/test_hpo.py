@@ -49,6 +49,11 @@ def test_a_valid_space_maps_to_run_fields_and_family_params():
     ({"lr": {"type": "float", "low": 0.01, "high": 0.1}}, "entry 'lr': the default 0.003 .* is outside .* set baseline to false"),
     ({"lr": [0.001, 0.1]}, "entry 'lr': expected an object"),
     ([], "search space: expected a non-empty JSON object"),
+    # Beyond the training form's own limits, or a model that cannot be built (issue 37): refused before a trial.
+    ({"lr": {"type": "float", "low": 0.001, "high": 5.0}}, r"entry 'lr': 5.0 is not a valid value: .*training.lr = 5.0"),
+    ({"epochs": {"type": "int", "low": 1, "high": 100000}}, "entry 'epochs': 100000 is not a valid value: .*less than or equal to 100"),
+    ({"batch_size": {"type": "categorical", "choices": [4, 64]}}, "entry 'batch_size': 4 is not a valid value: .*greater than or equal to 8"),
+    ({"dropout": {"type": "float", "low": 0.0, "high": 1.5}}, r"entry 'dropout': 1.5 is not a valid value: .*dropout=1.5 must be in \[0, 1\)"),
 ])
 def test_a_bad_search_space_is_a_user_error_naming_the_entry(space, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -63,6 +68,8 @@ def test_a_bad_search_space_is_a_user_error_naming_the_entry(space, message):
     ({"fixed": {"lr": 0.01}}, "entry 'lr' is also in fixed"),
     ({"enqueue": [{"lr": 0.9}]}, r"enqueue\[0\].lr: 0.9 is outside"),
     ({"model": "pin_cotnent"}, "unknown model family 'pin_cotnent'"),
+    ({"metric": "mean_acu"}, "metric 'mean_acu' is not reported by model family pin_content's evaluation "
+                             r"\(did you mean 'mean_auc'\?\)"),
 ])
 def test_other_bad_form_values_are_user_errors(changes, message):
     with pytest.raises(ConfigError, match=message):

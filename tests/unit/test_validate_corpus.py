@@ -162,6 +162,21 @@ def short_embeddings(root: Path) -> None:
     _write(root, "pins", _set(t, "embedding", pa.array(list(emb), pa.list_(pa.float32()))))
 
 
+def ragged_image_embedding(root: Path) -> None:
+    t = _pins(root)
+    images = [list(v) for v in t.column("image_embedding").to_pylist()]
+    images[3] = images[3][:10]  # one row of another width
+    _write(root, "pins", _set(t, "image_embedding", pa.array(images, pa.list_(pa.float32()))))
+
+
+def tokens_outside_the_vocabulary(root: Path) -> None:
+    t = _pins(root)
+    tokens = [list(v) for v in t.column("text_tokens").to_pylist()]
+    tokens[5] = [*tokens[5], contracts.TEXT_VOCAB + 3]
+    tokens[6] = [-1]
+    _write(root, "pins", _set(t, "text_tokens", pa.array(tokens, pa.list_(pa.int32()))))
+
+
 def dangling_pins(root: Path) -> None:
     t = _events(root)  # every event of some pins, so that engagements still match their impression
     pins = t.column("pin_id").to_numpy().copy()
@@ -220,6 +235,8 @@ CORPUS: dict[str, tuple[str, Callable[[Path], None], str, set[str]]] = {
     "sudden action-mix shift": ("events", action_mix_shift, "history.action_mix", set()),
     "NaN embeddings": ("pins", nan_embeddings, "embedding.finite", set()),
     "short embeddings": ("pins", short_embeddings, "embedding.length", {"schema.types"}),
+    "a ragged image embedding": ("pins", ragged_image_embedding, "image_embedding.one_width", set()),
+    "text tokens outside the vocabulary": ("pins", tokens_outside_the_vocabulary, "text_tokens.in_vocabulary", set()),
     "dangling pin ids": ("events", dangling_pins, "pin_id.in_pins_snapshot", set()),
     "engagements without impressions": ("events", engagements_without_impressions, "engagement.has_impression", set()),
     "malformed event ids": ("events", malformed_ids, "event_id.well_formed", set()),

@@ -50,6 +50,8 @@ class ContentParams:
             "width", "embedding_dim", "max_tokens", "category_buckets") if getattr(self, name) <= 0]
         problems += [f"{name}={getattr(self, name)} must not be negative" for name in (
             "dropout", "safety_weight", "topic_weight") if getattr(self, name) < 0]
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
             raise ConfigError("pin_content params are invalid: " + "; ".join(problems))
 
@@ -144,6 +146,9 @@ class PinContentFamily(ModelFamily):
     """Content understanding: P(policy violation), the topic, and a content embedding of a pin."""
 
     name = "pin_content"
+    metrics = ("mean_auc", "train_loss", "examples", "auc_safety", "auc_topic", "pr_auc_safety", "topic_accuracy",
+               "topic_macro_f1", "positive_rate_safety", "oracle_auc_safety", "oracle_auc_topic", "oracle_pr_auc_safety",
+               "oracle_topic_accuracy", "oracle_ratio_safety", "oracle_ratio_topic")
     Params = ContentParams
     dataset = RAW_PIN_LABELS
     columns = LABEL_COLUMNS

@@ -411,6 +411,8 @@ class RankerParams:
         ) if getattr(self, name) <= 0]
         if self.cross_layers < 0:
             problems.append(f"cross_layers={self.cross_layers} must not be negative")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.first_k > self.sequence_length:
@@ -440,6 +442,10 @@ class PinRankerFamily(ModelFamily):
     """Ranks candidate pins for a user: P(click), P(repin), P(hide) of an impression."""
 
     name = "pin_ranker"
+    metrics = ("mean_auc", "train_loss", "examples", "oracle_coverage", *(
+        f"{metric}_{label}" for metric in ("auc", "hit3", "baseline_auc", "baseline_hit3", "logloss", "calibration",
+                                           "ablation_auc", "ablation_hit3", "sequence_lift", "oracle_auc",
+                                           "oracle_ratio") for label in LABELS))
     Params = RankerParams
     dataset = EXAMPLES
     columns = EXAMPLE_COLUMNS
