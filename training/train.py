@@ -37,7 +37,6 @@ import os
 import random
 import sys
 import time
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -586,6 +585,11 @@ class Trainer:
         examples = int(inputs["row_id"].shape[0])
         losses = []
         heads: dict[str, Any] = {}
+        for _, optimizer, _ in self.parts.values():
+            # Before the forward: TorchRec's fused sparse optimizer updates the tables inside backward with the
+            # LR its kernel took at the forward, which its zero_grad sets (after a resume: the schedule's, not
+            # the LR the kernel was built with).
+            optimizer.zero_grad(set_to_none=True)
         for name, (module, _, _) in self.parts.items():
             with self.autocast():
                 outputs = module(inputs)
@@ -606,10 +610,6 @@ class Trainer:
             )
         norms = []
         for (name, (module, optimizer, scheduler)), loss in zip(self.parts.items(), losses, strict=True):
-            optimizer.zero_grad(set_to_none=True)
-            if cfg.strategy == "torchrec":
-                # The fused sparse optimizer updates the tables inside backward: give it this step's LR first.
-                typing.cast(Any, module).fused_optimizer.step()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip or math.inf)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
