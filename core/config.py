@@ -35,7 +35,7 @@ ENV_PREFIX = "PINFLOW_"
 RUNTIME_VARIABLES = frozenset({
     "PINFLOW_HOME", "PINFLOW_CONFIG", "PINFLOW_RDZV_PORT", "PINFLOW_ARRAY_INDEX", "PINFLOW_AGENT_PID",
     "PINFLOW_CHECKPOINT_DIR", "PINFLOW_SCREENSHOTS", "PINFLOW_INFERENCE_DEBUG_BATCH_SLEEP_S", "PINFLOW_BIND_ADDRESS",
-    "PINFLOW_BUCKET",
+    "PINFLOW_BUCKET", "PINFLOW_CHECKPOINT_KEY",
 })
 
 
@@ -379,6 +379,9 @@ class BatchConfig(Section):
     region_name: str | None = Field("us-east-1", description="AWS region of the Batch queues")
     job_role_arn: str = Field("", description="IAM role of the containers (S3 access to the storage root)")
     log_group: str = Field("/aws/batch/job", description="CloudWatch log group of the awslogs driver")
+    checkpoint_key_secret: str = Field(
+        "", description="ARN of the Secrets Manager secret (or SSM parameter) holding the checkpoint signing key, given "
+        "to jobs as PINFLOW_CHECKPOINT_KEY; empty: checkpoints are not signed")
     rdzv_port: int = Field(29400, ge=1, le=65535, description="c10d rendezvous port on the main node")
     nccl_socket_ifname: str = Field("^lo,docker,ecs", description="NCCL_SOCKET_IFNAME (AWS's Batch reference)")
     attempts: int = Field(3, ge=1, le=10, description="Batch-level attempts, for host and Spot loss only")
@@ -394,6 +397,9 @@ class KubernetesConfig(Section):
     )
     runtime: str = Field("pinflow-torch", description="the ClusterTrainingRuntime of TrainJobs (deploy/kubernetes/)")
     service_account: str = Field("", description="service account of the pods (S3 access through IRSA)")
+    checkpoint_key_secret: str = Field(
+        "", pattern=r"^$|^[a-z0-9.-]+/[A-Za-z0-9._-]+$", description="<secret name>/<key> of the Kubernetes Secret "
+        "holding the checkpoint signing key, given to pods as PINFLOW_CHECKPOINT_KEY; empty: checkpoints are not signed")
     rdzv_port: int = Field(29400, ge=1, le=65535, description="the master's pytorchjob-port (api: pytorchjob)")
     nccl_socket_ifname: str = Field("^lo", description="NCCL_SOCKET_IFNAME (AWS's EKS examples)")
     ttl_seconds_after_finished: int = Field(86400, ge=0, description="how long a finished job is kept")

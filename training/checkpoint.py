@@ -20,15 +20,22 @@ Loading a DCP checkpoint unpickles its ``.metadata`` (``pickle.load``) and its n
 (``torch.load(weights_only=False)``): a file crafted by anyone who can write under the storage root's
 ``models/`` would run code in the training job. So the marker records the SHA-256 of every file of the
 checkpoint (rank 0 hashes them once every rank has written), and :func:`load` checks every file against it
-before DCP opens any of them: a checkpoint with a changed, missing or extra file, or a marker without
-checksums, is refused with a :class:`~core.failures.DataError` (DATA: the stored checkpoint is bad input;
-retrying cannot help and nothing may resume from it: delete that ``step-*`` folder, after looking at who
-wrote it, to start the run from its previous checkpoint or from scratch).
+before DCP opens any of them. Checksums beside the files prove nothing to someone who can rewrite the marker
+too, so the marker is signed: an HMAC-SHA256 of its content with the platform's checkpoint key
+(``PINFLOW_CHECKPOINT_KEY`` in the job's environment: on the embedded default a key made once under
+``<PINFLOW_HOME>/secrets/``, in production the secret that ``batch.checkpoint_key_secret`` or
+``kubernetes.checkpoint_key_secret`` names), which is never stored beside the checkpoints. A checkpoint with a
+changed, missing or extra file, a marker without checksums, or (where the key is set) a marker unsigned or signed
+with another key, is refused with a :class:`~core.failures.DataError` (DATA: the stored checkpoint is bad input;
+retrying cannot help and nothing may resume from it: delete that ``step-*`` folder, after looking at who wrote it,
+to start the run from its previous checkpoint or from scratch). Without a key the checksums are still checked,
+and the job says that its checkpoints are not signed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -50,9 +57,21 @@ from training.runtime import now_iso
 log = logging.getLogger("training.checkpoint")
 
 MARKER = "COMPLETE.json"
+KEY_ENV = "PINFLOW_CHECKPOINT_KEY"  # the checkpoint signing key (a secret: never written beside the checkpoints)
+SIGNATURE = "signature"
 PREFIX = "step-"
 # Read in pieces of this size when hashing, so that a checkpoint file of any size fits in memory.
 _CHUNK = 8 * 1024 * 1024
+
+
+_warned_unsigned = False
+
+
+def _warn_unsigned() -> None:
+    global _warned_unsigned
+    _warned_unsigned = True
+    log.warning("checkpoints are not signed (%s is not set): their checksums are checked on load, but someone who "
+                "can write the checkpoint folder could rewrite them too", KEY_ENV)
 
 
 def step_dir(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
@@ -120,6 +139,18 @@ def checksums(path: str | os.PathLike[str]) -> dict[str, str]:
     return {name: file_sha256(storage.join(path, name)) for name in checkpoint_files(path)}
 
 
+def signing_key() -> bytes | None:
+    """The platform's checkpoint key from the job's environment, or None (checkpoints then go unsigned)."""
+    key = os.environ.get(KEY_ENV, "")
+    return key.encode() if key else None
+
+
+def signature(marker: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 of the marker's content (its signature left out), as canonical JSON."""
+    content = json.dumps({k: v for k, v in marker.items() if k != SIGNATURE}, sort_keys=True, default=str)
+    return hmac.new(key, content.encode(), hashlib.sha256).hexdigest()
+
+
 def verification_problems(path: str | os.PathLike[str], marker: dict[str, Any] | None = None) -> list[str]:
     """Why the files of a checkpoint cannot be trusted (empty: every file is the one its marker recorded).
 
@@ -133,6 +164,11 @@ def verification_problems(path: str | os.PathLike[str], marker: dict[str, Any] |
             return [f"no {MARKER} marker: the checkpoint is incomplete"]
         except ValueError as e:
             return [f"unreadable {MARKER}: {e}"]
+    key = signing_key()
+    if key is not None and not isinstance(marker.get(SIGNATURE), str):
+        return [f"{MARKER} is not signed, and checkpoints are signed here ({KEY_ENV} is set)"]
+    if key is not None and not hmac.compare_digest(signature(marker, key), str(marker[SIGNATURE])):
+        return [f"{MARKER}'s signature does not match: it was not written with this platform's checkpoint key"]
     recorded = marker.get("files")
     if not isinstance(recorded, dict) or not recorded:
         return [f"{MARKER} records no checksums of the checkpoint's files (written before checksums were recorded?)"]
@@ -315,6 +351,11 @@ def save(
             # Every rank's files are complete (barrier above): what load() verifies before unpickling anything.
             "files": checksums(path),
         }
+        key = signing_key()
+        if key is not None:
+            marker[SIGNATURE] = signature(marker, key)
+        elif not _warned_unsigned:
+            _warn_unsigned()
         storage.write_json(storage.join(path, MARKER), marker)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:
             remove_checkpoint(old)

@@ -115,6 +115,8 @@ class BatchBackend:
             container["instanceType"] = res.instance_type
         if opts.job_role_arn:
             container["jobRoleArn"] = opts.job_role_arn
+        if opts.checkpoint_key_secret:  # the checkpoint signing key, from the secret store: never in the definition
+            container["secrets"] = [{"name": "PINFLOW_CHECKPOINT_KEY", "valueFrom": opts.checkpoint_key_secret}]
         return container
 
     def job_definition(self, spec: JobSpec, res: NodeResources) -> dict[str, Any]:

@@ -400,12 +400,17 @@ class KubernetesBackend:
             extended["hugepages-2Mi"] = mib_quantity(res.hugepages_2mi_mib)
         return {"requests": {**requests, **extended}, "limits": {**limits, **extended}}
 
-    def _env(self, spec: JobSpec, res: NodeResources) -> list[dict[str, str]]:
+    def _env(self, spec: JobSpec, res: NodeResources) -> list[dict[str, Any]]:
         env = {"PYTHONUNBUFFERED": "1", **(efa_environment(res, self.options.nccl_socket_ifname)
                                            if spec.distributed else {}), **spec.env}
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
-        return [{"name": k, "value": v} for k, v in sorted(env.items())]
+        entries: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(env.items())]
+        if self.options.checkpoint_key_secret:  # the checkpoint signing key, from a Secret: never in the spec
+            name, key = self.options.checkpoint_key_secret.split("/", 1)
+            entries.append({"name": "PINFLOW_CHECKPOINT_KEY",
+                            "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+        return entries
 
     def _pod_extras(self, res: NodeResources) -> dict[str, Any]:
         """What the pod spec gets from the instance type: node selector, tolerations, /dev/shm, service account."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -50,11 +51,34 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+CHECKPOINT_KEY_VARIABLE = "PINFLOW_CHECKPOINT_KEY"  # training.checkpoint.KEY_ENV (not imported: it imports torch)
+
+
 class LocalBackend:
     name = "local"
 
     def __init__(self, home: str | os.PathLike[str]) -> None:
         self.jobs_dir = Path(home) / "jobs"
+        self.secrets_dir = Path(home) / "secrets"
+
+    def checkpoint_key(self) -> str:
+        """The checkpoint signing key of this home's jobs (``training.checkpoint``): the environment's, else one made
+        once under ``<home>/secrets/`` (mode 0600), apart from the storage root the jobs write their checkpoints to.
+        Given to each job's environment, never written into its request."""
+        if os.environ.get(CHECKPOINT_KEY_VARIABLE):
+            return os.environ[CHECKPOINT_KEY_VARIABLE]
+        path = self.secrets_dir / "checkpoint.key"
+        if not path.exists():
+            self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path.with_suffix(f".{os.getpid()}.tmp"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+            try:  # the first of two racing writers wins; the other's key is dropped
+                os.link(path.with_suffix(f".{os.getpid()}.tmp"), path)
+            except FileExistsError:
+                pass
+            os.unlink(path.with_suffix(f".{os.getpid()}.tmp"))
+        return path.read_text().strip()
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -108,7 +132,7 @@ class LocalBackend:
         request = self.dry_run(spec, rendezvous_port=free_port() if spec.distributed and spec.nodes > 1 else None)
         job_dir = self.job_dir(spec.name)
         job_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **request["env"]}
+        env = {**os.environ, **request["env"], CHECKPOINT_KEY_VARIABLE: self.checkpoint_key()}
         request["submitted_at"] = time.time()
         pids = []
         if "array" in request:

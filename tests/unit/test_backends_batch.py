@@ -287,3 +287,13 @@ def test_missing_aws_credentials_fail_the_preflight_as_user_error(monkeypatch, t
     with pytest.raises(UserError, match="preflight: the batch backend: NoCredentialsError") as err:
         op._preflight(BatchBackend(BatchConfig(region_name="us-east-1"), TEAMS))
     assert err.value.failure_class is FailureClass.USER
+
+
+@pytest.mark.unit
+def test_the_checkpoint_key_comes_from_the_secret_store_never_from_the_definition():
+    arn = "arn:aws:secretsmanager:us-east-1:123:secret:pinflow-checkpoint-key"
+    container = backend(checkpoint_key_secret=arn).dry_run(spec())["job_definition"]["nodeProperties"][
+        "nodeRangeProperties"][0]["container"]
+    assert container["secrets"] == [{"name": "PINFLOW_CHECKPOINT_KEY", "valueFrom": arn}]
+    assert "secrets" not in backend().dry_run(spec())["job_definition"]["nodeProperties"]["nodeRangeProperties"][0][
+        "container"]

@@ -371,3 +371,13 @@ def test_trainjob_classifier_on_recorded_pods(pods, reason, klass, says):
     status = classify_trainjob(trainjob(reason), pods)
     assert status.state is JobState.FAILED and status.failure_class is klass and says in status.reason, status
     assert status.reason.startswith("TrainJob j failed:")
+
+
+@pytest.mark.unit
+def test_the_checkpoint_key_comes_from_a_secret_never_from_the_spec():
+    manifest = backend(checkpoint_key_secret="pinflow-checkpoint/key").dry_run(spec())
+    env = manifest["spec"]["trainer"]["env"]
+    assert env[-1] == {"name": "PINFLOW_CHECKPOINT_KEY",
+                       "valueFrom": {"secretKeyRef": {"name": "pinflow-checkpoint", "key": "key"}}}
+    assert schema_errors(render_jobset(manifest, shipped_runtime()), "jobset") == []
+    assert "PINFLOW_CHECKPOINT_KEY" not in {e["name"] for e in backend().dry_run(spec())["spec"]["trainer"]["env"]}

@@ -143,3 +143,43 @@ def test_a_run_shorter_than_checkpoint_every_still_checkpoints_ten_times(every, 
     from training.checkpoint_manager import checkpoint_interval
 
     assert checkpoint_interval(every, total) == expected
+
+
+def test_a_forged_marker_with_matching_checksums_is_refused_when_checkpoints_are_signed(tmp_path: Path, monkeypatch):
+    """Issue 37: whoever can write the folder can rewrite COMPLETE.json's checksums too. With the platform's key in
+    the job's environment the marker is signed, and a forged one is refused before anything is unpickled."""
+    monkeypatch.setenv(checkpoint.KEY_ENV, "the platform's secret")
+    path, _ = _saved(tmp_path)
+    marker_file = storage.join(path, checkpoint.MARKER)
+    assert json.loads(storage.read_text(marker_file))["signature"]
+    assert checkpoint.verification_problems(path) == []
+    sentinel = tmp_path / "code-ran"
+    (Path(path) / ".metadata").write_bytes(pickle.dumps(RunsCode(sentinel)))
+    marker = json.loads(storage.read_text(marker_file))
+    marker["files"] = checkpoint.checksums(path)  # the forger recomputes the checksums, but has no key
+    storage.write_json(marker_file, marker)
+
+    with pytest.raises(DataError, match="signature does not match: it was not written with this platform's "
+                                        "checkpoint key"):
+        checkpoint.load(path, parts=_parts(1))
+    assert not sentinel.exists()
+    del marker["signature"]
+    storage.write_json(marker_file, marker)
+    with pytest.raises(DataError, match=r"COMPLETE.json is not signed, and checkpoints are signed here"):
+        checkpoint.load(path, parts=_parts(1))
+    signed, _ = _saved(tmp_path / "other")
+    monkeypatch.setenv(checkpoint.KEY_ENV, "another key")  # another platform's key: its checkpoints are not ours
+    assert "signature does not match" in checkpoint.verification_problems(signed)[0]
+
+
+def test_the_local_backend_gives_its_jobs_one_key_kept_outside_the_storage_root(tmp_path: Path, monkeypatch):
+    from operators.backends.local import LocalBackend
+
+    monkeypatch.delenv(checkpoint.KEY_ENV, raising=False)
+    backend = LocalBackend(tmp_path / "home")
+    key = backend.checkpoint_key()
+    assert len(key) == 64 and backend.checkpoint_key() == key == LocalBackend(tmp_path / "home").checkpoint_key()
+    secret = tmp_path / "home" / "secrets" / "checkpoint.key"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv(checkpoint.KEY_ENV, "from the secret store")
+    assert backend.checkpoint_key() == "from the secret store"
