@@ -1,2 +1,2 @@
 """The lowest layer, imported by all and importing none of them nor Airflow: storage, data contracts,
-failure classes and the typed platform configuration (DESIGN.md §1)."""
+failure classes and the typed platform configuration (docs/architecture.md §1)."""

@@ -1,4 +1,4 @@
-"""The failure model (DESIGN.md §4): classes, exit codes, typed errors, and the one place an error's class is decided.
+"""The failure model (docs/architecture.md §4): classes, exit codes, typed errors, and the one place an error's class is decided.
 
 Every entry point in ``training/`` and ``features/`` exits with the code of its class, so every backend (a
 local process, an AWS Batch node, a Kubernetes pod) classifies the outcome the same way; the Airflow layer

@@ -1,4 +1,4 @@
-"""The storage root and everything under it (DESIGN.md §2), on a local folder or any fsspec URL (``s3://...``).
+"""The storage root and everything under it (docs/architecture.md §2), on a local folder or any fsspec URL (``s3://...``).
 
 Every location is a string: a local path (or ``file://`` URL) or a URL of another filesystem. Local paths
 use the operating system directly; anything else goes through fsspec (s3fs for ``s3://``). S3 credentials,
@@ -129,6 +129,55 @@ def filesystem(location: Location) -> tuple[AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(os.fspath(location))
     fs.invalidate_cache()  # another process or node may have written or deleted files since
     return fs, path
+
+
+def check_root(root: Location) -> None:
+    """Raise ConfigError, naming the root and how to fix it, if the storage root cannot be used: a local root
+    that is a file, or that cannot be created or written; an object store without credentials, whose bucket is
+    missing, or that refuses access. Entry points call it first, so that a mistyped root is one line, not a
+    traceback from deep inside a step."""
+    from core.failures import ConfigError
+
+    text = os.fspath(root)
+    fix = "set storage_root in the platform configuration, PINFLOW_STORAGE_ROOT or --root"
+    if not is_remote(text):
+        path = local_path(text)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"storage root {text} is a file, not a folder: {fix} to a folder")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"storage root {text} cannot be created ({e.strerror}): {fix} to a folder "
+                              "this user can write") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"storage root {text} is not writable by this user: {fix} to a folder it can "
+                              "write, or change the folder's permissions") from None
+        return
+    scheme = text.split("://", 1)[0]
+    try:
+        fs, key = filesystem(text)
+    except (ImportError, ValueError) as e:  # an unknown scheme, or its filesystem package not installed
+        raise ConfigError(f"storage root {text}: {scheme}:// cannot be opened ({e}): {fix}") from None
+    bucket = key.split("/", 1)[0]
+    try:
+        fs.ls(key, detail=False)  # the root's prefix: what a role limited to it may list
+    except FileNotFoundError:  # a new root (nothing under it yet), or no such bucket
+        try:
+            missing = not fs.exists(bucket)
+        except PermissionError:  # cannot look at the bucket itself: the first write will tell
+            missing = False
+        if missing:
+            raise ConfigError(f"storage root {text}: the bucket {bucket} does not exist: create it or {fix}") from None
+    except PermissionError as e:
+        raise ConfigError(f"storage root {text}: access denied ({e}): grant this role s3:ListBucket, GetObject, "
+                          "PutObject and DeleteObject on it") from None
+    except Exception as e:
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            raise ConfigError(
+                f"storage root {text}: no AWS credentials ({e}): set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or run with an instance or pod role; for another S3 endpoint also "
+                "AWS_ENDPOINT_URL_S3") from None
+        raise
 
 
 def exists(location: Location) -> bool:

@@ -1,4 +1,4 @@
-"""Feature computation (DESIGN.md §2–3): daily aggregates → window features → sequences → examples.
+"""Feature computation (docs/architecture.md §2–3): daily aggregates → window features → sequences → examples.
 
 Each step is a function of explicit arguments (storage root, day, parameters) that reads complete input
 partitions, computes one output with DuckDB SQL, writes it atomically with its metadata
@@ -76,6 +76,7 @@ from core.failures import (
 from core.storage import (
     MARKER,
     METADATA_FILE,
+    check_root,
     copy_file,
     data_files,
     day_range,
@@ -155,7 +156,7 @@ class DuckDBSettings:
 
 @dataclass(frozen=True)
 class Shard:
-    """One of ``count`` shards of a day's build step (scale-out: each shard a job, DESIGN.md §4).
+    """One of ``count`` shards of a day's build step (scale-out: each shard a job, docs/architecture.md §4).
 
     A shard builds the rows of the users whose ``hash(user_id) % count == index`` (user outputs and examples) and
     of the pins whose ``hash(pin_id) % count == index`` (pin outputs), reading whatever else it needs whole (the
@@ -1486,6 +1487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step: Step = args.step
     if args.shards < 1:
         raise ValueError(f"--shards {args.shards}: need at least 1")
+    check_root(args.root)
     if args.shards > 1 or args.merge:
         return _run_sharded(args, engine, require)
     if step != "all":

@@ -1,6 +1,6 @@
 """A deterministic synthetic world whose engagement comes from hidden ground truth.
 
-The world stands in for the upstream logs of DESIGN.md §2 (``raw/events``, ``raw/pins``, ``raw/users``) and the
+The world stands in for the upstream logs of docs/architecture.md §2 (``raw/events``, ``raw/pins``, ``raw/users``) and the
 daily human review of a sample of pins (``raw/pin_labels``: a policy label and a topic, for the content model),
 and adds the hidden truth (``truth`` per impression, ``truth_pins`` per pin) that evaluation uses for the oracle
 figures. No model reads it. A pin's content (its topic, hidden unsafety, image embedding and text tokens, see

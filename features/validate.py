@@ -1,4 +1,4 @@
-"""The data validation gate for the raw datasets, as a command (DESIGN.md §2, §3).
+"""The data validation gate for the raw datasets, as a command (docs/architecture.md §2, §3).
 
 Command line::
 
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         day = storage.ds_str(args.ds)
         cfg = platform_config.load()
+        storage.check_root(args.root or cfg.storage_root)
         report = validate_partition(
             args.root or cfg.storage_root,
             args.dataset,

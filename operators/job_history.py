@@ -31,6 +31,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from core.failures import ConfigError
+
 log = logging.getLogger(__name__)
 
 TABLE = "pinflow_job_history"
@@ -129,6 +131,31 @@ def default_url() -> str:
     return config.load().job_history.url
 
 
+def parse_url(url: str) -> sa.URL:
+    """``url`` parsed; ConfigError naming it and the expected shape if it is not a database URL."""
+    try:
+        return sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise ConfigError(f"job_history.url {url!r} is not a database URL: write sqlite:////absolute/path/jobs.db or "
+                          "postgresql+psycopg2://user@host:5432/database") from None
+
+
+def existing(url: str) -> str:
+    """``url``, for a reader (an export, a quota report), unless it is a SQLite file in a folder that does not
+    exist: a mistyped path, where the reader would create an empty database and report that nobody used
+    anything. (A missing file in an existing folder, or under PINFLOW_HOME, is a platform that has not run a job
+    yet.)"""
+    from core import config
+
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(parsed.database).parent
+        if not folder.is_dir() and not folder.is_relative_to(config.load().home):  # pinflow's own: made on first use
+            raise ConfigError(f"no job history at {parsed.database} ({url}): its folder does not exist; check "
+                              "job_history.url (PINFLOW_JOB_HISTORY__URL) or --url")
+    return url
+
+
 def engine(url: str | None = None) -> sa.Engine:
     """The engine of ``url`` (default: the configured one, resolved at each call), with the table created."""
     return _engine(url or default_url())
@@ -143,7 +170,7 @@ def _engine(url: str) -> sa.Engine:
     taken (waited for) up front, because a transaction that reads and then writes while another connection has
     committed fails at once ("database is locked") instead of waiting; WAL lets the pages read while jobs write.
     """
-    parsed = sa.make_url(url)
+    parsed = parse_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +186,11 @@ def _engine(url: str) -> sa.Engine:
         def _begin(conn: Any) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("pinflow_write") else "BEGIN")
     else:
-        eng = sa.create_engine(url, pool_pre_ping=True)
+        try:
+            eng = sa.create_engine(url, pool_pre_ping=True)
+        except (ImportError, sa.exc.NoSuchModuleError) as e:
+            raise ConfigError(f"job history database {parsed.render_as_string()}: its driver is not installed ({e}): "
+                              "use postgresql+psycopg2://... (installed with pinflow) or install the driver") from None
     metadata.create_all(eng)
     _add_new_columns(eng)
     return eng
@@ -413,15 +444,50 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write the job history to a CSV or Parquet file (capacity planning)")
     exp.add_argument("--out", required=True, help="the file to write")
     exp.add_argument("--format", choices=("csv", "parquet"), help="default: from the file's suffix, else csv")
-    exp.add_argument("--since", help="only jobs requested on or after this day (YYYY-MM-DD)")
+    exp.add_argument("--since", type=since_day,
+                     help="only jobs requested on or after this day: YYYY-MM-DD, today, yesterday or <N>d")
     exp.add_argument("--team", help="only this team's jobs")
     exp.add_argument("--url", help="the database (default: job_history.url of the platform configuration)")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.is_dir():
+        parser.error(f"--out {args.out} is a folder: give a file name, e.g. {out / 'jobs.csv'}")
+    if not out.parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {out.parent} does not exist")
     fmt = args.format or ("parquet" if args.out.endswith(".parquet") else "csv")
-    since = dt.datetime.fromisoformat(args.since).replace(tzinfo=dt.UTC) if args.since else None
-    count = export(args.out, fmt, url=args.url, team=args.team, since=since)
-    print(f"wrote {count} job(s) to {args.out} ({fmt}) from {sa.make_url(args.url or default_url()).render_as_string()}")
-    return 0
+    with cli_errors("export"):
+        url = existing(args.url or default_url())
+        count = export(args.out, fmt, url=url, team=args.team, since=args.since)
+        print(f"wrote {count} job(s) to {args.out} ({fmt}) from {parse_url(url).render_as_string()}")
+        return 0
+    return 1
+
+
+def since_day(text: str) -> dt.datetime:
+    """``--since``: a day (YYYY-MM-DD), ``today``, ``yesterday`` or ``<N>d`` (N days ago), as UTC midnight."""
+    today = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    relative = {"today": 0, "yesterday": 1}.get(text.strip().lower())
+    if relative is None and text.strip().lower().removesuffix("d").isdigit() and text.strip().lower().endswith("d"):
+        relative = int(text.strip()[:-1])
+    if relative is not None:
+        return today - dt.timedelta(days=relative)
+    try:
+        return dt.datetime.combine(dt.date.fromisoformat(text.strip()), dt.time(), tzinfo=dt.UTC)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a day: write YYYY-MM-DD, today, yesterday or 7d") from None
+
+
+@contextlib.contextmanager
+def cli_errors(what: str) -> Iterator[None]:
+    """One line, not a traceback, for what a user of a command can fix: a bad URL or setting, a database that
+    does not answer. The command then exits 1 (the ``return 1`` after the ``with``)."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"error: {what}: {e}", file=sys.stderr)
+    except sa.exc.OperationalError as e:
+        print(f"error: {what}: the job history database does not answer ({str(e.orig).strip().splitlines()[0]}): "
+              "start it, or fix job_history.url (PINFLOW_JOB_HISTORY__URL)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -401,10 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         for line in sync_pools(cfg):
             print(line)
         return 0
-    for team in usage_by_team(cfg):
-        quota = ", ".join(f"{k} {team['held'][k]}/{'∞' if v is None else v}" for k, v in team["quota"].items())
-        print(f"{team['team']} (pool {team['pool']}, {team['instance_type']}): {quota}; {team['waiting']} waiting")
-    return 0
+    with history.cli_errors("quotas show"):
+        for team in usage_by_team(cfg, url=history.existing(cfg.job_history.url)):
+            quota = ", ".join(f"{k} {team['held'][k]}/{'∞' if v is None else v}" for k, v in team["quota"].items())
+            print(f"{team['team']} (pool {team['pool']}, {team['instance_type']}): {quota}; {team['waiting']} waiting")
+        return 0
+    return 1
 
 
 if __name__ == "__main__":

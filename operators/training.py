@@ -118,6 +118,28 @@ def release_pinned_copies(checkpoint_dir: str) -> None:
             storage.remove_tree(storage.join(pins_dir, name))
 
 
+def tracking_server_answers(uri: str, timeout_s: float = 10.0) -> None:
+    """InfraError (the task retries with backoff) if ``uri`` is an MLflow tracking server that does not answer
+    its ``/health``; nothing for a database or file store (the job opens it itself) or no tracking (empty)."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as answer:  # noqa: S310 - http(s) only
+            if answer.status == 200:
+                return
+            problem = f"HTTP {answer.status}"
+    except urllib.error.HTTPError as e:
+        problem = f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        problem = str(getattr(e, "reason", e))
+    raise InfraError(f"preflight: the MLflow tracking server {uri} does not answer ({problem}): nothing was submitted; "
+                     "the task retries. Start it, or fix mlflow.tracking_uri (PINFLOW_MLFLOW__TRACKING_URI); an empty "
+                     "tracking_uri trains without tracking")
+
+
 def family_dataset(model: str) -> str:
     """The dataset whose rows a family trains on (imports the family's module: not at DAG parse time)."""
     from training.sdk import load_family
@@ -373,7 +395,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     def submit_job(self, context: Context) -> dict[str, Any]:
         """Reattach to a job an earlier try of this task left running, or submit this try's job."""
         backend, spec, run_config, output_dir = self._prepare(context)
-        self._preflight(backend)
+        self._preflight(backend, run_config.get("mlflow_tracking_uri") or "")
         ti = context["ti"]
         # Closes the window between submitting and recording the id: names are deterministic per try.
         for earlier in range(ti.try_number - 1, 0, -1):
@@ -593,8 +615,9 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         if store is not None:
             store.delete(self.external_id_key)
 
-    def _preflight(self, backend: Any) -> None:
-        """Cheap checks before anything is submitted: the inputs exist, the backend answers."""
+    def _preflight(self, backend: Any, tracking_uri: str) -> None:
+        """Cheap checks before anything is submitted: the inputs exist, the backend and the tracking server
+        answer (a job submitted while MLflow is down would only fail its own preflight, after its queue wait)."""
         from core.contracts import EXAMPLES
         from core.storage import is_complete
 
@@ -608,6 +631,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         except Exception as err:
             # Missing credentials are a setting to fix (USER); a service that does not answer is INFRA.
             raise as_typed(err, f"preflight: the {backend.name} backend") from err
+        tracking_server_answers(tracking_uri)
 
     def on_kill(self) -> None:
         if self._job is not None:

@@ -88,7 +88,7 @@ def export_serving(family: ModelFamily, model: Any, output_dir: str) -> str:
 EPILOG = f"""\
 {fields_help()}
 
-Exit codes (core.failures.ExitCode), one per failure class (DESIGN.md section 4):
+Exit codes (core.failures.ExitCode), one per failure class (docs/architecture.md §4):
   0    OK
   1    USER      a bug in the model code or an invalid RUN.json: fail now, fix the named field
   65   DATA      a missing, incomplete or malformed input partition: fail now, nothing downstream runs

@@ -1,4 +1,4 @@
-"""The data validation gate of the raw datasets (DESIGN.md §2, §3), one module per job.
+"""The data validation gate of the raw datasets (docs/architecture.md §2, §3), one module per job.
 
 - ``checks`` — the ``Check`` record and the storage and physical-schema stage (pyarrow);
 - ``derived`` — the checks GX cannot express on the raw columns (references to another dataset, links

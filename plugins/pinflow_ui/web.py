@@ -23,10 +23,12 @@ from __future__ import annotations
 import datetime as dt
 import mimetypes
 from html import escape
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from pinflow_ui import pages, svg
 
@@ -346,6 +348,10 @@ def training_runs(limit: int = 100) -> list[dict[str, Any]]:
     return list(runs.values())[:limit]
 
 
+# The days a page shows: a year at most (a page of more would take minutes to draw); fewer than one is none.
+Days = Annotated[int, Query(ge=1, le=366, description="days shown, ending today (1 to 366)")]
+
+
 def _allowed_file(parts: list[str]) -> bool:
     """Only validation reports / Data Docs and quarantined partitions' reports are served (no data files)."""
     if not parts or any(p in ("", ".", "..") or "\\" in p for p in parts):
@@ -358,9 +364,6 @@ def _allowed_file(parts: list[str]) -> bool:
 def create_app() -> FastAPI:
     from airflow.api_fastapi.auth.managers.models.resource_details import AccessView, DagAccessEntity
     from airflow.api_fastapi.core_api.security import requires_access_dag, requires_access_view
-    from fastapi import Depends, HTTPException
-    from fastapi.encoders import jsonable_encoder
-    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from core import config, storage
     from operators import job_history as history
@@ -380,11 +383,11 @@ def create_app() -> FastAPI:
         return RedirectResponse(f"{_prefix(request)}/platform")
 
     @app.get("/api/platform")
-    def api_platform(days: int = 14) -> JSONResponse:
+    def api_platform(days: Days = 14) -> JSONResponse:
         return JSONResponse(jsonable_encoder(pages.platform(cfg(), days)))
 
     @app.get("/platform", response_class=HTMLResponse)
-    def platform_page(request: Request, days: int = 14) -> HTMLResponse:
+    def platform_page(request: Request, days: Days = 14) -> HTMLResponse:
         return HTMLResponse(render_platform(request, pages.platform(cfg(), days)))
 
     @app.get("/api/runs")
@@ -420,11 +423,11 @@ def create_app() -> FastAPI:
         return HTMLResponse(_layout(request, "MLflow run not created yet", body, refresh=10))
 
     @app.get("/api/data-quality")
-    def api_data_quality(days: int = 14) -> JSONResponse:
+    def api_data_quality(days: Days = 14) -> JSONResponse:
         return JSONResponse(jsonable_encoder(pages.data_quality(cfg(), days)))
 
     @app.get("/data-quality", response_class=HTMLResponse)
-    def data_quality_page(request: Request, days: int = 14) -> HTMLResponse:
+    def data_quality_page(request: Request, days: Days = 14) -> HTMLResponse:
         return HTMLResponse(render_data_quality(request, pages.data_quality(cfg(), days)))
 
     @app.get("/data-quality/docs/{dataset}/{ds}", response_model=None)

@@ -461,6 +461,12 @@ def test_pages_api_needs_a_token(stack):
     assert quality["cells"]["events"][RAW_DAYS[0]]["success"] is True
     assert quality["cells"]["events"][RAW_DAYS[1]]["success"] is False
     assert any(q["ds"] == RAW_DAYS[1] and q["failed_checks"] for q in quality["quarantine"])
+    # Out-of-range days are a 422 naming the bound, not a 500; the app's OpenAPI document is served.
+    for days in ("-5", "0", "100000000", "two"):
+        status, _, body = stack.request(f"{paths[0]}?days={days}", token=token)
+        assert status == 422 and "days" in body, (days, status, body[:300])
+    status, _, body = stack.request("/pinflow/openapi.json", token=token)
+    assert status == 200 and "/api/platform" in json.loads(body)["paths"], body[:300]
 
 
 def test_each_team_is_a_pool_whose_slots_are_its_jobs_quota(stack):

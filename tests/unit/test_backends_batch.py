@@ -285,7 +285,7 @@ def test_missing_aws_credentials_fail_the_preflight_as_user_error(monkeypatch, t
     op = DistributedTrainingOperator(task_id="train", plan={"train_days": ["2026-11-01"], "eval_ds": "2026-11-02"},
                                      backend="batch")
     with pytest.raises(UserError, match="preflight: the batch backend: NoCredentialsError") as err:
-        op._preflight(BatchBackend(BatchConfig(region_name="us-east-1"), TEAMS))
+        op._preflight(BatchBackend(BatchConfig(region_name="us-east-1"), TEAMS), "")
     assert err.value.failure_class is FailureClass.USER
 
 

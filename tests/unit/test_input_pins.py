@@ -254,7 +254,7 @@ def test_the_operator_writes_the_pins_to_run_json_and_every_try_reuses_them(root
     monkeypatch.setattr(config, "load", lambda: cfg)
     backend = Backend()
     monkeypatch.setattr("operators.backends.get_backend", lambda name, cfg=None, home=None: backend)
-    monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend: None)
+    monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend, tracking_uri: None)
 
     def submit(try_number: int) -> RunConfig:
         op = DistributedTrainingOperator(task_id="train", plan={"train_days": DAYS[:2], "eval_ds": DAYS[2]},

@@ -192,3 +192,27 @@ def test_the_plugin_registers_its_app_views_and_http_links():
 
 def _request():
     return SimpleNamespace(scope={"root_path": "/pinflow"})
+
+
+def test_the_app_describes_itself_and_bounds_its_days():
+    """/pinflow/openapi.json (every route's annotations resolvable) and the days a page accepts (1 to 366)."""
+    app = web.create_app()
+    spec = app.openapi()
+    assert {"/api/platform", "/api/data-quality", "/platform"} <= set(spec["paths"])
+    days = next(p for p in spec["paths"]["/api/platform"]["get"]["parameters"] if p["name"] == "days")
+    assert days["schema"]["minimum"] == 1 and days["schema"]["maximum"] == 366
+
+
+def test_the_listener_records_the_tasks_of_every_dag_in_dags(tmp_path, monkeypatch):
+    """PINFLOW_DAGS is every dag_id in dags/ (pinflow_hpo's trials were missing from the task outcomes)."""
+    import re
+
+    import pinflow_plugin
+
+    dag_ids = {m for f in (REPO / "dags").glob("*.py") for m in re.findall(r'dag_id="([a-z0-9_]+)"', f.read_text())}
+    assert dag_ids and set(pinflow_plugin.PINFLOW_DAGS) == dag_ids
+    monkeypatch.setenv("PINFLOW_HOME", str(tmp_path))
+    ti = SimpleNamespace(dag_id="pinflow_hpo", task_id="trials", run_id="r", map_index=-1, try_number=1, start_date=None)
+    pinflow_plugin._record(ti, "failed", error="boom")
+    row = json.loads((tmp_path / "jobdata" / "task_runs.jsonl").read_text())
+    assert (row["dag_id"], row["state"], row["error"]) == ("pinflow_hpo", "failed", "boom")

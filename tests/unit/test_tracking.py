@@ -47,3 +47,43 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
     assert [str(v.version) for v in client.search_model_versions("name='tiny_click'")] == ["1"]
     assert json.loads(state.read_text())["model_version"] == "1"
     sys.modules.pop("tiny_click", None)
+
+
+def test_a_tracking_server_that_does_not_answer_stops_the_submit():
+    """The training operator's preflight asks the tracking server's /health before submitting (issue 37, 8)."""
+    import http.server
+    import socket
+    import threading
+
+    from core.failures import InfraError
+    from operators.training import tracking_server_answers
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            self.send_response(Health.status if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        tracking_server_answers(url)  # answers
+        tracking_server_answers("")  # no tracking
+        tracking_server_answers("sqlite:////nowhere/mlflow.db")  # the job opens a database itself
+        Health.status = 503
+        with pytest.raises(InfraError, match=r"does not answer \(HTTP 503\).*nothing was submitted"):
+            tracking_server_answers(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(InfraError, match="PINFLOW_MLFLOW__TRACKING_URI"):
+        tracking_server_answers(f"http://127.0.0.1:{closed}", timeout_s=5)
