@@ -38,7 +38,7 @@ help:
 	@echo "make secrets  - write .env with generated secrets for docker-compose.yaml (kept if it exists)"
 	@echo "make install  - .venv with the pinned constraints, an Airflow home on SQLite under $(PINFLOW_HOME), the teams' pools"
 	@echo "make pools    - create or update each team's Airflow pool (team-<name>) from config/platform.yaml"
-	@echo "make screenshots - the pages' browser test, saving its screenshots as docs/*.png (the README shows them)"
+	@echo "make screenshots - the pages' browser test, saving its screenshots as docs/*.png (docs/using-airflow.md shows them)"
 	@echo "make clean    - delete $(PINFLOW_HOME) (the demo's data, MLflow store and Airflow home)"
 
 install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db $(AIRFLOW_HOME)/.pools-synced
@@ -72,7 +72,7 @@ pools: $(AIRFLOW_HOME)/airflow.db
 demo: install
 	$(BIN)/python scripts/demo.py
 
-# The README's screenshots of the pages (docs/*.png), taken by the pages' browser test (Debian's chromium).
+# The screenshots of the pages (docs/*.png, shown in docs/using-airflow.md), taken by the pages' browser test (Debian's chromium).
 screenshots: install dev-tools
 	PINFLOW_SCREENSHOTS=docs $(BIN)/python -m pytest -q tests/integration/test_ui_pages.py
 

@@ -49,7 +49,7 @@ and XCom, the run's note and on the MLflow version. A promotion emits `pinflow_c
 corpus inference of that family; a model that is not promoted emits nothing (the promote task is skipped).
 
 The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
-team's fair share) or `kubernetes` (Kubeflow PyTorchJob in the team's Kueue queue). The `team` param picks whose
+team's fair share) or `kubernetes` (a Kubeflow Trainer TrainJob, or a PyTorchJob, in the team's Kueue queue). The `team` param picks whose
 quota, Airflow pool (`team-<name>`), queue and default instance type the job uses: while the team's jobs hold its
 whole quota (jobs, nodes or GPUs), the task waits deferred, logging who holds it, and submits when there is room.
 The run's *Training progress* tab (and *Pinflow → Training runs*) shows the job live: step of total, %,
@@ -68,7 +68,7 @@ extra links open the job's console page and the MLflow run.
     params={
         "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to train (families: in the platform configuration)."),
         "team": team_param(_cfg),
-        "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow PyTorchJob)."),
+        "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow TrainJob, or PyTorchJob per kubernetes.api)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
         "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on; fewer complete days fail the run unless accept_fewer_days."),
         "accept_fewer_days": Param(False, type="boolean", description="Train on the complete days there are when fewer than train_days exist (the model is registered, not promoted)."),

@@ -1,6 +1,6 @@
 """Real data on the raw contract: the MovieLens 100K ratings replayed as days of engagement logs.
 
-The README's "Bring your own data" path, with a real public log: 100,000 ratings (1-5 stars) of 1,682 movies by
+The "Bring your own data" path of docs/data.md, with a real public log: 100,000 ratings (1-5 stars) of 1,682 movies by
 943 users (GroupLens, University of Minnesota; F. M. Harper and J. A. Konstan, "The MovieLens Datasets: History
 and Context", ACM TiiS 5(4), 2015). The project does not carry or download the data: it reads the copy that the
 ``recbole`` package ships in its wheel (``recbole/dataset_example/ml-100k``; ``make install`` installs it without
@@ -27,7 +27,7 @@ How a rating becomes the raw contract (``core/contracts.py``):
     python -m features.movielens --root .pinflow/movielens --start 2026-11-01 --days 12
 
 then validate and build each day with the configuration this data needs (``PINFLOW_VALIDATION__EMBEDDING_DIM=19``,
-see the README), and train.
+see docs/data.md), and train.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ The platform supplies everything else, the same for every family: the input pipe
 (``training.data.ExampleStream``), DDP, TorchRec sharding (FSDP2 as a fallback), checkpoints, preflight,
 heartbeats, MLflow logging and
 registration (one registered model per family), the promotion gate, the backends and corpus inference.
-``README.md`` ("Add a model family") walks through writing one.
+``docs/training.md`` ("Add a model family") walks through writing one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A third model family, written the way the README's tutorial says: one file against ``training.sdk``.
+"""A third model family, written the way docs/training.md ("Add a model family") says: one file against ``training.sdk``.
 
 ``tiny_click`` predicts a click from the impression's dense features alone (a logistic regression over the
 log-transformed counts and the rates of ``examples``). The platform supplies the rest: the input pipeline,

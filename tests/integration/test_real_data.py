@@ -1,4 +1,4 @@
-"""Real data through the README's "Bring your own data" path, and the promotion gate on it through the training DAG.
+"""Real data through the "Bring your own data" path of docs/data.md, and the promotion gate on it through the training DAG.
 
 MovieLens 100K (real ratings, read from the ``recbole`` package's copy: ``features.movielens``) is landed on the
 raw contract by the converter's command, validated and built by the validation and build commands (their ``main``,

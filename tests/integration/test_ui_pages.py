@@ -15,7 +15,7 @@ API server runs). Then: the job history rows; the pages' API answers 401 without
 plugin is registered (FastAPI app, external views); every extra link is ``http(s)`` and resolves; and headless
 Chromium (Debian's, driven by Playwright) logs in, opens the three pages inside the Airflow UI and finds their
 rows and plots. Its screenshots go to a temporary folder, or with ``PINFLOW_SCREENSHOTS=docs`` (``make
-screenshots``) to ``docs/``, where the README shows them.
+screenshots``) to ``docs/``, where docs/using-airflow.md shows them.
 """
 
 from __future__ import annotations
