@@ -16,6 +16,10 @@ export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.
 # that task processes report to) and the log servers next to it; print-env gives the same to a shell.
 PORT ?= 8080
 export AIRFLOW__API__PORT := $(PORT)
+# The embedded default serves this machine only (Airflow's default 0.0.0.0 is for a production stack behind a
+# proxy); HOST=0.0.0.0 opens it to the network.
+HOST ?= 127.0.0.1
+export AIRFLOW__API__HOST := $(HOST)
 export AIRFLOW__API__BASE_URL := http://localhost:$(PORT)
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL := http://localhost:$(PORT)/execution/
 # Airflow's defaults (8793, 8794, 8974) for PORT=8080, shifted with it.
@@ -126,7 +130,7 @@ clean:
 print-env:
 	@for v in PINFLOW_HOME AIRFLOW_HOME AIRFLOW__CORE__DAGS_FOLDER AIRFLOW__CORE__PLUGINS_FOLDER \
 	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN AIRFLOW__CORE__PARALLELISM GX_ANALYTICS_ENABLED \
-	  AIRFLOW__API__PORT AIRFLOW__API__BASE_URL AIRFLOW__CORE__EXECUTION_API_SERVER_URL \
+	  AIRFLOW__API__HOST AIRFLOW__API__PORT AIRFLOW__API__BASE_URL AIRFLOW__CORE__EXECUTION_API_SERVER_URL \
 	  AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT \
 	  AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT PATH; do \
 	  echo "export $$v='$${!v}'"; done

@@ -384,7 +384,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         if url and self._links.get("job") != url:
             self._links["job"] = url
             ti.xcom_push(key=JobConsoleLink().xcom_key, value=url)
-            self.log.info("%s job %s: %s (progress: %s)", job["backend"], job["job_id"], url,
+            # Each URL last on its line or before a space: the log viewer makes a link of everything up to a space.
+            self.log.info("%s job %s: %s ; progress of this run: %s", job["backend"], job["job_id"], url,
                           links.run_page_url(ti.dag_id, ti.run_id))
             job_history.note(job_history.update_job, job["backend"], job["job_id"], console_url=url)
         if "mlflow" not in self._links:  # resolves to the job's MLflow run as soon as the job has created it

@@ -86,6 +86,8 @@ def _duration(seconds: float | None) -> str:
         return f"{seconds / 3600:.1f} h"
     if seconds >= 60:
         return f"{seconds / 60:.1f} min"
+    if 0 < seconds < 9.95:  # a wait of a third of a second is not "0 s"
+        return f"{seconds:.1f} s"
     return f"{seconds:.0f} s"
 
 

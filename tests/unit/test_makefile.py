@@ -49,3 +49,8 @@ def test_default_port_keeps_airflows_defaults():
     assert env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] == "8793"
     assert env["AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT"] == "8794"
     assert env["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT"] == "8974"
+
+
+def test_the_api_server_listens_on_this_machine_only_unless_asked():
+    assert print_env()["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert print_env("HOST=0.0.0.0")["AIRFLOW__API__HOST"] == "0.0.0.0"

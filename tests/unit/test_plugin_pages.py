@@ -216,3 +216,8 @@ def test_the_listener_records_the_tasks_of_every_dag_in_dags(tmp_path, monkeypat
     pinflow_plugin._record(ti, "failed", error="boom")
     row = json.loads((tmp_path / "jobdata" / "task_runs.jsonl").read_text())
     assert (row["dag_id"], row["state"], row["error"]) == ("pinflow_hpo", "failed", "boom")
+
+
+def test_durations_below_ten_seconds_keep_a_decimal():
+    assert [web._duration(s) for s in (None, 0, 0.33, 9.4, 12, 90, 7200)] == [
+        "—", "0 s", "0.3 s", "9.4 s", "12 s", "1.5 min", "2.0 h"]
