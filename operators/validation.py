@@ -10,7 +10,7 @@ an invalid ``validation:`` setting is the platform configuration's ``ConfigError
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.types import TaskInstanceKey
@@ -40,11 +40,12 @@ class DataDocsLink(BaseOperatorLink):
     """The "Data Docs" button of a validation task: the GX Data Docs page of the partition it validated."""
 
     name = "Data Docs"
-    operators: ClassVar[list[type[BaseOperator]]] = []  # filled in below the operator
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         # Airflow 3 calls this on the worker when the task ends (success or failure) and stores the URL in
-        # XCom; the execute() of this try has set the URL of the page it wrote.
+        # XCom, which the API server reads (the link is an XComOperatorLink there: no ``operators`` list, or the
+        # API server would call this on the serialized operator, which has none of these attributes); the
+        # execute() of this try has set the URL of the page it wrote.
         url = getattr(operator, "data_docs_url", None)
         if url:
             return str(url)
@@ -108,8 +109,6 @@ class ValidatePartitionOperator(BaseOperator):
 
         return validation_lineage(config.load().storage_root, self.dataset, self.ds, self._checks)
 
-
-DataDocsLink.operators = [ValidatePartitionOperator]
 
 
 class WindowGapCheckOperator(BaseOperator):

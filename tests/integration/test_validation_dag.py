@@ -40,11 +40,17 @@ def main() -> None:
             (x.task_id, x.key): x.value
             for x in session.query(XComModel).filter(XComModel.dag_id == dag.dag_id, XComModel.run_id == dr.run_id)
         }
+    # The link as the API server answers the UI: from the serialized DAG in the database, not the operator.
+    from airflow.models.serialized_dag import SerializedDagModel
+
+    served = SerializedDagModel.get_dag(dag.dag_id)
+    ti = next(t for t in dr.get_task_instances() if t.task_id == "validate_events")
     summary = {
         "state": str(dr.state),
         "states": states,
         "validation": xcoms.get(("validate_events", "validation")),
         "link": xcoms.get(("validate_events", "_link_DataDocsLink")),
+        "served_link": served.get_task("validate_events").get_extra_links(ti, "Data Docs") if served else None,
         "pins_validation": xcoms.get(("validate_pins", "validation")),
     }
     print("SUMMARY " + json.dumps(summary, default=str), flush=True)
@@ -101,6 +107,7 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert isinstance(validation, dict)
     assert validation["failed_checks"] == ["action.in_set"] and validation["quarantine"]
     link = _value(summary["link"])
+    assert summary["served_link"] == link, summary  # the UI's button (was null: get_link ran on the serialized task)
     assert isinstance(link, str) and link.startswith("http") and link.endswith("/pinflow/data-quality/docs/events/2026-11-02")
     assert "DataError" in log.read_text() and "action.in_set" in log.read_text()
     # Quarantined with its report; the other partitions stay; nothing downstream was written.
