@@ -47,6 +47,7 @@ FAILED = "FAILED"
 CANCELLED = "CANCELLED"
 LOST = "LOST"  # the backend no longer knows the job and nobody recorded its end
 ABANDONED = "ABANDONED"  # admitted, then never submitted (the task died in between)
+STOPPED_BY_A_PERSON = "stopped from Airflow: the task was marked failed or success, cleared, or its run stopped"
 # The states that hold a team's quota.
 ACTIVE = (ADMITTED, SUBMITTED, RUNNING)
 TERMINAL = (SUCCEEDED, FAILED, "STALLED", "QUEUE_TIMEOUT", CANCELLED, LOST, ABANDONED)

@@ -640,6 +640,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             from operators.backends import get_backend
 
             self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
-            get_backend(self._job["backend"]).cancel(self._job["job_id"])
+            # CANCELLED first: the cancelled job exits as a killed process (INFRA), which is not what happened.
             job_history.note(job_history.mark_ended, self._job["backend"], self._job["job_id"], job_history.CANCELLED,
-                             reason="the task was killed")
+                             reason=job_history.STOPPED_BY_A_PERSON)
+            get_backend(self._job["backend"]).cancel(self._job["job_id"])

@@ -143,7 +143,12 @@ class ComputeJobTrigger(BaseTrigger):
             await asyncio.sleep(next(delays))
 
     async def on_kill(self) -> None:
-        """The user killed the deferred task: cancel its job (not called when a triggerer restarts)."""
+        """The user killed the deferred task: cancel its job (not called when a triggerer restarts). The history
+        says CANCELLED first: the job then exits as a killed process would (INFRA), which is not what happened."""
+        from operators import job_history
+
         backend = await asyncio.to_thread(self._backend)
         self.log.info("task killed while deferred: cancelling %s job %s", self.backend, self.job_id)
+        await asyncio.to_thread(job_history.note, job_history.mark_ended, self.backend, self.job_id,
+                                job_history.CANCELLED, reason=job_history.STOPPED_BY_A_PERSON)
         await asyncio.to_thread(backend.cancel, self.job_id)

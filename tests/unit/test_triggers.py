@@ -147,6 +147,25 @@ def test_on_kill_cancels(monkeypatch):
 
 
 @pytest.mark.unit
+def test_a_task_stopped_from_airflow_leaves_its_job_cancelled_not_failed(monkeypatch, tmp_path):
+    """Marking a deferred task failed kills its trigger: the history says CANCELLED (before the job's exit, as a killed
+    process, could be read as an INFRA failure), and reconciling afterwards leaves it so."""
+    from operators import job_history as history
+    from operators import quotas
+
+    url = f"sqlite:///{tmp_path}/jobs.db"
+    monkeypatch.setattr(history, "default_url", lambda: url)
+    history.upsert("train-killed", url, team="ranking", state=history.RUNNING, backend="batch", job_id="abc-123",
+                   nodes=1, gpus=8)
+    backend = Scripted([JobState.FAILED])
+    monkeypatch.setattr(ComputeJobTrigger, "_backend", lambda self: backend)
+    asyncio.run(make().on_kill())
+    quotas.reconcile("ranking", url, backends={"batch": backend})
+    row = history.get("train-killed", url)
+    assert (row["state"], row["failure_class"], row["reason"]) == ("CANCELLED", None, history.STOPPED_BY_A_PERSON)
+
+
+@pytest.mark.unit
 def test_in_a_triggerer_a_job_that_has_already_ended_is_reported_no_sooner_than_the_minimum_delay(monkeypatch):
     """Airflow 3.3 fails a resumed task whose trigger fired before the scheduler saw the deferring worker exit
     (apache/airflow#72716): in a triggerer (which sets trigger_id) the event waits until MIN_SECONDS_TO_EVENT after
