@@ -328,6 +328,9 @@ class JobHistoryConfig(Section):
     """The job history database (``operators.job_history``): one row per job, written at each transition."""
 
     url: str = Field("", description="SQLAlchemy URL (postgresql+psycopg2://... in production); empty: sqlite:///<PINFLOW_HOME>/jobdata/job_history.db")
+    orphan_after_s: float = Field(
+        900.0, ge=0, description="a job still running that no task (operator or trigger) has looked at for this long "
+        "is orphaned (its task was killed with no retry left, or its runner died): cancelled and its row ended; 0: never")
 
 
 class InstanceTypeConfig(Section):

@@ -25,6 +25,7 @@ import datetime as dt
 import functools
 import logging
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ jobs = sa.Table(
     sa.Column("output_dir", sa.Text),
     sa.Column("checkpoint_dir", sa.Text),
     sa.Column("console_url", sa.Text),
+    sa.Column("watched_at", sa.DateTime(timezone=True), comment="the last time a task checked on the running job"),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
 )
 sa.Index("ix_pinflow_job_history_team_state", jobs.c.team, jobs.c.state)
@@ -119,7 +121,7 @@ def from_epoch(value: float | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(value, dt.UTC) if value else None
 
 
-def _aware(value: Any) -> Any:
+def aware(value: Any) -> Any:
     """SQLite gives back naive datetimes: they were written in UTC."""
     if isinstance(value, dt.datetime) and value.tzinfo is None:
         return value.replace(tzinfo=dt.UTC)
@@ -288,7 +290,29 @@ def mark_submitted(job_name: str, job_id: str, submitted_at: dt.datetime | None 
                    url: str | None = None) -> None:
     """The backend accepted the job (``submitted_at``: when the request went out)."""
     upsert(job_name, url, state=SUBMITTED, job_id=job_id, submitted_at=submitted_at or now(),
-           console_url=console_url or None)
+           console_url=console_url or None, watched_at=now())
+
+
+WATCH_EVERY_S = 60.0  # how often a waiting task says it still watches its job (far below job_history.orphan_after_s)
+
+
+def mark_watched(backend: str, job_id: str, url: str | None = None) -> None:
+    """A task (the operator polling, or its trigger) still watches this job: it is not orphaned."""
+    with transaction(url) as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.backend == backend, jobs.c.job_id == job_id,
+                                           jobs.c.state.in_(ACTIVE)).values(watched_at=now()))
+
+
+class Watching:
+    """Calls :func:`mark_watched` at most every WATCH_EVERY_S from a task's polling loop (never raises)."""
+
+    def __init__(self, backend: str, job_id: str) -> None:
+        self.backend, self.job_id, self.last = backend, job_id, time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.last >= WATCH_EVERY_S:
+            self.last = time.monotonic()
+            note(mark_watched, self.backend, self.job_id)
 
 
 def update_job(backend: str, job_id: str, url: str | None = None, **fields: Any) -> None:
@@ -323,9 +347,9 @@ def mark_ended(
         ).mappings().first()
         if row is None:
             return
-        started = _aware(row["started_at"]) or from_epoch(started_at)
+        started = aware(row["started_at"]) or from_epoch(started_at)
         if started is None and state == SUCCEEDED:
-            started = _aware(row["submitted_at"])
+            started = aware(row["submitted_at"])
         run_s = max(0.0, (end - started).total_seconds()) if started else 0.0
         queue_wait = row["queue_wait_s"] if row["queue_wait_s"] is not None else queued_s
         conn.execute(
@@ -372,7 +396,7 @@ def get(job_name: str, url: str | None = None) -> dict[str, Any] | None:
     """The row of ``job_name``, or None."""
     with engine(url).connect() as conn:
         row = conn.execute(sa.select(jobs).where(jobs.c.job_name == job_name)).mappings().first()
-    return {k: _aware(v) for k, v in row.items()} if row else None
+    return {k: aware(v) for k, v in row.items()} if row else None
 
 
 def rows(
@@ -400,7 +424,7 @@ def rows(
     if limit:
         query = query.limit(limit)
     with engine(url).connect() as conn:
-        return [{k: _aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
+        return [{k: aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
 
 
 def export(path: str | Path, fmt: str = "csv", **filters: Any) -> int:

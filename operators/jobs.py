@@ -210,7 +210,10 @@ def wait_for_job(
     Heartbeats are watched only while the job runs (:class:`JobWatch`); a stall or a queue timeout cancels
     the job first, so a retry does not race it. The returned status carries the job's start and queue times.
     """
+    from operators.job_history import Watching
+
     watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
+    watching = Watching(backend.name, job_id)
     delays = poll_delays(poll_seconds)
     last_log = 0.0
     was_running = False
@@ -218,6 +221,7 @@ def wait_for_job(
         status = backend.status(job_id)
         if status.state.terminal:
             break
+        watching.tick()
         verdict = watch.observe(status)
         if verdict is not None:
             backend.cancel(job_id)

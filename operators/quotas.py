@@ -129,13 +129,27 @@ def describe_holders(rows: list[dict[str, Any]], limit: int = 5) -> str:
 # --- reconciling rows with their backends ----------------------------------------------------------------
 
 
-def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | None = None) -> int:
-    """Close the team's active rows whose job has ended (or vanished) without its end being recorded.
+def orphaned(row: Mapping[str, Any], orphan_after_s: float) -> bool:
+    """Whether a running job's row says no task has watched it for ``orphan_after_s`` (0: never orphaned). A task
+    waiting for its job (the operator polling or its trigger) marks it every ``job_history.WATCH_EVERY_S``; rows
+    from before that column have none and are left alone."""
+    watched = history.aware(row.get("watched_at"))
+    return bool(orphan_after_s) and watched is not None and (history.now() - watched).total_seconds() > orphan_after_s
+
+
+def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | None = None,
+              orphan_after_s: float | None = None) -> int:
+    """Close the team's active rows whose job has ended (or vanished) without its end being recorded, and cancel
+    the running jobs that no task watches any more (:func:`orphaned`: their row says CANCELLED and why).
 
     Asks each row's backend for its job's status; an admitted row never submitted for ``ABANDON_AFTER_S`` is
     abandoned. Returns how many rows changed. Errors are logged: a backend that does not answer keeps its rows.
     """
+    from core import config
     from operators.backends import get_backend
+
+    if orphan_after_s is None:
+        orphan_after_s = config.load().job_history.orphan_after_s
 
     cache: dict[str, Any] = dict(backends or {})
     changed = 0
@@ -163,6 +177,16 @@ def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | N
                     reason=status.reason, started_at=status.started_at, queued_s=status.queued_s,
                     ended_at=status.ended_at, url=url,
                 )
+                changed += 1
+            elif orphaned(row, orphan_after_s):
+                unwatched = (history.now() - history.aware(row["watched_at"])).total_seconds()
+                log.warning("job %s (%s) has not been watched by its task for %.0f s: cancelling it as orphaned",
+                            row["job_id"], row["job_name"], unwatched)
+                history.mark_ended(row["backend"], row["job_id"], history.CANCELLED, url=url, reason=(
+                    f"orphaned: no task watched it for {unwatched / 60:.0f} min (its task was killed with no retry "
+                    f"left, or the process running it died), so it was cancelled; run the task again to resume from "
+                    f"its last checkpoint"))
+                backend.cancel(row["job_id"])
                 changed += 1
         except Exception as err:  # noqa: BLE001 - one row that cannot be checked must not block the others
             log.warning("could not reconcile job %s of team %s: %s", row["job_name"], team, err)
@@ -213,7 +237,7 @@ def try_admit(job_name: str, team: str, quota: QuotaConfig, need: Amount, url: s
         holding, rows = held(conn, team, exclude=job_name)
         short = shortfall(quota, holding, need)
         row = conn.execute(sa.select(history.jobs.c.requested_at).where(history.jobs.c.job_name == job_name)).first()
-        requested = history._aware(row[0]) if row and row[0] else history.now()
+        requested = history.aware(row[0]) if row and row[0] else history.now()
         waited = max(0.0, (history.now() - requested).total_seconds())
         if not short:
             history.upsert(job_name, conn=conn, state=history.ADMITTED, quota_wait_s=waited, team=team,

@@ -91,9 +91,14 @@ class ComputeJobTrigger(BaseTrigger):
         last_log = 0.0
         last_phase: Any = None
         was_running = False
+        from operators.job_history import Watching
+
+        watching = Watching(self.backend, self.job_id)
         while True:
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)
+            if not status.state.terminal:
+                await asyncio.to_thread(watching.tick)
             if status.state.terminal:
                 if self.output_dir:  # the job's last progress, however short its last phases were between polls
                     beats = await asyncio.to_thread(read_heartbeats, self.output_dir)

@@ -124,6 +124,47 @@ def test_reconcile_closes_the_rows_of_jobs_that_ended_unrecorded(url, monkeypatc
     assert states["admitted-long-ago"]["state"] == history.ABANDONED
 
 
+def test_a_running_job_no_task_watches_is_cancelled_as_orphaned(url, monkeypatch):
+    """Issue 37, 2: the runner of a task was killed after submit (no retry left, or ``airflow dags test`` killed): its
+    job ran on, unwatched, and its row said RUNNING forever. A job its task still watches is left alone."""
+    import datetime as dt
+
+    now = history.now()
+    hold(url, "orphan", watched_at=now - dt.timedelta(minutes=20))
+    hold(url, "watched", watched_at=now - dt.timedelta(minutes=1))
+    hold(url, "older-row")  # written before the column: never judged
+    backend = Scripted({"orphan": JobState.RUNNING, "watched": JobState.RUNNING, "older-row": JobState.RUNNING})
+    cancelled: list[str] = []
+    backend.cancel = cancelled.append  # type: ignore[attr-defined]
+    assert quotas.reconcile("t", url, backends={"local": backend}, orphan_after_s=0) == 0  # 0: never
+    assert quotas.reconcile("t", url, backends={"local": backend}, orphan_after_s=900) == 1
+    rows = {r["job_name"]: r for r in history.rows(url=url)}
+    assert cancelled == ["orphan"] and rows["orphan"]["state"] == history.CANCELLED
+    assert rows["orphan"]["reason"].startswith("orphaned: no task watched it for 20 min")
+    assert rows["watched"]["state"] == rows["older-row"]["state"] == history.RUNNING
+    with history.engine(url).connect() as conn:
+        assert quotas.held(conn, "t")[0].jobs == 2  # the orphan no longer holds quota
+
+
+def test_a_waiting_task_marks_its_job_watched(url, monkeypatch):
+    from operators.jobs import wait_for_job
+
+    hold(url, "job-1", state=history.SUBMITTED)
+    monkeypatch.setattr(history, "default_url", lambda: url)
+    monkeypatch.setattr(history, "WATCH_EVERY_S", 0.0)
+    backend = Scripted({"job-1": JobState.RUNNING})
+    polls = iter([JobState.RUNNING, JobState.SUCCEEDED])
+
+    def status(job_id):
+        backend.states[job_id] = next(polls)
+        return Scripted.status(backend, job_id)
+
+    backend.status = status  # type: ignore[method-assign]
+    assert history.rows(url=url)[0]["watched_at"] is None
+    wait_for_job(backend, "job-1", sleep=lambda s: None)
+    assert history.rows(url=url)[0]["watched_at"] is not None
+
+
 def test_quota_trigger_serializes_plain_values_and_fires_when_there_is_room(url, monkeypatch):
     trigger = quotas.QuotaTrigger(team="t", job_name="b", need={"jobs": 1, "nodes": 1, "gpus": 0}, poll_seconds=0.01,
                                   url=url)
