@@ -1,5 +1,5 @@
 """Airflow cluster policy (registered through the ``airflow.policy`` entry point in pyproject.toml): each training
-task runs in its team's pool, so the scheduler runs at most ``quota.jobs`` of a team's training tasks at once.
+task and HPO trial runs in its team's pool, so the scheduler runs at most ``quota.jobs`` of a team's training tasks at once.
 
 The team is the run's ``team`` param (``dag_run.conf`` of a run triggered from the form or the API), else the
 platform's ``training.team``. A pool that does not exist (``python -m operators.quotas sync-pools`` not run on
@@ -17,7 +17,7 @@ from airflow.policies import hookimpl
 log = logging.getLogger(__name__)
 
 # Operators whose tasks run a team's compute job (task_type as Airflow records it).
-TEAM_OPERATORS = frozenset({"DistributedTrainingOperator"})
+TEAM_OPERATORS = frozenset({"DistributedTrainingOperator", "HpoTrialOperator"})
 
 
 def _pools(dag_run: Any) -> set[str] | None:

@@ -215,6 +215,9 @@ def test_the_policy_routes_a_training_task_to_its_runs_team_pool(monkeypatch):
     assert other.pool == "default_pool"
     policy.task_instance_mutation_hook(ti, None)  # before the run exists: nothing to route on
     assert ti.pool == "team-ranking"
+    trial = SimpleNamespace(operator="HpoTrialOperator", pool="default_pool", dag_id="pinflow_hpo", task_id="trial")
+    policy.task_instance_mutation_hook(trial, SimpleNamespace(conf={"team": "content"}))
+    assert trial.pool == "team-content"  # an HPO study's trials are its team's jobs too
 
 
 def test_a_pool_per_team_with_the_jobs_quota_as_slots():
