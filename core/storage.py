@@ -153,9 +153,12 @@ def check_root(root: Location) -> None:
             raise ConfigError(f"storage root {text} is not writable by this user: {fix} to a folder it can "
                               "write, or change the folder's permissions") from None
         return
+    import fsspec
+
     scheme = text.split("://", 1)[0]
     try:
-        fs, key = filesystem(text)
+        # A filesystem of its own: one made without credentials must not stay in fsspec's cache for later calls.
+        fs, key = fsspec.core.url_to_fs(text, skip_instance_cache=True)
     except (ImportError, ValueError) as e:  # an unknown scheme, or its filesystem package not installed
         raise ConfigError(f"storage root {text}: {scheme}:// cannot be opened ({e}): {fix}") from None
     bucket = key.split("/", 1)[0]

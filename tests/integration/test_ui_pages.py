@@ -464,7 +464,7 @@ def test_pages_api_needs_a_token(stack):
     # Out-of-range days are a 422 naming the bound, not a 500; the app's OpenAPI document is served.
     for days in ("-5", "0", "100000000", "two"):
         status, _, body = stack.request(f"{paths[0]}?days={days}", token=token)
-        assert status == 422 and "days" in body, (days, status, body[:300])
+        assert status == 422 and b"days" in body, (days, status, body[:300])
     status, _, body = stack.request("/pinflow/openapi.json", token=token)
     assert status == 200 and "/api/platform" in json.loads(body)["paths"], body[:300]
 

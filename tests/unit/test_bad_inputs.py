@@ -67,6 +67,9 @@ def _config_read_per_case():
     config.load.cache_clear()
     yield
     config.load.cache_clear()
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # none made here without credentials outlives its case
 
 
 @pytest.mark.parametrize(("command", "argv", "env", "words", "status"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -292,8 +292,8 @@ def test_plugin_registers_the_link_for_the_validation_operator() -> None:
 
     plugin = runpy.run_path(str(Path(__file__).resolve().parents[2] / "plugins" / "pinflow_plugin.py"))
     [link] = [x for x in plugin["PinflowPlugin"].operator_extra_links if type(x).__name__ == "DataDocsLink"]
-    assert ValidatePartitionOperator in type(link).operators
     assert link.name == "Data Docs" and link.xcom_key == "_link_DataDocsLink"
+    assert any(type(x).__name__ == "DataDocsLink" for x in ValidatePartitionOperator.operator_extra_links)
 
 
 def test_serialized_dag_keeps_the_link() -> None:
@@ -304,6 +304,8 @@ def test_serialized_dag_keeps_the_link() -> None:
     task = DagSerialization.from_dict(DagSerialization.to_dict(dag)).get_task("validate_events")
 
     assert [link.name for link in task.operator_extra_links] == ["Data Docs"]
+    # The API server answers with the URL the worker stored (it cannot call get_link on a serialized task).
+    assert [type(link).__name__ for link in task.operator_extra_links] == ["XComOperatorLink"]
     assert getattr(dag.get_task("wait_for_raw"), "deferrable", None) is True
 
 
