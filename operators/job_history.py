@@ -490,14 +490,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def since_day(text: str) -> dt.datetime:
     """``--since``: a day (YYYY-MM-DD), ``today``, ``yesterday`` or ``<N>d`` (N days ago), as UTC midnight."""
-    today = dt.datetime.now(dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    relative = {"today": 0, "yesterday": 1}.get(text.strip().lower())
-    if relative is None and text.strip().lower().removesuffix("d").isdigit() and text.strip().lower().endswith("d"):
-        relative = int(text.strip()[:-1])
-    if relative is not None:
-        return today - dt.timedelta(days=relative)
+    word = text.strip().lower()
+    days_ago = {"today": "0", "yesterday": "1"}.get(word, word.removesuffix("d") if word.endswith("d") else "")
     try:
-        return dt.datetime.combine(dt.date.fromisoformat(text.strip()), dt.time(), tzinfo=dt.UTC)
+        day = (dt.datetime.now(dt.UTC).date() - dt.timedelta(days=int(days_ago)) if days_ago.isdigit()
+               else dt.date.fromisoformat(word))
+        return dt.datetime.combine(day, dt.time(), tzinfo=dt.UTC)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a day: write YYYY-MM-DD, today, yesterday or 7d") from None
 

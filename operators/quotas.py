@@ -129,18 +129,18 @@ def describe_holders(rows: list[dict[str, Any]], limit: int = 5) -> str:
 # --- reconciling rows with their backends ----------------------------------------------------------------
 
 
-def orphaned(row: Mapping[str, Any], orphan_after_s: float) -> bool:
-    """Whether a running job's row says no task has watched it for ``orphan_after_s`` (0: never orphaned). A task
-    waiting for its job (the operator polling or its trigger) marks it every ``job_history.WATCH_EVERY_S``; rows
-    from before that column have none and are left alone."""
+def unwatched_s(row: Mapping[str, Any]) -> float | None:
+    """Seconds since a task last watched the row's job (a task waiting for its job, the operator polling or its
+    trigger, marks it every ``job_history.WATCH_EVERY_S``); None for rows from before that column."""
     watched = history.aware(row.get("watched_at"))
-    return bool(orphan_after_s) and watched is not None and (history.now() - watched).total_seconds() > orphan_after_s
+    return None if watched is None else (history.now() - watched).total_seconds()
 
 
 def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | None = None,
               orphan_after_s: float | None = None) -> int:
     """Close the team's active rows whose job has ended (or vanished) without its end being recorded, and cancel
-    the running jobs that no task watches any more (:func:`orphaned`: their row says CANCELLED and why).
+    the running jobs that no task has watched for ``orphan_after_s`` (:func:`unwatched_s`; 0: never): their row
+    says CANCELLED and why.
 
     Asks each row's backend for its job's status; an admitted row never submitted for ``ABANDON_AFTER_S`` is
     abandoned. Returns how many rows changed. Errors are logged: a backend that does not answer keeps its rows.
@@ -178,8 +178,7 @@ def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | N
                     ended_at=status.ended_at, url=url,
                 )
                 changed += 1
-            elif orphaned(row, orphan_after_s):
-                unwatched = (history.now() - history.aware(row["watched_at"])).total_seconds()
+            elif orphan_after_s and (unwatched := unwatched_s(row)) is not None and unwatched > orphan_after_s:
                 log.warning("job %s (%s) has not been watched by its task for %.0f s: cancelling it as orphaned",
                             row["job_id"], row["job_name"], unwatched)
                 history.mark_ended(row["backend"], row["job_id"], history.CANCELLED, url=url, reason=(

@@ -97,8 +97,6 @@ class ComputeJobTrigger(BaseTrigger):
         while True:
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)
-            if not status.state.terminal:
-                await asyncio.to_thread(watching.tick)
             if status.state.terminal:
                 if self.output_dir:  # the job's last progress, however short its last phases were between polls
                     beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
@@ -113,6 +111,7 @@ class ComputeJobTrigger(BaseTrigger):
                     **watch.times(status),
                 })
                 return
+            await asyncio.to_thread(watching.tick)
             verdict = watch.observe(status)
             if verdict is not None:
                 await asyncio.to_thread(backend.cancel, self.job_id)

@@ -34,6 +34,7 @@ and the job says that its checkpoints are not signed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -64,12 +65,10 @@ PREFIX = "step-"
 _CHUNK = 8 * 1024 * 1024
 
 
-_warned_unsigned = False
 
 
+@functools.cache  # once per process
 def _warn_unsigned() -> None:
-    global _warned_unsigned
-    _warned_unsigned = True
     log.warning("checkpoints are not signed (%s is not set): their checksums are checked on load, but someone who "
                 "can write the checkpoint folder could rewrite them too", KEY_ENV)
 
@@ -354,7 +353,7 @@ def save(
         key = signing_key()
         if key is not None:
             marker[SIGNATURE] = signature(marker, key)
-        elif not _warned_unsigned:
+        else:
             _warn_unsigned()
         storage.write_json(storage.join(path, MARKER), marker)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:

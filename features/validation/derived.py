@@ -180,17 +180,21 @@ def one_width(column: pa.ChunkedArray | pa.Array) -> pa.Array | None:
 
 def tokens_in_range(column: pa.ChunkedArray | pa.Array, vocabulary: int) -> pa.Array | None:
     """Per row: every token is a non-null integer in [0, ``vocabulary``) (null rows stay null)."""
-    import numpy as np
-
     arr = _as_list_array(column)
     if arr is None or not pa.types.is_integer(arr.type.value_type):
         return None
     flat = pc.list_flatten(arr)
-    parents = pc.list_parent_indices(arr).to_numpy()
     values = flat.to_numpy(zero_copy_only=False) if flat.null_count == 0 else pc.fill_null(flat, -1).to_numpy()
-    bad = (values < 0) | (values >= vocabulary)
+    return _rows_without(arr, (values < 0) | (values >= vocabulary))
+
+
+def _rows_without(arr: pa.Array, bad: Any) -> pa.Array:
+    """Per row of the list array ``arr``: none of its values is flagged in ``bad`` (a mask over the flattened
+    values); null rows stay null (not_null reports them)."""
+    import numpy as np
+
     ok = np.ones(len(arr), dtype=bool)
-    ok[np.unique(parents[bad])] = False
+    ok[np.unique(pc.list_parent_indices(arr).to_numpy()[bad])] = False
     return pa.array(ok, mask=arr.is_null().to_numpy(zero_copy_only=False))
 
 
@@ -317,16 +321,7 @@ def has_impression(table: pa.Table, late: pa.Table | Callable[[], pa.Table | Non
 
 def embedding_finite(column: pa.ChunkedArray | pa.Array) -> pa.Array | None:
     """Per row: every value of the embedding is finite (null rows stay null: not_null reports them)."""
-    import numpy as np
-
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type)):
+    arr = _as_list_array(column)
+    if arr is None or not pa.types.is_floating(arr.type.value_type):
         return None
-    if not pa.types.is_floating(arr.type.value_type):
-        return None
-    flat = pc.list_flatten(arr)
-    parents = pc.list_parent_indices(arr).to_numpy()
-    bad = ~pc.fill_null(pc.is_finite(flat), False).to_numpy(zero_copy_only=False)
-    ok = np.ones(len(arr), dtype=bool)
-    ok[np.unique(parents[bad])] = False
-    return pa.array(ok, mask=arr.is_null().to_numpy(zero_copy_only=False))
+    return _rows_without(arr, ~pc.fill_null(pc.is_finite(pc.list_flatten(arr)), False).to_numpy(zero_copy_only=False))
