@@ -11,7 +11,8 @@ leave the others' tail of an epoch untrained (a different tail each epoch). The 
 of 64Ki rows: a production day of millions of examples is hundreds of units, a small day one.
 
 Which dataset and columns are read, and how rows become tensors, is the model family's (``training.sdk``):
-the stream hands each table of ``batch_size`` rows to the family's ``encode``. Examples store each user's action
+the stream hands the family's ``encode`` tables of up to ``ITEM_ROWS`` rows (whole batches) and cuts what it
+returns into batches of ``batch_size`` rows. Examples store each user's action
 sequence by reference (``seq_ds``, ``seq_len``: see ``core.contracts``); the stream resolves a reference into the four
 sequence lists (:class:`SequenceResolver`), so an ``encode`` sees the same columns and values as if they had been
 copied into every row. Pin content embeddings (for
@@ -27,8 +28,10 @@ run changes nothing read here (the units planned at start keep pointing at the p
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -434,41 +437,87 @@ def read_unit(
     return table.select(wanted)
 
 
-PACKED, LAYOUT = "_packed", "_layout"  # batches packed into one buffer (:func:`pack_batches`)
-# A DataLoader worker hands over at least this many rows at a time (batches_per_item batches): what crosses from a
-# worker to the trainer costs a fixed price per item (a shared-memory segment, a descriptor, a mapping, about a
-# millisecond on a small machine), which a small batch alone would not repay.
+PACKED, LAYOUT = "_packed", "_layout"  # an item's tensors in one buffer (:func:`pack_item`)
+# Rows encoded at once, and what a DataLoader worker hands over at a time (batches_per_item batches): encoding
+# thousands of rows in one call costs a third less per row than a batch of hundreds, and what crosses from a worker
+# to the trainer costs a fixed price per item (a descriptor passed, a mapping), which a small batch alone would not
+# repay. The rows' batches are the same either way (``encode`` is row-wise, see ``training.sdk``).
 ITEM_ROWS = 4096
 
 
-def pack_batches(batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """Batches as one contiguous byte buffer (in shared memory) and their layout, to cross from a DataLoader worker
-    to the trainer in one piece; :func:`unpack_batches` gives back views of the same bytes."""
-    layouts: list[list[tuple[str, str, list[int], int, int]]] = []
+def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+    """``batch`` (rows encoded at once) cut into batches of ``sizes`` rows, views of its tensors."""
+    if len(sizes) == 1:
+        return [batch]
+    parts = [tensor.split(list(sizes)) for tensor in batch.values()]
+    return [dict(zip(batch, views, strict=True)) for views in zip(*parts, strict=True)]
+
+
+def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: ItemBuffers | None = None) -> dict[str, Any]:
+    """The rows of an item (``batch``, its batches ``sizes`` rows each) as one contiguous byte buffer (the worker's
+    next reused shared buffer from ``buffers``, else a private one) and its layout, to cross from a DataLoader
+    worker to the trainer in one piece; :func:`unpack_item` gives back its batches as views of the same bytes."""
+    layout = []
     offset = 0
-    for batch in batches:
-        layout = []
-        for name, tensor in batch.items():
-            offset = -(-offset // 64) * 64  # aligned for any dtype's view
-            nbytes = tensor.numel() * tensor.element_size()
-            layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-            offset += nbytes
-        layouts.append(layout)
-    # Filled in private memory (numpy copies; shared pages cost far more to fill), then shared by the DataLoader.
-    target = np.empty(offset, dtype=np.uint8)
-    for batch, layout in zip(batches, layouts, strict=True):
-        for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
-            target[start:start + nbytes] = tensor.numpy().reshape(-1).view(np.uint8)
-    return {PACKED: torch.from_numpy(target), LAYOUT: json.dumps(layouts)}
+    for name, tensor in batch.items():
+        offset = -(-offset // 64) * 64  # aligned for any dtype's view
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset += nbytes
+    target, origin = buffers.next(offset) if buffers is not None else (torch.empty(offset, dtype=torch.uint8), (-1, -1))
+    view = target.numpy()
+    for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
+        view[start:start + nbytes] = tensor.numpy().reshape(-1).view(np.uint8)
+    return {PACKED: target, LAYOUT: json.dumps({"tensors": layout, "sizes": list(sizes), "origin": list(origin)})}
 
 
-def unpack_batches(item: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
-    """The batches of an item from :func:`pack_batches` (views of its buffer); a plain batch as a list of one."""
+def unpack_item(item: dict[str, Any]) -> tuple[list[dict[str, torch.Tensor]], tuple[int, int]]:
+    """The batches of an item from :func:`pack_item` (views of its buffer) and its origin; a plain batch as a
+    list of one (origin (-1, -1))."""
     if PACKED not in item:
-        return [item]
-    buffer = item[PACKED]
-    return [{name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
-             for name, dtype, shape, start, nbytes in layout} for layout in json.loads(item[LAYOUT])]
+        return [item], (-1, -1)
+    buffer, layout = item[PACKED], json.loads(item[LAYOUT])
+    batch = {name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+             for name, dtype, shape, start, nbytes in layout["tensors"]}
+    worker, number = layout["origin"]
+    return split_rows(batch, layout["sizes"]), (worker, number)
+
+
+class ItemBuffers:
+    """A DataLoader worker's shared-memory buffers, one per item in flight, reused in turn.
+
+    A fresh shared buffer per item costs its pages' first touch on both sides (about a millisecond per 300 KB on a
+    small machine: more than the batch's decoding); a reused one costs a copy. The trainer marks item ``n`` of a
+    worker done (``released[worker] = n``) once it has asked for the batch after the item's last; the worker fills
+    a buffer again only after the item that used it is done. ``count`` (the DataLoader's prefetch + 2) is more items
+    than the DataLoader lets a worker run ahead, so the wait never blocks a loader that keeps to that; if it would
+    (a consumer that stopped marking), the item gets a buffer of its own after ``patience_s``, never a hang.
+    """
+
+    def __init__(self, released: torch.Tensor, worker: int, count: int, patience_s: float = 2.0) -> None:
+        self.released, self.worker, self.patience_s = released, worker, patience_s
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.items = 0
+
+    def next(self, nbytes: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """A buffer of ``nbytes`` for the worker's next item, and the item's origin (worker, item number)."""
+        number, slot = self.items, self.items % len(self.buffers)
+        self.items += 1
+        previous = number - len(self.buffers)  # the item that used this slot last
+        if previous >= 0 and not self._done(previous):
+            return torch.empty(nbytes, dtype=torch.uint8), (self.worker, number)
+        held = self.buffers[slot]
+        if held is None or held.numel() < nbytes:
+            held = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        return held[:nbytes], (self.worker, number)
+
+    def _done(self, number: int) -> bool:
+        deadline = time.monotonic() + self.patience_s
+        while int(self.released[self.worker]) < number:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
 
 
 class UnitReader:
@@ -509,8 +558,9 @@ class ExampleStream(IterableDataset):
     Iterate it through a :meth:`loader` (a ``DataLoader`` of ``num_workers`` workers, its items unpacked): the
     stream batches by itself, every worker reads its own units and yields full batches, the last one of each
     worker may be short (``drop_last``: dropped); a worker hands over ``batches_per_item`` consecutive batches at
-    a time, so the loader's batches come in turns of that many per worker. Call :meth:`set_epoch` before each epoch and stop after :meth:`steps_per_epoch` batches (the same
-    number on every rank; ranks with more data drop their tail for that epoch).
+    a time, so the loader's batches come in turns of that many per worker. Call :meth:`set_epoch` before each
+    epoch and stop after :meth:`steps_per_epoch` batches (the same number on every rank; ranks with more data drop
+    their tail for that epoch).
     """
 
     def __init__(
@@ -546,10 +596,16 @@ class ExampleStream(IterableDataset):
         # Full batches only (each worker's short tail is dropped): TorchRec's all-to-all lookups need the same
         # batch size on every rank at every step.
         self.drop_last = drop_last
-        self.batches_per_item = max(1, -(-ITEM_ROWS // batch_size)) if num_workers else 1
+        self.encode_batches = max(1, -(-ITEM_ROWS // batch_size))
+        self.batches_per_item = self.encode_batches if num_workers else 1
         # (epoch, skip) in shared memory: a loader's workers live across epochs and read them at each epoch's
         # start. skip: batches of the epoch already trained on (a resumed run starts after them).
         self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # The last item of each worker the trainer is done with, and how many buffers a worker keeps
+        # (:class:`ItemBuffers`; set by the loader from its prefetch).
+        self._released = torch.full((max(1, num_workers),), -1, dtype=torch.int64).share_memory_()
+        self._items_in_flight = 4
+        self._buffers: ItemBuffers | None = None
         self.units = example_units(root, self.days, dataset=dataset, columns=columns)
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
         self._reader = UnitReader(self.root, dataset, self.columns, seed, shuffle)
@@ -707,22 +763,26 @@ class ExampleStream(IterableDataset):
             torch.set_num_threads(1)
             pa.set_cpu_count(1)  # one thread per worker: the workers are the parallelism
             workers, skips = [workers[info.id]], [skips[info.id]]
+        if info is not None and self._buffers is None:  # a worker's buffers live as long as it (across epochs)
+            self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight)
+        buffers = self._buffers if info is not None else None
         for units, skip in zip(workers, skips, strict=True):
-            tables = self.iter_tables(units, self.epoch, skip)
-            if info is None:
-                yield from (self.encode(table) for table in tables)
-                continue
-            # From a worker, items of batches_per_item batches counted from the worker's first batch (a resumed
-            # worker first finishes the item it was in), each one buffer (unpacked by loader()).
-            item: list[dict[str, torch.Tensor]] = []
-            size = self.batches_per_item - skip % self.batches_per_item
-            for table in tables:
-                item.append(self.encode(table))
-                if len(item) == size:
-                    yield pack_batches(item)
-                    item, size = [], self.batches_per_item
-            if item:
-                yield pack_batches(item)
+            # Rows encoded an item at a time; from a worker, items of batches_per_item batches counted from the
+            # worker's first batch (a resumed worker first finishes the item it was in), each one buffer
+            # (unpacked by loader()).
+            size = self.encode_batches - skip % self.encode_batches
+            tables: list[pa.Table] = []
+            for table in itertools.chain(self.iter_tables(units, self.epoch, skip), [None]):
+                if table is not None:
+                    tables.append(table)
+                if tables and (table is None or len(tables) == size):
+                    batch = self.encode(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+                    sizes = [t.num_rows for t in tables]
+                    if buffers is None:
+                        yield from split_rows(batch, sizes)
+                    else:
+                        yield pack_item(batch, sizes, buffers)
+                    tables, size = [], self.encode_batches
 
     def loader(self, *, pin_memory: bool = False, prefetch_factor: int = 2, generator: Any = None) -> StreamLoader:
         """A :class:`StreamLoader` of this stream: iterate it once per epoch (after :meth:`set_epoch`)."""
@@ -743,13 +803,28 @@ class StreamLoader:
         from torch.utils.data import DataLoader
 
         self.stream = stream
+        # Set before the workers start (at the first epoch) and see it: more buffers per worker than the items
+        # the DataLoader lets it run ahead (prefetch_factor), so a worker never waits for one.
+        stream._items_in_flight = prefetch_factor + 2
+        stream._released.fill_(-1)
         self.items = DataLoader(stream, batch_size=None, num_workers=stream.num_workers, pin_memory=pin_memory,
                                 prefetch_factor=prefetch_factor, persistent_workers=True, generator=generator,
                                 ) if stream.num_workers else None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """A batch's tensors are views of its worker's reused buffer, valid until the batch after it is asked for
+        (a trainer's step uses its batch and drops it; copy what must outlive the step)."""
         if self.items is None:
             yield from self.stream
             return
-        for item in self.items:
-            yield from unpack_batches(item)
+        released = self.stream._released
+        origin = (-1, -1)
+        try:
+            for item in self.items:
+                batches, origin = unpack_item(item)
+                yield from batches
+                if origin[0] >= 0:  # every batch of the item has been handed on and the next asked for
+                    released[origin[0]] = origin[1]
+        finally:  # the epoch stopped early (or the trainer stopped): its buffers are free for the next epoch
+            if origin[0] >= 0:
+                released[origin[0]] = origin[1]

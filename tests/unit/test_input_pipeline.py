@@ -15,7 +15,7 @@ import torch
 from core.failures import ConfigError
 from operators.backends.resources import input_workers
 from training import data
-from training.data import ExampleStream, PinEmbeddings, pack_batches, unpack_batches
+from training.data import ExampleStream, ItemBuffers, PinEmbeddings, pack_item, unpack_item
 from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch, encode_ids, with_sequence_embeddings
 from training.ray_input import batch_pieces
 from training.runtime import input_verdict, progress_line
@@ -105,19 +105,46 @@ def test_the_loaders_workers_serve_every_epoch_in_its_own_order(world: Path):
         assert [b["impression_id"].tolist() for b in loader] == expected[epoch:]
 
 
-def test_packed_batches_come_back_equal_as_views_of_one_buffer():
-    batches = [{"f": torch.randn(5, 3), "i": torch.arange(5, dtype=torch.int64), "m": torch.rand(5, 7) < 0.5,
-                "e": torch.zeros(0, 4)} for _ in range(3)]
-    item = pack_batches(batches)
-    back = unpack_batches(item)
-    assert len(back) == 3
-    for a, b in zip(batches, back, strict=True):
-        assert list(a) == list(b)
-        for name in a:
-            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+def test_a_packed_item_comes_back_as_its_batches_views_of_one_buffer():
+    rows = {"f": torch.randn(13, 3), "i": torch.arange(13, dtype=torch.int64), "m": torch.rand(13, 7) < 0.5,
+            "e": torch.zeros(13, 0)}
+    item = pack_item(rows, [5, 5, 3])
+    back, origin = unpack_item(item)
+    assert [len(b["i"]) for b in back] == [5, 5, 3] and origin == (-1, -1)
+    for name, tensor in rows.items():
+        joined = torch.cat([b[name] for b in back])
+        assert joined.dtype == tensor.dtype and torch.equal(joined, tensor), name
     assert back[2]["f"].untyped_storage().data_ptr() == item[data.PACKED].untyped_storage().data_ptr()
     plain = {"x": torch.ones(2)}
-    assert unpack_batches(plain) == [plain]
+    assert unpack_item(plain) == ([plain], (-1, -1))
+
+
+def test_a_workers_buffers_are_reused_only_once_the_trainer_is_done_with_their_item():
+    released = torch.full((1,), -1, dtype=torch.int64)
+    buffers = ItemBuffers(released, 0, count=2, patience_s=0.05)
+    first, second = buffers.next(100), buffers.next(100)
+    assert [first[1], second[1]] == [(0, 0), (0, 1)]
+    # Item 0 is still in use: item 2 gets a buffer of its own after the wait instead of overwriting it.
+    third = buffers.next(100)
+    assert third[1] == (0, 2) and not third[0].is_shared()
+    released[0] = 1  # items 0 and 1 done: item 3 reuses item 1's buffer
+    assert buffers.next(80)[0].data_ptr() == second[0].data_ptr()
+    released[0] = 2  # item 2 (in a buffer of its own) done too: item 4 reuses item 0's
+    assert buffers.next(100)[0].data_ptr() == first[0].data_ptr()
+
+
+def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):
+    """Rows are encoded an item at a time (a worker's, or ITEM_ROWS without workers): the batches equal those
+    encoded batch by batch, because encode is row-wise."""
+    for workers in (0, 2):
+        s = stream(world, num_workers=workers)
+        s.set_epoch(2)
+        one_at_a_time = [s.encode(t) for units in s.plan(2)[0] for t in s.iter_tables(units, 2)]
+        got = sorted((b for b in s.loader()), key=lambda b: int(b["impression_id"][0]))
+        want = sorted(one_at_a_time, key=lambda b: int(b["impression_id"][0]))
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in b), workers
 
 
 # --- the Ray engine's cut, and encode in two halves ----------------------------------------------------------
