@@ -302,13 +302,17 @@ def wait_for_room(
 def admit_job(operator: Any, context: Any, spec: Any, *, backend: str, family: str | None, output_dir: str | None,
               checkpoint_dir: str | None, resume_method: str = "execute_after_quota") -> Verdict:
     """The training operator's gate before it submits ``spec``: record the job in the history, then admit it or
-    wait for room (:func:`wait_for_room`). Its size is its nodes x its instance type's GPUs (or the spec's)."""
+    wait for room (:func:`wait_for_room`). Its size is its nodes x its instance type's GPUs (or the spec's); a job of
+    the local backend is recorded on this machine with the GPUs it has (none on a CPU machine)."""
     from core import config
-    from operators.backends.resources import Catalog, instance_type_of
+    from operators.backends.resources import LOCAL_MACHINE, Catalog, instance_type_of, local_gpus
 
     cfg = config.load()
-    itype = instance_type_of(spec, cfg.teams, Catalog.from_config(cfg))
-    gpus = cfg.instance_types[itype].gpus if spec.gpus_per_node is None else int(spec.gpus_per_node)
+    if backend == "local":  # the job runs here, whatever the team's node type: count this machine's GPUs
+        itype, gpus = LOCAL_MACHINE, local_gpus() if spec.gpus_per_node is None else int(spec.gpus_per_node)
+    else:
+        itype = instance_type_of(spec, cfg.teams, Catalog.from_config(cfg))
+        gpus = cfg.instance_types[itype].gpus if spec.gpus_per_node is None else int(spec.gpus_per_node)
     fields = history.job_fields(
         team=spec.team, family=family, ti=context["ti"], backend=backend, instance_type=itype, nodes=spec.nodes,
         procs_per_node=spec.procs_per_node, gpus_per_node=gpus, output_dir=output_dir, checkpoint_dir=checkpoint_dir,

@@ -39,13 +39,23 @@ def _record(task_instance: Any, state: str, error: BaseException | str | None = 
         "try_number": getattr(task_instance, "try_number", None),
         "state": state,
         "seconds": (now - start).total_seconds() if start else None,
-        "failure_class": getattr(getattr(error, "failure_class", None), "value", None),
+        "failure_class": _failure_class(error),
         "error": str(error)[:2000] if error else None,
     }
     path = pinflow_home() / "jobdata" / "task_runs.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:  # one short line per append: safe with concurrent writers
         f.write(json.dumps(row, default=str) + "\n")
+
+
+def _failure_class(error: BaseException | str | None) -> str | None:
+    """The class of a failure's exception (``core.failures.classify``: typed errors carry theirs, any other is
+    classified by what it is); None where Airflow gives no exception (a task marked failed, a worker lost)."""
+    if not isinstance(error, BaseException):
+        return None
+    from core.failures import classify
+
+    return classify(error).value
 
 
 @hookimpl

@@ -22,6 +22,7 @@ than the type has is an error that names the setting.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -78,6 +79,18 @@ class NodeResources:
     efa_rdma: bool
     hugepages_2mi_mib: int  # a pod with EFA; 0 otherwise
     whole_node: bool  # the job takes every vCPU of the node
+
+
+LOCAL_MACHINE = "this machine"  # the instance type the job history records for a job of the local backend
+
+
+def local_gpus() -> int:
+    """GPUs a local job sees on this machine: CUDA_VISIBLE_DEVICES's if set, else the NVIDIA devices present (no
+    torch import: the scheduler's and the triggerer's processes call this)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()]) if os.path.isdir("/dev") else 0
 
 
 def instance_type_of(spec: JobSpec, teams: Mapping[str, TeamConfig], catalog: Catalog) -> str:

@@ -224,7 +224,8 @@ def task_outcomes(cfg: PlatformConfig, day_list: list[str]) -> dict[str, list[fl
                 day = str(row.get("time", ""))[:10]
                 if day not in day_list:
                     continue
-                label = "success" if row.get("state") == "success" else f"failed:{row.get('failure_class') or '?'}"
+                # A failure without an exception (marked failed, its worker lost) has no class to show.
+                label = "success" if row.get("state") == "success" else f"failed:{row.get('failure_class') or 'no exception'}"
                 counts[label][day] += 1
     return {name: [values.get(d, 0.0) for d in day_list] for name, values in sorted(counts.items())}
 

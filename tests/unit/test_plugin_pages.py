@@ -218,6 +218,24 @@ def test_the_listener_records_the_tasks_of_every_dag_in_dags(tmp_path, monkeypat
     assert (row["dag_id"], row["state"], row["error"]) == ("pinflow_hpo", "failed", "boom")
 
 
+def test_every_failure_the_listener_records_is_classified_or_says_it_had_no_exception(tmp_path, monkeypatch):
+    """The Platform page's legend showed "failed:?": an exception without a failure_class attribute went unclassified."""
+    import pinflow_plugin
+
+    from core.failures import DataError
+
+    monkeypatch.setenv("PINFLOW_HOME", str(tmp_path))
+    ti = SimpleNamespace(dag_id="pin_daily_features", task_id="t", run_id="r", map_index=-1, try_number=1,
+                         start_date=None)
+    for error in (DataError("bad day"), ConnectionResetError("peer"), KeyError("x"), "lost its worker", None):
+        pinflow_plugin._record(ti, "failed", error=error)
+    rows = [json.loads(line) for line in (tmp_path / "jobdata" / "task_runs.jsonl").read_text().splitlines()]
+    assert [r["failure_class"] for r in rows] == ["DATA", "INFRA", "USER", None, None]
+    cfg = config.read().model_copy(update={"home": str(tmp_path)})
+    today = rows[0]["time"][:10]
+    assert set(pages.task_outcomes(cfg, [today])) == {"failed:DATA", "failed:INFRA", "failed:USER", "failed:no exception"}
+
+
 def test_durations_below_ten_seconds_keep_a_decimal():
     assert [web._duration(s) for s in (None, 0, 0.33, 9.4, 12, 90, 7200)] == [
         "—", "0 s", "0.3 s", "9.4 s", "12 s", "1.5 min", "2.0 h"]

@@ -18,6 +18,7 @@ from core.failures import ConfigError, FailureClass
 from operators import job_history as history
 from operators import quotas
 from operators.backends import JobState, JobStatus
+from operators.backends.resources import LOCAL_MACHINE, local_gpus
 from operators.quotas import Amount
 
 pytestmark = pytest.mark.unit
@@ -325,7 +326,8 @@ def test_the_operator_defers_while_its_team_is_full_and_submits_when_there_is_ro
         op().execute(second)
     classpath, kwargs = waiting.value.trigger.serialize()
     assert classpath == "operators.quotas.QuotaTrigger" and waiting.value.method_name == "execute_after_quota"
-    assert kwargs["need"] == {"jobs": 1, "nodes": 1, "gpus": 8} and len(backend.jobs) == 1  # p5.48xlarge: 8 GPUs
+    # A local job runs on this machine whatever the team's node type (p5.48xlarge): its GPUs are this machine's.
+    assert kwargs["need"] == {"jobs": 1, "nodes": 1, "gpus": local_gpus()} and len(backend.jobs) == 1
     assert [r["state"] for r in history.rows(url=url)] == [history.SUBMITTED, history.WAITING]
 
     job = running.value.trigger.serialize()[1]
@@ -338,4 +340,10 @@ def test_the_operator_defers_while_its_team_is_full_and_submits_when_there_is_ro
     rows = {r["run_id"]: r for r in history.rows(url=url)}
     assert rows["run-1"]["state"] == history.SUCCEEDED and rows["run-2"]["state"] == history.SUBMITTED
     assert rows["run-2"]["quota_wait_s"] > 0 and rows["run-2"]["submitted_at"] >= rows["run-1"]["ended_at"]
-    assert rows["run-2"]["team"] == "ranking" and rows["run-2"]["instance_type"] == "p5.48xlarge"
+    assert rows["run-2"]["team"] == "ranking" and rows["run-2"]["instance_type"] == LOCAL_MACHINE
+
+
+@pytest.mark.parametrize(("visible", "expected"), [("0,1", 2), ("3", 1), ("", 0), ("-1", 0)])
+def test_a_local_job_counts_the_gpus_cuda_lets_it_see(monkeypatch, visible, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert local_gpus() == expected
