@@ -26,6 +26,9 @@ export AIRFLOW__CORE__EXECUTION_API_SERVER_URL := http://localhost:$(PORT)/execu
 export AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT := $(shell echo $$(($(PORT) + 713)))
 export AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT := $(shell echo $$(($(PORT) + 714)))
 export AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT := $(shell echo $$(($(PORT) + 894)))
+# The MLflow UI beside it (scripts/mlflow_ui.py; the training runs' "MLflow run" links point there): MLflow's default
+# 5000 for PORT=8080, shifted with it; MLFLOW_PORT=... moves it alone.
+MLFLOW_PORT ?= $(shell echo $$(($(PORT) - 3080)))
 # A loaded laptop answers slowly: Airflow's 5 s default failed tasks with an empty log.
 export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT := 60
 # A laptop: a few task slots, not Airflow's default 32 worker processes.
@@ -38,7 +41,7 @@ export PATH := $(BIN):$(PATH)
 help:
 	@echo "make demo     - install if needed, then run the whole chain on a synthetic world (summary: $(PINFLOW_HOME)/storage/demo-summary.json)"
 	@echo "make test     - install if needed, then ruff, mypy and pytest (TEST_WORKERS=2; make test-extended: the extended ones)"
-	@echo "make airflow  - airflow standalone on http://localhost:$(PORT) with these DAGs (PORT=... moves it)"
+	@echo "make airflow  - airflow standalone on http://localhost:$(PORT) with these DAGs, the MLflow UI on $(MLFLOW_PORT) (PORT=... moves both)"
 	@echo "make secrets  - write .env with generated secrets for docker-compose.yaml (kept if it exists)"
 	@echo "make install  - .venv with the pinned constraints, an Airflow home on SQLite under $(PINFLOW_HOME), the teams' pools"
 	@echo "make pools    - create or update each team's Airflow pool (team-<name>) from config/platform.yaml"
@@ -115,9 +118,14 @@ dev-tools:
 secrets:
 	python3 scripts/make_secrets.py
 
+# The MLflow UI runs as long as Airflow does (stopped with it); its log is $(PINFLOW_HOME)/mlflow-ui.log.
+airflow print-env: export PINFLOW_MLFLOW__UI_URL = http://localhost:$(MLFLOW_PORT)
 airflow: install
 	@echo "Airflow UI: http://localhost:$(PORT) — user 'admin', password in $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated"
-	$(BIN)/airflow standalone
+	@echo "MLflow UI:  http://localhost:$(MLFLOW_PORT) (log: $(PINFLOW_HOME)/mlflow-ui.log)"
+	@mkdir -p $(PINFLOW_HOME)
+	@$(BIN)/python scripts/mlflow_ui.py --host $(HOST) --port $(MLFLOW_PORT) > $(PINFLOW_HOME)/mlflow-ui.log 2>&1 & ui=$$!; \
+	  trap 'kill $$ui 2>/dev/null' EXIT INT TERM; $(BIN)/airflow standalone
 
 # Regenerate the constraints from the working .venv (Airflow's convention for reproducible installs).
 constraints:
@@ -132,5 +140,6 @@ print-env:
 	  AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__DATABASE__SQL_ALCHEMY_CONN AIRFLOW__CORE__PARALLELISM GX_ANALYTICS_ENABLED \
 	  AIRFLOW__API__HOST AIRFLOW__API__PORT AIRFLOW__API__BASE_URL AIRFLOW__CORE__EXECUTION_API_SERVER_URL \
 	  AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT \
-	  AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT PATH; do \
+	  AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT \
+	  PINFLOW_MLFLOW__UI_URL PATH; do \
 	  echo "export $$v='$${!v}'"; done

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
-import functools
 import os
 import sys
 from pathlib import Path
@@ -632,10 +631,32 @@ def read(file: Path | None = None, environ: dict[str, str] | None = None, home: 
                                      "job_history": config.job_history.model_copy(update={"url": history_url})})
 
 
-@functools.cache
-def load() -> PlatformConfig:
-    """The platform configuration of this process, read once."""
-    return read()
+class _Loaded:
+    """``load()``: the platform configuration, read again when its file or the PINFLOW_ environment changes, so
+    a long-lived process (the API server's pages, the triggerer) sees an edit at its next call as a new task does
+    (a stat of the file per call). ``load.cache_clear()`` forgets it."""
+
+    def __init__(self) -> None:
+        self._stamp: tuple[Any, ...] | None = None
+        self._config: PlatformConfig | None = None
+
+    def __call__(self) -> PlatformConfig:
+        file = config_file()
+        try:
+            st = file.stat()
+            stamp: tuple[Any, ...] = (str(file), st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = (str(file), None, None)
+        stamp += tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PINFLOW")))
+        if self._config is None or stamp != self._stamp:
+            self._config, self._stamp = read(file), stamp
+        return self._config
+
+    def cache_clear(self) -> None:
+        self._stamp = self._config = None
+
+
+load = _Loaded()
 
 
 def with_overrides(section: S, overrides: dict[str, Any], source: str) -> S:

@@ -236,18 +236,26 @@ class Trainer:
     def run(self) -> dict[str, Any] | None:
         """Train, resuming from the newest complete checkpoint; return the result on rank 0 (None elsewhere)."""
         self.set_threads_and_seed()
+        self.phase("starting: joining the other ranks")
         self.setup_distributed()
         log.info("rank %d/%d on %s, family %s, strategy %s, input %s (%d worker(s), %d thread(s))", self.env.rank,
                  self.env.world_size, self.device, self.family.name, self.config.strategy, self.config.input_engine,
                  self.config.num_workers, self.config.num_threads)
+        self.phase("loading data: planning the epochs")
         self.plan_data()
         self.setup_ray_input()
+        self.phase("building the model")
         self.build_parts()
         self.seed_rank_stream()
         self.setup_tracking()
+        self.phase("resuming from the newest checkpoint")
         self.resume()
         self.train()
         return self.end()
+
+    def phase(self, what: str) -> None:
+        """Say in the heartbeat what the rank does before its first step (the progress tab shows it)."""
+        self.heartbeat.update(progress=0, force=True, phase=what)
 
     # --- setup ------------------------------------------------------------------------------------
     def set_threads_and_seed(self) -> None:

@@ -233,7 +233,25 @@ def task_outcomes(cfg: PlatformConfig, day_list: list[str]) -> dict[str, list[fl
 # --- Training run -----------------------------------------------------------------------------------------
 
 
-def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime | None = None) -> dict[str, Any]:
+def head_table(result: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:
+    """AUC per head of the run's model, the popularity baseline's and the champion's on the same day (the numbers
+    the promotion gate compares: ``operators.promotion``)."""
+    from operators.promotion import head_aucs
+
+    if not result or not result.get("metrics"):
+        return {}
+    metrics = result["metrics"]
+    baselines = metrics.get("baseline_auc") or {}
+    champion = result.get("champion") or {}
+    champion_aucs = head_aucs(champion["metrics"]) if champion.get("metrics") else {}
+    return {head: {"new": value, "baseline": baselines.get(head), "champion": champion_aucs.get(head)}
+            for head, value in head_aucs(metrics).items()}
+
+
+def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime | None = None,
+                 dag_run_state: str | None = None) -> dict[str, Any]:
+    """Everything the Training progress tab shows of a DAG run; ``dag_run_state`` (Airflow's, from the API server)
+    keeps the tab refreshing until the run's last task has ended."""
     now = now or history.now()
     rows = history.rows(dag_id=dag_id, run_id=run_id)
     latest = rows[-1] if rows else None
@@ -253,12 +271,15 @@ def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime
         "generated_at": now.isoformat(),
         "jobs": [_job_view(r, now) for r in rows],
         "state": latest["state"] if latest else None,
+        "dag_run_state": dag_run_state,
         "progress": progress(beats),
         "loss_curve": [[s, v] for s, v in by_step.items()],
         "checkpoint": last_checkpoint(checkpoint_dir),
         "mlflow": mlflow_links(cfg, checkpoint_dir, result),
         "result": {k: result.get(k) for k in ("model_name", "model_version", "eval_ds", "steps", "examples_seen",
                                               "seconds", "metrics", "input")} if result else None,
+        "heads": head_table(result),
+        "champion_version": ((result or {}).get("champion") or {}).get("version"),
         "promotion": {"promoted": bool(promoted["promoted"]), "reason": promoted.get("promotion_reason"),
                       "model_version": promoted.get("model_version")} if promoted else None,
         "links": {"airflow_run": f"{links.base_url()}/dags/{dag_id}/runs/{run_id}"},

@@ -26,6 +26,7 @@ from html import escape
 from typing import Annotated, Any
 from urllib.parse import quote
 
+from airflow.api_fastapi.common.db.common import SessionDep
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -190,14 +191,41 @@ def render_runs(request: Request, runs: list[dict[str, Any]]) -> str:
         "no training job yet"), refresh=30)
 
 
+def dag_run_state(session: Any, dag_id: str, run_id: str) -> str | None:
+    """Airflow's state of a DAG run (queued, running, success, failed); None for a run it does not know."""
+    from airflow.models.dagrun import DagRun
+    from sqlalchemy import select
+
+    state = session.scalar(select(DagRun.state).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+    return None if state is None else str(getattr(state, "value", state))
+
+
+# DAGs whose runs train nothing (the Training progress tab is on every DAG run's page): what they do instead.
+NO_TRAINING = {
+    "pin_daily_features": "validates a day's raw data and builds its features",
+    "pin_corpus_inference": "scores the pin corpus with the champion model",
+}
+
+
+def _auc(value: Any) -> str:
+    return "—" if value is None else f"{float(value):.4f}"
+
+
 def render_run(request: Request, data: dict[str, Any]) -> str:
     prog, jobs = data["progress"], data["jobs"]
     latest = jobs[-1] if jobs else {}
-    running = data["state"] in ("WAITING", "ADMITTED", "SUBMITTED", "RUNNING")
+    # Refreshed until the DAG run's last task has ended (the promotion decision comes after the job), or while
+    # the job runs where Airflow's state is not known.
+    running = data.get("dag_run_state") in ("queued", "running") or data["state"] in (
+        "WAITING", "ADMITTED", "SUBMITTED", "RUNNING")
     parts = []
-    if not jobs:
-        parts.append('<p class="muted">No training job recorded for this DAG run (yet): a run of another DAG, or its '
-                     "train task has not started.</p>")
+    if not jobs and data["dag_id"] in NO_TRAINING:
+        parts.append(f'<p class="muted">{escape(data["dag_id"])} {NO_TRAINING[data["dag_id"]]}: this tab shows '
+                     f'training jobs only. See the run\'s task logs in Airflow, and {_a(f"{_prefix(request)}/data-quality", "Data quality")} '
+                     "for the days' validation.</p>")
+    elif not jobs:
+        parts.append('<p class="muted">No training job recorded for this DAG run yet: its train task has not '
+                     "started (it waits for its upstream tasks).</p>")
     else:
         state = data["state"]
         parts.append(f'<p class="big">Job <code>{escape(latest.get("job_id") or latest["job_name"])}</code>: '
@@ -228,8 +256,12 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
             ["rank", "host", "pid", "phase", "step", "examples/s", "heartbeat age"],
             [[str(r["rank"]), escape(str(r["host"])), str(r["pid"]), escape(str(r["phase"])), str(r["step"]),
               f"{r['examples_per_s']:,.0f}", _duration(r["age_s"])] for r in prog["ranks"]]))
+    elif jobs and data["state"] == "RUNNING":
+        parts.append('<p class="muted">No heartbeat yet: the job runs, and its ranks are starting (the container or '
+                     "processes start, torch is imported); each rank reports as soon as it starts, then at every phase "
+                     "(joining the other ranks, loading data, building the model, resuming).</p>")
     elif jobs:
-        parts.append('<p class="muted">No heartbeat yet (the job has not started its ranks).</p>')
+        parts.append('<p class="muted">No heartbeat yet: the job has not started its ranks.</p>')
     parts.append("<h2>Loss</h2>" + svg.lines({"train loss": [tuple(p) for p in data["loss_curve"]]},  # type: ignore[misc]
                                             title="train loss by step", unit="loss", x_label="step",
                                             empty="no step trained yet"))
@@ -249,6 +281,12 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         verdict = "promoted to champion" if promo["promoted"] else "not promoted"
         parts.append(f'<h2>Promotion</h2><p class="{"pass" if promo["promoted"] else "warn"}">Version '
                      f'{escape(str(promo.get("model_version")))} {verdict}: {escape(promo.get("reason") or "")}</p>')
+    heads = data.get("heads") or {}
+    if heads:
+        champion = data.get("champion_version")
+        header = ["head", "this model", "popularity baseline", f"champion v{champion}" if champion else "champion"]
+        parts.append("<h2>AUC by head</h2>" + _table(header, [
+            [escape(head), *(_auc(v.get(k)) for k in ("new", "baseline", "champion"))] for head, v in heads.items()]))
     result = data["result"]
     if result and result.get("metrics"):
         metrics = result["metrics"]
@@ -401,12 +439,14 @@ def create_app() -> FastAPI:
         return HTMLResponse(render_runs(request, training_runs()))
 
     @app.get("/api/runs/{dag_id}/{run_id}", dependencies=dag_runs)
-    def api_run(dag_id: str, run_id: str) -> JSONResponse:
-        return JSONResponse(jsonable_encoder(pages.training_run(cfg(), dag_id, run_id)))
+    def api_run(dag_id: str, run_id: str, session: SessionDep) -> JSONResponse:
+        state = dag_run_state(session, dag_id, run_id)
+        return JSONResponse(jsonable_encoder(pages.training_run(cfg(), dag_id, run_id, dag_run_state=state)))
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=dag_runs)
-    def run_page(request: Request, dag_id: str, run_id: str) -> HTMLResponse:
-        return HTMLResponse(render_run(request, pages.training_run(cfg(), dag_id, run_id)))
+    def run_page(request: Request, dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
+        state = dag_run_state(session, dag_id, run_id)
+        return HTMLResponse(render_run(request, pages.training_run(cfg(), dag_id, run_id, dag_run_state=state)))
 
     @app.get("/runs/{dag_id}/{run_id}/mlflow", dependencies=dag_runs, response_model=None)
     def run_mlflow(request: Request, dag_id: str, run_id: str) -> Response:

@@ -112,3 +112,25 @@ def test_the_cli_prints_every_key_with_its_help():
     proc = subprocess.run([sys.executable, "-m", "core.config"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "  epochs: 1  # passes over the training days" in proc.stdout
+
+
+def test_a_long_lived_process_sees_an_edited_quota_at_its_next_load(tmp_path: Path, monkeypatch):
+    """The Platform page kept the quota it loaded at start-up while tasks enforced the edited one."""
+    from core import config
+
+    text = (REPO / "config" / "platform.yaml").read_text()
+    edited = tmp_path / "platform.yaml"
+    edited.write_text(text)
+    monkeypatch.setenv("PINFLOW_CONFIG", str(edited))
+    monkeypatch.setenv("PINFLOW_HOME", str(tmp_path / "home"))
+    config.load.cache_clear()
+    try:
+        before = config.load().teams["ranking"].quota.jobs
+        assert config.load() is config.load()  # unchanged: not read again
+        edited.write_text(text.replace("quota: {jobs: 4,", "quota: {jobs: 12,"))
+        assert before == 4 and config.load().teams["ranking"].quota.jobs == 12
+        monkeypatch.setenv("PINFLOW_TEAMS__RANKING__QUOTA__JOBS", "3")  # the environment counts too
+        assert config.load().teams["ranking"].quota.jobs == 3
+    finally:
+        monkeypatch.undo()
+        config.load.cache_clear()

@@ -32,6 +32,7 @@ def print_env(*args: str) -> dict[str, str]:
 def test_port_moves_the_api_server_its_urls_and_the_log_servers():
     env = print_env("PORT=9191")
     assert env["AIRFLOW__API__PORT"] == "9191"
+    assert env["PINFLOW_MLFLOW__UI_URL"] == "http://localhost:6111"  # the MLflow UI moves with it
     assert env["AIRFLOW__API__BASE_URL"] == "http://localhost:9191"
     # Task processes report to the execution API of this API server, not to localhost:8080.
     assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://localhost:9191/execution/"
@@ -45,6 +46,7 @@ def test_port_moves_the_api_server_its_urls_and_the_log_servers():
 def test_default_port_keeps_airflows_defaults():
     env = print_env()
     assert env["AIRFLOW__API__PORT"] == "8080"
+    assert env["PINFLOW_MLFLOW__UI_URL"] == "http://localhost:5000"  # MLflow's own default
     assert env["AIRFLOW__API__BASE_URL"] == "http://localhost:8080"
     assert env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"] == "8793"
     assert env["AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT"] == "8794"
@@ -54,3 +56,4 @@ def test_default_port_keeps_airflows_defaults():
 def test_the_api_server_listens_on_this_machine_only_unless_asked():
     assert print_env()["AIRFLOW__API__HOST"] == "127.0.0.1"
     assert print_env("HOST=0.0.0.0")["AIRFLOW__API__HOST"] == "0.0.0.0"
+

@@ -127,11 +127,21 @@ def test_training_run_page_reads_progress_curve_checkpoint_mlflow_and_promotion(
     history.mark_ended("local", "job", history.SUCCEEDED)
     history.record_promotion("pin_ranker_training", "run-1", {"promoted": True, "reason": "mean AUC 0.7 >= 0.6",
                                                               "model_version": "3"})
-    data = pages.training_run(world, "pin_ranker_training", "run-1")
+    (out / "result.json").write_text(json.dumps({"model_name": "m", "model_version": "3", "metrics": {
+        "auc": {"click": 0.79, "hide": 0.61}, "mean_auc": 0.7, "baseline_auc": {"click": 0.73, "hide": 0.6}},
+        "champion": {"version": "2", "metrics": {"auc": {"click": 0.77, "hide": 0.62}, "mean_auc": 0.695}}}))
+    data = pages.training_run(world, "pin_ranker_training", "run-1", dag_run_state="running")
     assert data["promotion"] == {"promoted": True, "reason": "mean AUC 0.7 >= 0.6", "model_version": "3"}
-    assert "promoted to champion" in web.render_run(_request(), data)
-    empty = pages.training_run(world, "pin_daily_features", "other")
-    assert empty["jobs"] == [] and "No training job" in web.render_run(_request(), empty)
+    assert data["heads"]["click"] == {"new": 0.79, "baseline": 0.73, "champion": 0.77}
+    html = web.render_run(_request(), data)
+    assert "promoted to champion" in html and "champion v2" in html and "<td>0.6100</td>" in html
+    # The job has ended but the DAG run has not (promotion, notes): the tab keeps refreshing until it has.
+    assert 'http-equiv="refresh"' in html
+    ended = web.render_run(_request(), pages.training_run(world, "pin_ranker_training", "run-1", dag_run_state="success"))
+    assert 'http-equiv="refresh"' not in ended
+    features = web.render_run(_request(), pages.training_run(world, "pin_daily_features", "other"))
+    assert "builds its features: this tab shows training jobs only" in features
+    assert "has not started" in web.render_run(_request(), pages.training_run(world, "pin_ranker_training", "none"))
 
 
 def test_data_quality_reads_reports_and_the_quarantine(world):
