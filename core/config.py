@@ -294,10 +294,12 @@ class HpoConfig(Section):
     """Hyperparameter searches (the pinflow_hpo DAG): Optuna studies whose trials are training jobs."""
 
     storage_url: str = Field("", description="Optuna RDB storage (e.g. postgresql+psycopg2://user:pw@host/optuna); empty: sqlite:///<PINFLOW_HOME>/hpo/optuna.db")
-    n_trials: int = Field(12, ge=1, le=1000, description="trials of a study (the form's default)")
+    # The form's defaults are a study one click may start on a laptop: 4 trials of 3 days, at most 2 h of rounds.
+    n_trials: int = Field(4, ge=1, le=1000, description="trials of a study (the form's default)")
+    train_days: int = Field(3, ge=1, le=30, description="days before the evaluation day every trial trains on (the form's default)")
     parallel_trials: int = Field(2, ge=1, le=64, description="trials trained at once, one round (the form's default)")
     max_rounds: int = Field(10, ge=1, le=100, description="rounds of ask, train, tell in the DAG (read when it is parsed): a study runs at most max_rounds x parallel_trials trials")
-    time_budget_minutes: float = Field(0, ge=0, description="no new round starts once the study's rounds took this long (the form's default); 0: no limit")
+    time_budget_minutes: float = Field(120, ge=0, description="no new round starts once the study's rounds took this long (the form's default); 0: no limit")
     metric: str = Field("mean_auc", description="the evaluation metric a study optimises (the form's default)")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="of the metric (the form's default)")
     tpe_startup_trials: int = Field(10, ge=0, description="random trials before TPE models the space (Optuna's n_startup_trials)")
@@ -321,6 +323,24 @@ class TeamConfig(Section):
         "auto", description="its Batch queue's policy; auto: read with describe_job_queues (schedulingPolicyArn)"
     )
     quota: QuotaConfig = QuotaConfig()
+    capacity: Literal["on_demand", "spot"] = Field("on_demand", description="what its jobs run on: priced at costs.prices' on_demand or spot")
+
+
+class PriceConfig(Section):
+    """What one node of an instance type costs per hour."""
+
+    on_demand: float = Field(..., ge=0, description="per node-hour, on-demand")
+    spot: float | None = Field(None, ge=0, description="per node-hour on Spot capacity; empty: the on-demand price")
+
+
+class CostsConfig(Section):
+    """Prices of the instance types, for the cost of each job (job history, its export, the Platform page, the
+    promotion note and the HPO summary). A job costs its nodes x its hours x its instance type's price (its team's
+    capacity: on-demand or Spot); a job of the local backend costs local_per_hour."""
+
+    currency: str = Field("USD", min_length=1, max_length=8, description="of every price (ISO 4217 code)")
+    prices: dict[str, PriceConfig] = Field(default_factory=dict, description="instance type (a key of instance_types:) -> price per node-hour")
+    local_per_hour: float = Field(0.0, ge=0, description="a job of the local backend (this machine) per hour")
 
 
 class JobHistoryConfig(Section):
@@ -449,6 +469,7 @@ class PlatformConfig(Section):
     )
     instance_types: dict[str, InstanceTypeConfig] = Field(default_factory=_default_instance_types)
     job_history: JobHistoryConfig = JobHistoryConfig()
+    costs: CostsConfig = CostsConfig()
     images: ImagesConfig = ImagesConfig()
     resources: ResourcesConfig = ResourcesConfig()
     batch: BatchConfig = BatchConfig()
@@ -484,6 +505,10 @@ class PlatformConfig(Section):
                 raise ValueError(
                     f"{key}={value!r} is not under instance_types: (known: {', '.join(sorted(self.instance_types))})"
                 )
+        unknown = sorted(set(self.costs.prices) - set(self.instance_types))
+        if unknown:
+            raise ValueError(f"costs.prices names instance type(s) {', '.join(unknown)} not under instance_types: (known: "
+                             f"{', '.join(sorted(self.instance_types))}): fix the name or add the type")
         return self
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pendulum
-from airflow.sdk import DAG, Param
+from airflow.sdk import DAG, Param, task
 from airflow.timetables.interval import CronDataIntervalTimetable
 
 from core import config
@@ -45,7 +46,9 @@ Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --
 --from-date 2026-11-01 --to-date 2026-11-07 --reprocess-behavior completed`, or the UI's Backfill dialog. Airflow
 runs a backfill only while the DAG is unpaused (the dialog's *unpause* box); unpausing also starts the daily
 schedule, whose newest run (no catch-up) waits up to `validation.sensor_timeout_seconds` (6 h) for its day's raw
-data. Emits the `pinflow_examples` asset.
+data. A last task, `announce_examples`, emits the `pinflow_examples` asset that training is scheduled on, for a
+scheduled run or a manual run of the newest complete day only: a backfill, or a rebuild of an older day, does not
+start training (trigger `pin_ranker_training` from its form to train on older days).
 """,
     schedule=CronDataIntervalTimetable("@daily", timezone="UTC"),
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
@@ -54,7 +57,7 @@ data. Emits the `pinflow_examples` asset.
     tags=["pinflow", "features"],
     default_args=default_args("data-eng", retry_delay=timedelta(minutes=2)),
     params={
-        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day."),
+        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day. To rebuild a past day at once, leave this empty and set the Logical date to that day instead (00:00 UTC): the run is named for the day and its build steps wait only for the day before it, not for a newer run."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
         "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
         "shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, description=f"Split each build step into this many jobs by user / pin id hash (empty: features.shards = {_cfg.features.shards})."),
@@ -92,8 +95,17 @@ data. Emits the `pinflow_examples` asset.
     )
     # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
     examples = FeatureBuildOperator(
-        task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards,
-        depends_on_past=True, outlets=[EXAMPLES_ASSET],
+        task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
     )
-    wait >> validations >> daily >> [window, sequences] >> examples
+
+    @task(outlets=[EXAMPLES_ASSET])
+    def announce_examples(day: str, dag_run: Any = None) -> dict[str, str]:
+        """Announce the day's examples to training (the asset pin_ranker_training is scheduled on): only a
+        scheduled or manual run of the newest day does; a backfill or a rebuild of an older day is skipped."""
+        from operators.features import announce_examples as announce
+
+        run_type = getattr(dag_run, "run_type", "")
+        return announce(day, str(getattr(run_type, "value", run_type)))
+
+    wait >> validations >> daily >> [window, sequences] >> examples >> announce_examples(DS)
     wait >> validate_labels

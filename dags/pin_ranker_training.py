@@ -62,7 +62,10 @@ extra links open the job's console page and the MLflow run.
     schedule=[EXAMPLES_ASSET],
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
     catchup=False,
-    max_active_runs=1,
+    # Teams and families share this DAG: runs go on at once and the team quotas (each team's pool, and the quota
+    # admission before a job is submitted) decide which jobs run and which wait. One active run made a team's
+    # second run queue behind any other team's.
+    max_active_runs=8,
     tags=["pinflow", "training"],
     default_args=default_args("ml-eng"),
     params={
@@ -130,6 +133,10 @@ extra links open the job's console page and the MLflow run.
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]))
         if ti is not None:  # the Training progress page and the run's note (operators.run_notes) show it
+            cost, currency = job_history.run_cost(ti.dag_id, ti.run_id)
+            gain = (None if decision.get("auc") is None or decision.get("champion_auc") is None
+                    else float(decision["auc"]) - float(decision["champion_auc"]))
+            decision.update(cost=cost, currency=currency, cost_note=job_history.cost_note(cost, currency, gain))
             job_history.note(job_history.record_promotion, ti.dag_id, ti.run_id, decision)
             ti.xcom_push(key="decision", value=decision)
         logging.getLogger(__name__).info(

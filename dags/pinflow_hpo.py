@@ -78,7 +78,7 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
         "team": Param(_training.team, enum=sorted(_cfg.teams), description="The team whose queue, fair share and quota the trials use."),
         "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the trials run: local, batch or kubernetes."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day of every trial (default: the newest complete day)."),
-        "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days before the evaluation day every trial trains on."),
+        "train_days": Param(_hpo.train_days, type="integer", minimum=1, maximum=30, description="Days before the evaluation day every trial trains on."),
         "fixed": Param({}, type="object", description='RUN.json fields every trial gets, e.g. {"epochs": 3, "max_steps": 500, "params": {"width": 32}}.'),
         "enqueue": Param([], type="array", description='Trials to run first (after the baseline): a list of objects of searched values, e.g. [{"lr": 0.01}].'),
         "baseline": Param(True, type="boolean", description="Run the family's defaults as the first trial, to measure the gain against."),
@@ -153,12 +153,12 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
         return decision
 
     @task(trigger_rule="none_failed")
-    def summary(study: dict) -> dict:
+    def summary(study: dict, dag_run: Any = None) -> dict:
         import logging
 
         from operators import hpo
 
-        result = hpo.summarize(study["study"])
+        result = hpo.summarize(study["study"], run=(dag_run.dag_id, dag_run.run_id) if dag_run is not None else None)
         logging.getLogger(__name__).info("study summary:\n%s", result["note"])
         return result
 

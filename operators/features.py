@@ -300,3 +300,28 @@ class FeatureBuildOperator(BaseOperator):
                 except (OSError, ValueError):
                     summary[dataset] = {}
         return feature_lineage(root, self.ds, summary)
+
+
+def announce_examples(ds: str, run_type: str) -> dict[str, str]:
+    """The examples of ``ds`` announced to training (the task's outlet, the ``pinflow_examples`` asset that
+    ``pin_ranker_training`` is scheduled on), or the task skipped and nothing announced.
+
+    Training follows the newest day: a run of the daily schedule, or a manual run of the newest complete day,
+    announces; a backfill never does, nor a rebuild of an older day (a 3-day backfill started two full trainings
+    nobody asked for, which then held the team's quota). To train on older days, trigger pin_ranker_training
+    from its form (``end_ds``).
+    """
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from core import contracts, storage
+
+    if run_type == "backfill":
+        raise AirflowSkipException(f"examples of ds={ds} are published; a backfill does not trigger training "
+                                   "(trigger pin_ranker_training from its form to train on these days)")
+    days = storage.complete_days(config.load().storage_root, contracts.EXAMPLES)
+    newest = days[-1] if days else None
+    if newest != ds:
+        raise AirflowSkipException(f"examples of ds={ds} are published; training is not triggered: it follows the "
+                                   f"newest day, and the newest complete examples day is {newest} (trigger "
+                                   f"pin_ranker_training from its form with end_ds to train on older days)")
+    return {"ds": ds}

@@ -532,7 +532,7 @@ def create_study(dag_id: str, run_id: str, form: dict[str, Any], *, team: str = 
                  storage.get_n_trials(storage.get_study_id_from_name(name)))
     else:
         spec = build_spec(form, cfg)  # the form first: a bad search space fails before anything is created
-        plan = plan_training_days(spec.family, form.get("end_ds"), int(form.get("train_days") or cfg.training.train_days))
+        plan = plan_training_days(spec.family, form.get("end_ds"), int(form.get("train_days") or cfg.hpo.train_days))
         spec = dataclasses.replace(spec, plan=plan)
         study = optuna.create_study(study_name=name, storage=storage, direction=spec.direction,  # type: ignore[arg-type]
                                     load_if_exists=True)
@@ -839,8 +839,9 @@ def importance(study: optuna.Study) -> dict[str, float] | None:
         return None
 
 
-def summarize(name: str) -> dict[str, Any]:
-    """The study's summary: best trial and params, the baseline's value, trials by state, importance, promotion."""
+def summarize(name: str, run: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The study's summary: best trial and params, the baseline's value, trials by state, importance, promotion,
+    and what its trials cost (the jobs of DAG run ``run``: (dag_id, run_id)) next to the gain over the baseline."""
     study, spec = load(name)
     trials = _trials(study)
     best = _best(study)
@@ -859,6 +860,14 @@ def summarize(name: str) -> dict[str, Any]:
                            "model_uri": result.get("model_uri")}
         if baseline is not None and baseline.value is not None and best.value is not None:
             summary["gain_over_baseline"] = best.value - baseline.value
+    if run is not None:
+        from operators import job_history
+
+        cost, currency = job_history.run_cost(*run)
+        gain = summary.get("gain_over_baseline")
+        improvement = None if gain is None else (gain if spec.direction == "maximize" else -gain)
+        summary.update(cost=cost, currency=currency, cost_note=job_history.cost_note(
+            cost, currency, improvement, over="the baseline", metric=spec.metric))
     summary["note"] = run_note(summary)
     run_id = summary["mlflow_parent_run_id"]
     if run_id:
@@ -883,6 +892,8 @@ def run_note(summary: dict[str, Any]) -> str:
         lines.append(f"best: trial {best['number']}, {summary['metric']} {best['value']:.4f}, params `{json.dumps(best['params'])}`")
     if summary.get("gain_over_baseline") is not None:
         lines.append(f"gain over the baseline (the family's defaults): {summary['gain_over_baseline']:+.4f}")
+    if summary.get("cost_note"):
+        lines.append(f"trials' {summary['cost_note']}")
     if summary.get("importance"):
         lines.append("importance: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["importance"].items()))
     promotion = summary.get("promotion")

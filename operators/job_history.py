@@ -85,6 +85,8 @@ jobs = sa.Table(
     sa.Column("run_s", sa.Float),
     sa.Column("gpu_hours", sa.Float),
     sa.Column("node_hours", sa.Float),
+    sa.Column("cost", sa.Float, comment="node-hours x the instance type's price per node-hour (costs:), in currency"),
+    sa.Column("currency", sa.String(8)),
     sa.Column("outcome", sa.String(32), comment="the terminal state"),
     sa.Column("failure_class", sa.String(16)),
     sa.Column("reason", sa.Text),
@@ -352,14 +354,55 @@ def mark_ended(
             started = aware(row["submitted_at"])
         run_s = max(0.0, (end - started).total_seconds()) if started else 0.0
         queue_wait = row["queue_wait_s"] if row["queue_wait_s"] is not None else queued_s
+        node_hours = (row["nodes"] or 0) * run_s / 3600
+        cost, currency = job_cost(row["instance_type"], row["team"], node_hours)
         conn.execute(
             sa.update(jobs).where(jobs.c.id == row["id"]).values(
                 state=state, outcome=state, failure_class=failure_class,
                 reason=(reason or None) and str(reason)[:4000], started_at=started, ended_at=end, run_s=run_s,
                 queue_wait_s=queue_wait, gpu_hours=(row["gpus"] or 0) * run_s / 3600,
-                node_hours=(row["nodes"] or 0) * run_s / 3600, updated_at=now(),
+                node_hours=node_hours, cost=cost, currency=currency, updated_at=now(),
             )
         )
+
+
+def job_cost(instance_type: str | None, team: str | None, node_hours: float) -> tuple[float | None, str]:
+    """What ``node_hours`` of ``instance_type`` cost (``costs:`` of the configuration: the team's capacity's price,
+    on-demand or Spot; the local backend's machine at ``costs.local_per_hour``), and the currency; None without
+    a price for the type."""
+    from core import config
+    from operators.backends.resources import LOCAL_MACHINE
+
+    cfg = config.load()
+    costs = cfg.costs
+    if instance_type == LOCAL_MACHINE:
+        return round(node_hours * costs.local_per_hour, 6), costs.currency
+    price = costs.prices.get(instance_type or "")
+    if price is None:
+        return None, costs.currency
+    team_config = cfg.teams.get(team or "")
+    spot = team_config is not None and team_config.capacity == "spot" and price.spot is not None
+    return round(node_hours * (price.spot if spot and price.spot is not None else price.on_demand), 6), costs.currency
+
+
+def run_cost(dag_id: str, run_id: str, url: str | None = None) -> tuple[float | None, str]:
+    """What the jobs of one DAG run cost together (every try and trial); None when none of them has a price."""
+    from core import config
+
+    costs = [r["cost"] for r in rows(dag_id=dag_id, run_id=run_id, url=url) if r.get("cost") is not None]
+    return (round(sum(costs), 6) if costs else None), config.load().costs.currency
+
+
+def cost_note(cost: float | None, currency: str, gain: float | None = None, over: str = "the champion",
+              metric: str = "AUC") -> str:
+    """Cost next to the quality it bought: ``cost 12.50 USD (4.17 USD per AUC point over the champion)``; the
+    per-point figure only for a gain (``gain``: the metric's improvement, 0.03 is 3 points)."""
+    if cost is None:
+        return "cost unknown (no price for its instance type under costs.prices)"
+    text = f"cost {cost:,.2f} {currency}"
+    if gain is not None and gain > 0:
+        text += f" ({cost / (gain * 100):,.2f} {currency} per {metric} point over {over})"
+    return text
 
 
 def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:

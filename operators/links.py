@@ -38,8 +38,9 @@ def mlflow_run_url(dag_id: str, run_id: str) -> str:
 
 
 def data_docs_url(dataset: str, ds: str) -> str:
-    """The partition's Data Docs (or its validation report when GX did not render them), served by the plugin."""
-    return page_url("data-quality", "docs", dataset, ds)
+    """The partition's validation report, pinflow's own page (every check, what it observed and expected; no
+    asset from the internet, so it reads the same on a closed network), which links GX's Data Docs."""
+    return page_url("data-quality", "report", dataset, ds)
 
 
 def job_page_url(backend: str, job_id: str) -> str:

@@ -28,7 +28,9 @@ def promotion_note(decision: Any) -> str | None:
     if not isinstance(decision, dict) or "promoted" not in decision:
         return None
     verdict = "promoted to champion" if decision["promoted"] else "not promoted"
-    return f"{PROMOTION_MARK}: {decision.get('model_name')} version {decision.get('model_version')} {verdict}: {decision.get('reason', '')}"
+    cost = f" ({decision['cost_note']})" if decision.get("cost_note") else ""
+    return (f"{PROMOTION_MARK}: {decision.get('model_name')} version {decision.get('model_version')} {verdict}{cost}: "
+            f"{decision.get('reason', '')}")
 
 
 @dataclass(frozen=True)

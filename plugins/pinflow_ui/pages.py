@@ -16,12 +16,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 from core import storage
 from core.config import PlatformConfig
+from core.failures import PinflowError
 from operators import job_history as history
 from operators import links
 
@@ -137,6 +138,9 @@ def platform(cfg: PlatformConfig, days: int = 14, now: dt.datetime | None = None
 
     gpu_team: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     gpu_family: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    cost_team: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    cost_totals: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    unpriced: set[str] = set()
     outcomes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     waits_by_day: dict[str, list[float]] = defaultdict(list)
     waits_by_team: dict[str, list[float]] = defaultdict(list)
@@ -148,6 +152,14 @@ def platform(cfg: PlatformConfig, days: int = 14, now: dt.datetime | None = None
         if day in day_list and hours:
             gpu_team[row["team"]][day] += hours
             gpu_family[row.get("family") or "?"][day] += hours
+        if row.get("cost") is not None and _day(row.get("ended_at")) in day_list:
+            cost_team[row["team"]][_day(row["ended_at"]) or ""] += float(row["cost"])
+            totals = cost_totals[(row["team"], row.get("family") or "?")]
+            totals["cost"] += float(row["cost"])
+            totals["gpu_hours"] += float(row.get("gpu_hours") or 0.0)
+            totals["jobs"] += 1
+        elif row.get("ended_at") and row.get("cost") is None and row.get("instance_type"):
+            unpriced.add(str(row["instance_type"]))
         if row.get("outcome") and _day(row.get("ended_at")) in day_list:
             outcomes[outcome_label(row)][_day(row["ended_at"]) or ""] += 1
         wait = total_wait(row)
@@ -180,6 +192,12 @@ def platform(cfg: PlatformConfig, days: int = 14, now: dt.datetime | None = None
         "usage": [{k: v for k, v in team.items() if k != "holders"} for team in usage],
         "gpu_hours_by_team": series(gpu_team),
         "gpu_hours_by_family": series(gpu_family),
+        "currency": cfg.costs.currency,
+        "cost_by_team": series(cost_team),
+        "cost_by_team_and_family": [{"team": team, "family": family, "jobs": int(v["jobs"]), "cost": round(v["cost"], 2),
+                                     "gpu_hours": round(v["gpu_hours"], 2)}
+                                    for (team, family), v in sorted(cost_totals.items())],
+        "unpriced_instance_types": sorted(unpriced),
         "wait_percentiles_by_day": wait_pct,
         "wait_percentiles": {
             "total": {f"p{q}": percentile(sum(waits_by_team.values(), []), q) for q in (50, 90, 99)},
@@ -248,6 +266,43 @@ def head_table(result: dict[str, Any] | None) -> dict[str, dict[str, float | Non
             for head, value in head_aucs(metrics).items()}
 
 
+STUDY_DAGS = ("pinflow_hpo",)  # DAGs whose runs are Optuna studies: shown as a study of trials
+
+
+def study_view(cfg: PlatformConfig, dag_id: str, run_id: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """An HPO DAG run as its study: every trial (state, value, params, the baseline) with its training job (state,
+    tries), the trial counts by state and the best so far; None before the study exists."""
+    from operators import hpo
+    from operators.jobs import job_name
+
+    url = hpo.storage_url(cfg)
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None  # no study yet (a page never creates the storage)
+    try:
+        study, spec = hpo.load(hpo.study_name(dag_id, run_id), hpo.open_storage(cfg))
+    except PinflowError:
+        return None
+    by_name = {row["job_name"]: row for row in rows}
+    trials: list[dict[str, Any]] = []
+    counts: Counter[str] = Counter()
+    best = hpo._best(study)
+    for trial in hpo._trials(study):
+        tries = [(k, by_name[n]) for k in range(1, 20)
+                 if (n := job_name("train", dag_id, run_id, f"trial{trial.number}", f"try{k}")) in by_name]
+        job = tries[-1][1] if tries else None
+        state = trial.state.name.lower()
+        counts[state] += 1
+        trials.append({
+            "number": trial.number, "state": state, "value": trial.value, "params": trial.params,
+            "baseline": bool(trial.user_attrs.get(hpo.BASELINE_ATTR)), "best": best is not None and trial.number == best.number,
+            "round": trial.user_attrs.get(hpo.ROUND_ATTR), "tries": len(tries),
+            "job_state": job["state"] if job else None, "run_s": job.get("run_s") if job else None,
+        })
+    return {"study": study.study_name, "family": spec.family, "metric": spec.metric, "direction": spec.direction,
+            "requested": spec.n_trials, "counts": dict(counts), "trials": trials,
+            "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params}}
+
+
 def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime | None = None,
                  dag_run_state: str | None = None) -> dict[str, Any]:
     """Everything the Training progress tab shows of a DAG run; ``dag_run_state`` (Airflow's, from the API server)
@@ -279,6 +334,10 @@ def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime
         "result": {k: result.get(k) for k in ("model_name", "model_version", "eval_ds", "steps", "examples_seen",
                                               "seconds", "metrics", "input")} if result else None,
         "heads": head_table(result),
+        "study": study_view(cfg, dag_id, run_id, rows) if dag_id in STUDY_DAGS else None,
+        "cost": round(sum(float(r["cost"]) for r in rows if r.get("cost") is not None), 2)
+        if any(r.get("cost") is not None for r in rows) else None,
+        "currency": cfg.costs.currency,
         "champion_version": ((result or {}).get("champion") or {}).get("version"),
         "promotion": {"promoted": bool(promoted["promoted"]), "reason": promoted.get("promotion_reason"),
                       "model_version": promoted.get("model_version")} if promoted else None,
@@ -332,6 +391,19 @@ def mlflow_links(cfg: PlatformConfig, checkpoint_dir: str | None, result: dict[s
 
 
 # --- Data quality -----------------------------------------------------------------------------------------
+
+
+def validation_report(cfg: PlatformConfig, dataset: str, ds: str) -> dict[str, Any] | None:
+    """A partition's validation report (``result.json``: every check with what it observed and expected) and
+    whether it is quarantined; None where it was not validated."""
+    from core.contracts import QUARANTINE, VALIDATION_REPORTS
+
+    report = _read_json(storage.join(cfg.storage_root, VALIDATION_REPORTS, dataset, f"ds={ds}", "result.json"))
+    if report is None:
+        return None
+    markers = _glob(storage.join(cfg.storage_root, QUARANTINE, dataset, f"ds={ds}"), "*/QUARANTINE.json")
+    quarantined = (_read_json(markers[-1]) or {}) if markers else None  # the newest record of the partition
+    return {**report, "quarantined": quarantined, "gx_data_docs": links.page_url("data-quality", "docs", dataset, ds)}
 
 
 def data_quality(cfg: PlatformConfig, days: int = 14) -> dict[str, Any]:

@@ -21,6 +21,7 @@ or the UI's session cookie (Airflow's ``get_user`` dependency), and the auth man
 from __future__ import annotations
 
 import datetime as dt
+import json
 import mimetypes
 from html import escape
 from typing import Annotated, Any
@@ -151,8 +152,14 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
         f'<span class="state-{escape(job["state"])}">{escape(job["state"])}</span>',
         escape(job.get("failure_class") or ""), str(job.get("try_number") or ""),
         _duration(job.get("quota_wait_s")), _duration(job.get("queue_wait_s")), _duration(job.get("run_s")),
-        f"{job['gpu_hours']:.2f}" if job.get("gpu_hours") is not None else "—", _time(job.get("ended_at")),
+        f"{job['gpu_hours']:.2f}" if job.get("gpu_hours") is not None else "—", _money(job.get("cost")),
+        _time(job.get("ended_at")),
     ] for job in data["recent"]]
+    currency = escape(data["currency"])
+    cost_rows = [[escape(c["team"]), escape(c["family"]), str(c["jobs"]), f"{c['gpu_hours']:.2f}",
+                  f"{c['cost']:,.2f} {currency}"] for c in data["cost_by_team_and_family"]]
+    unpriced = (f'<p class="warn">No price for {escape(", ".join(data["unpriced_instance_types"]))}: their jobs have no cost '
+                "(add them under costs.prices in config/platform.yaml).</p>" if data["unpriced_instance_types"] else "")
     body = f"""
 <h2>Teams: usage against quota now</h2>
 {_table(["team", "Airflow pool", "instance type", "jobs", "nodes", "GPUs", "waiting for room"], usage_rows)}
@@ -163,13 +170,16 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
 <div class="grid">
 <div class="card"><h2>GPU-hours per team and day</h2>{svg.stacked_bars(days, data["gpu_hours_by_team"], title="GPU-hours per team", unit="GPU-hours")}</div>
 <div class="card"><h2>GPU-hours per model family and day</h2>{svg.stacked_bars(days, data["gpu_hours_by_family"], title="GPU-hours per family", unit="GPU-hours")}</div>
+<div class="card"><h2>Cost per team and day ({currency})</h2>{svg.stacked_bars(days, data["cost_by_team"], title="cost per team", unit=data["currency"])}
+{_table(["team", "family", "jobs", "GPU-h", "cost"], cost_rows, "no priced job has ended in these days")}{unpriced}</div>
 <div class="card"><h2>Wait before running (quota + queue) per day</h2>{svg.lines(data["wait_percentiles_by_day"], title="wait percentiles per day", unit="seconds", x_ticks=days, x_range=(0, len(days) - 1))}
 {_table(["team", "jobs", "p50", "p90", "p99"], wait_rows, "no job has started yet")}</div>
 <div class="card"><h2>Job outcomes and failure classes per day</h2>{svg.stacked_bars(days, data["outcomes_by_day"], title="job outcomes per day", unit="jobs")}</div>
 <div class="card"><h2>Task outcomes per day (every pinflow task, from the listener)</h2>{svg.stacked_bars(days, data["tasks_by_day"], title="task outcomes per day", unit="tasks")}</div>
 </div>
 <h2>Recent jobs</h2>
-{_table(["team", "family", "DAG run", "state", "class", "try", "quota wait", "queue wait", "run time", "GPU-h", "ended"], recent,
+{_table(["team", "family", "DAG run", "state", "class", "try", "quota wait", "queue wait", "run time", "GPU-h",
+         f"cost ({currency})", "ended"], recent,
         "no job yet")}
 <p class="muted">{data["jobs"]} job(s) in the last {len(days)} days. Export for capacity planning:
 <code>python -m operators.job_history export --out jobs.parquet</code></p>"""
@@ -182,7 +192,8 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
 def render_runs(request: Request, runs: list[dict[str, Any]]) -> str:
     rows = [[
         _run_link(request, r), escape(r["team"]), escape(r.get("family") or ""),
-        f'<span class="state-{escape(r["state"])}">{escape(r["state"])}</span>', str(r["tries"]),
+        f'<span class="state-{escape(r["state"])}">{escape(r["state"])}</span>',
+        f'study: {r["trials"]} trial(s)' if r.get("trials") else str(r["tries"]),
         _time(r.get("requested_at")), _time(r.get("ended_at")), escape(str(r.get("model_version") or "")),
         "" if r.get("promoted") is None else ("promoted" if r["promoted"] else "not promoted"),
     ] for r in runs]
@@ -205,6 +216,10 @@ NO_TRAINING = {
     "pin_daily_features": "validates a day's raw data and builds its features",
     "pin_corpus_inference": "scores the pin corpus with the champion model",
 }
+
+
+def _money(value: Any) -> str:
+    return "—" if value is None else f"{float(value):,.2f}"
 
 
 def _auc(value: Any) -> str:
@@ -281,6 +296,23 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         verdict = "promoted to champion" if promo["promoted"] else "not promoted"
         parts.append(f'<h2>Promotion</h2><p class="{"pass" if promo["promoted"] else "warn"}">Version '
                      f'{escape(str(promo.get("model_version")))} {verdict}: {escape(promo.get("reason") or "")}</p>')
+    study = data.get("study")
+    if study:
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(study["counts"].items()))
+        best = study["best"]
+        parts.append(
+            f'<h2>Study</h2><p class="big">{escape(study["direction"])} {escape(study["metric"])} of '
+            f'{escape(study["family"])}: {len(study["trials"])} of {study["requested"]} trial(s) ({escape(counts)})'
+            + (f' · best so far: trial {best["number"]}, {_auc(best["value"])}' if best else "") + "</p>")
+        css = {"complete": "pass", "pruned": "warn", "fail": "fail", "running": ""}
+        parts.append(_table(["trial", "state", study["metric"], "params", "round", "job", "tries", "run time"], [[
+            f'<b>{t["number"]}</b>' + (" (best)" if t["best"] else "") + (" (baseline)" if t["baseline"] else ""),
+            f'<span class="{css.get(t["state"], "")}">{escape(t["state"])}</span>', _auc(t["value"]),
+            escape(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())),
+            escape(str(t["round"])), escape(str(t["job_state"] or "—")), str(t["tries"]), _duration(t["run_s"]),
+        ] for t in study["trials"]], "no trial asked yet"))
+        parts.append('<p class="muted">Progress below is the newest trial\'s job. The DAG\'s grid shows every '
+                     "round the study may take (hpo.max_rounds); rounds it did not need are skipped.</p>")
     heads = data.get("heads") or {}
     if heads:
         champion = data.get("champion_version")
@@ -301,14 +333,16 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
                      f'(worst rank {verdict_of_input.get("worst_rank_wait_share") or 0:.0%}; '
                      f'{escape(str(verdict_of_input.get("engine")))} engine, {verdict_of_input.get("num_workers")} worker(s)): '
                      + escape(verdict_of_input.get("advice") or "not data-bound") + "</p>")
-    parts.append("<h2>Jobs of this run (every try)</h2>" + _table(
+    cost = "" if data.get("cost") is None else f': cost {data["cost"]:,.2f} {escape(str(data.get("currency") or ""))}'
+    parts.append(f"<h2>Jobs of this run (every try){cost}</h2>" + _table(
         ["try", "job", "state", "class", "submitted", "started", "ended", "quota wait", "queue wait", "run time",
-         "GPU-h", "reason"],
+         "GPU-h", "cost", "reason"],
         [[str(j.get("try_number")), _a(j["links"]["console"], j.get("job_id") or j["job_name"]),
           f'<span class="state-{escape(j["state"])}">{escape(j["state"])}</span>', escape(j.get("failure_class") or ""),
           _time(j.get("submitted_at")), _time(j.get("started_at")), _time(j.get("ended_at")),
           _duration(j.get("quota_wait_s")), _duration(j.get("queue_wait_s")), _duration(j.get("run_s")),
           f"{j['gpu_hours']:.2f}" if j.get("gpu_hours") is not None else "—",
+          "—" if j.get("cost") is None else f"{j['cost']:,.2f} {escape(str(j.get('currency') or ''))}",
           escape((j.get("reason") or "")[:300])] for j in jobs]))
     parts.append(f'<p>{_a(data["links"]["airflow_run"], "This DAG run in Airflow", top=True)}</p>')
     return _layout(request, f"Training run {data['dag_id']} / {data['run_id']}", "".join(parts),
@@ -352,9 +386,46 @@ def render_data_quality(request: Request, data: dict[str, Any]) -> str:
         "nothing is quarantined")
     body = (f'<p class="big">{data["passed"]} partition(s) passed, {data["failed"]} failed over the last '
             f'{len(data["days"])} day(s) validated.</p><h2>Validation per dataset and day</h2>'
-            f'<p class="muted">Each cell opens the partition\'s Data Docs.</p>{grid}{chart}'
+            f'<p class="muted">Each cell opens the partition\'s validation report.</p>{grid}{chart}'
             f"<h2>Quarantine</h2>{quarantine}")
     return _layout(request, "Data quality", body, refresh=60)
+
+
+def _value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return escape(text if len(text) <= 400 else text[:400] + " …")
+
+
+def render_report(request: Request, dataset: str, ds: str, report: dict[str, Any] | None) -> str:
+    """A partition's validation report: served whole by the plugin (no script, style or font from elsewhere)."""
+    title = f"Validation of {dataset} ds={ds}"
+    if report is None:
+        return _layout(request, title, f'<p class="muted">{escape(dataset)} ds={escape(ds)} has not been validated '
+                                       "yet (its validation task writes this report).</p>")
+    ok = bool(report.get("success"))
+    checks = [{**c, "status": "warned" if c.get("status") == "failed" and c.get("severity") in ("warn", "off")
+               else c.get("status")} for c in report.get("checks") or []]  # a warning does not fail the partition
+    failed = [c for c in checks if c.get("status") == "failed"]
+    parts = [f'<p class="big {"pass" if ok else "fail"}">{"Passed" if ok else "FAILED"}: {len(checks)} checks, '
+             f'{len(failed)} failed, on {report.get("rows")} rows · validated {_time(report.get("validated_at"))} in '
+             f'{_duration(report.get("duration_s"))}</p>']
+    quarantined = report.get("quarantined")
+    if quarantined is not None:
+        message = str(quarantined.get("message") or "").splitlines()
+        parts.append(f'<p class="warn">Quarantined {_time(quarantined.get("quarantined_at"))}: '
+                     f'{escape(message[0] if message else "")}. Restore: <code>{escape(str(quarantined.get("restore") or ""))}'
+                     "</code></p>")
+    order = {"failed": 0, "warned": 1, "passed": 2}
+    rows = [[f'<span class="{"fail" if c.get("status") == "failed" else "pass" if c.get("status") == "passed" else "warn"}">'
+             f'{escape(str(c.get("status")))}</span>', escape(str(c.get("name"))), _value(c.get("observed")),
+             _value(c.get("expected")), escape(str(c.get("details") or "")), escape(str(c.get("severity") or ""))]
+            for c in sorted(checks, key=lambda c: order.get(str(c.get("status")), 3))]
+    parts.append("<h2>Checks</h2>" + _table(["status", "check", "observed", "expected", "details", "severity"], rows,
+                                            "no check recorded"))
+    parts.append(f'<p class="muted">Partition <code>{escape(str(report.get("partition") or ""))}</code>. '
+                 f'{_a(report.get("gx_data_docs"), "Great Expectations Data Docs")} (its page loads styles and '
+                 "scripts from public CDNs: blank on a closed network; this page has the same results).</p>")
+    return _layout(request, title, "".join(parts))
 
 
 def render_job(request: Request, job: dict[str, Any] | None, logs: str, backend: str, job_id: str) -> str:
@@ -376,15 +447,20 @@ def training_runs(limit: int = 100) -> list[dict[str, Any]]:
     from operators import job_history as history
 
     runs: dict[tuple[str, str], dict[str, Any]] = {}
+    trial_jobs: dict[tuple[str, str], set[str]] = {}
     for row in history.rows(newest_first=True, limit=limit * 4):
         key = (row.get("dag_id") or "", row.get("run_id") or "")
+        if key[0] in pages.STUDY_DAGS:  # a study: its jobs are trials (one per trial, whatever its tries)
+            trial_jobs.setdefault(key, set()).add(str(row.get("checkpoint_dir") or row["job_name"]))
         if key in runs:
-            runs[key]["tries"] += 1
+            runs[key]["tries"] = max(runs[key]["tries"], int(row.get("try_number") or 1))
             if runs[key].get("promoted") is None and row.get("promoted") is not None:
                 runs[key]["promoted"] = row["promoted"]
             continue
         view = {k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in row.items()}
-        runs[key] = {**view, "tries": 1}
+        runs[key] = {**view, "tries": int(row.get("try_number") or 1)}
+    for key, jobs in trial_jobs.items():
+        runs[key]["trials"] = len(jobs)
     return list(runs.values())[:limit]
 
 
@@ -471,6 +547,11 @@ def create_app() -> FastAPI:
     @app.get("/data-quality", response_class=HTMLResponse)
     def data_quality_page(request: Request, days: Days = 14) -> HTMLResponse:
         return HTMLResponse(render_data_quality(request, pages.data_quality(cfg(), days)))
+
+    @app.get("/data-quality/report/{dataset}/{ds}", response_class=HTMLResponse)
+    def report_page(request: Request, dataset: str, ds: str) -> HTMLResponse:
+        report = pages.validation_report(cfg(), dataset, ds)
+        return HTMLResponse(render_report(request, dataset, ds, report), status_code=200 if report else 404)
 
     @app.get("/data-quality/docs/{dataset}/{ds}", response_model=None)
     def data_docs(request: Request, dataset: str, ds: str) -> Response:

@@ -218,6 +218,8 @@ class Backfilled:
     neighbour_commits: int
     backfill_days: list[tuple[object, ...]]  # backfill_dag_run rows of the API's backfill
     runs_after: list[tuple[object, ...]]  # (id, run_id, logical_date, state, backfill_id) when all ended
+    announced: list[object]  # the announce_examples task's states
+    examples_events: int  # pinflow_examples asset events (what starts training)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +275,11 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backfilled]
             runs_after=airflow.query(
                 "SELECT id, run_id, logical_date, state, backfill_id FROM dag_run WHERE dag_id = ? ORDER BY id",
                 DAG_ID),
+            announced=[state for (state,) in airflow.query(
+                "SELECT state FROM task_instance WHERE dag_id = ? AND task_id = 'announce_examples'", DAG_ID)],
+            examples_events=airflow.query(
+                "SELECT count(*) FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE a.name = 'pinflow_examples'"
+            )[0][0],
         )
     finally:
         airflow.stop()
@@ -291,6 +298,9 @@ def test_api_backfill_while_scheduler_commits_keeps_every_run(backfilled: Backfi
     assert [str(day)[:10] for _, _, day, _, _ in backfilled.runs_after] == DAYS
     assert {backfill for *_, backfill in backfilled.runs_after} == {backfilled.api_body["id"]}
     assert [state for _, _, _, state, _ in backfilled.runs_after] == ["success"] * len(DAYS)
+    # A backfill does not start training: its runs announce no examples (issue 34: a 3-day backfill had started
+    # two trainings nobody asked for).
+    assert backfilled.announced == ["skipped"] * len(DAYS) and backfilled.examples_events == 0
     # The backfill covers every requested day with a run, none skipped.
     assert [(str(day)[:10], reason) for day, _, reason in backfilled.backfill_days] == [(d, None) for d in DAYS]
     assert all(run is not None for _, run, _ in backfilled.backfill_days)

@@ -256,7 +256,7 @@ def _kill_after_first_checkpoint(home: Path, trial: int, proc: subprocess.Popen,
     raise AssertionError(f"trial {trial}: no worker with a checkpoint to kill:\n{log.read_text()[-6000:]}")
 
 
-def test_a_study_of_training_jobs_prunes_resumes_and_promotes(hpo_env, pinflow_home, tmp_path):
+def test_a_study_of_training_jobs_prunes_resumes_and_promotes(hpo_env, pinflow_home, tmp_path, monkeypatch):
     import optuna
     from mlflow import MlflowClient
 
@@ -339,6 +339,31 @@ def test_a_study_of_training_jobs_prunes_resumes_and_promotes(hpo_env, pinflow_h
     assert len(list((home / "runs").glob("train-pinflow-hpo-*"))) == len(jobs)
     assert rerun["summary"]["best"] == result["best"] and rerun["note"].count("**Optuna study**") == 1
     assert len(client.search_model_versions("name='pin_content'")) == 1
+
+    # The pages show the run as a study (issue 34): each trial with its state, value and job (the killed trial's
+    # two tries), the best so far; the runs list counts trials, not tries.
+    import sys
+    from types import SimpleNamespace
+
+    from core import config
+    from operators import hpo
+    from operators import job_history as history
+
+    sys.path.insert(0, str(REPO / "plugins"))
+    from pinflow_ui import pages, web
+
+    for key in ("PINFLOW_HPO__STORAGE_URL", "PINFLOW_STORAGE_ROOT", "PINFLOW_MLFLOW__TRACKING_URI"):
+        monkeypatch.setenv(key, hpo_env[key])
+    run_id = next(r["run_id"] for r in history.rows(dag_id="pinflow_hpo")
+                  if hpo.study_name("pinflow_hpo", r["run_id"]) == study_names[0])
+    data = pages.training_run(config.load(), "pinflow_hpo", run_id)
+    view = data["study"]
+    assert {t["number"]: t["state"].upper() for t in view["trials"]} == states
+    assert [t["tries"] for t in view["trials"][:3]] == [1, 2, 1] and view["trials"][0]["baseline"]
+    assert view["best"]["number"] == study.best_trial.number and sum(t["best"] for t in view["trials"]) == 1
+    assert next(r for r in web.training_runs() if r["run_id"] == run_id)["trials"] == 6
+    html = web.render_run(SimpleNamespace(scope={"root_path": "/pinflow"}), data)  # type: ignore[arg-type]
+    assert f"best so far: trial {study.best_trial.number}" in html and ">pruned<" in html
 
 
 if __name__ == "__main__":

@@ -510,6 +510,9 @@ def test_extra_links_are_http_and_resolve(stack):
     # Data Docs, served over HTTP by the plugin.
     status, _, page = stack.request(f"/pinflow/data-quality/docs/events/{RAW_DAYS[0]}", token=token)
     assert status == 200 and b"<html" in page.lower()
+    # pinflow's own report of the partition (what the Data Docs link and the Data quality page open).
+    status, _, page = stack.request(f"/pinflow/data-quality/report/events/{RAW_DAYS[1]}", token=token)
+    assert status == 200 and b"FAILED" in page and b"Quarantined" in page and page.count(b"<tr>") > 5
     quality = json.loads(stack.request("/pinflow/api/data-quality", token=token)[2])
     report = next(q["report"] for q in quality["quarantine"] if q["ds"] == RAW_DAYS[1])
     status, _, page = stack.request(report.removeprefix(stack.url), token=token)
@@ -565,6 +568,26 @@ def test_pages_in_the_browser(stack):
             frame = plugin_page("pinflow-data-quality", "Data quality", "data-quality.png", 1100)
             assert frame.locator("a.pass").count() >= 1 and frame.locator("a.fail").count() >= 1
             assert frame.locator("td", has_text="partition.").count() + frame.locator("td", has_text="action").count() >= 1
+            # On a network without internet access (the usual data platform) the validation report reads whole:
+            # every request outside this server is refused, and none is even made.
+            outside: list[str] = []
+            offline = browser.new_page(viewport={"width": 1500, "height": 1100})
+            offline.context.add_cookies(page.context.cookies())
+
+            def local_only(route: Any) -> None:
+                if route.request.url.startswith(stack.url):
+                    route.continue_()
+                else:
+                    outside.append(route.request.url)
+                    route.abort()
+
+            offline.route("**/*", local_only)
+            offline.goto(f"{stack.url}/pinflow/data-quality/report/events/{RAW_DAYS[1]}", wait_until="load")
+            offline.locator("h1").filter(has_text="Validation of events").wait_for(timeout=60_000)
+            assert offline.locator("table tr").count() > 5 and offline.locator("span.fail").count() >= 1
+            offline.screenshot(path=str(shots / "validation-report.png"), full_page=True)
+            offline.close()
+            assert not outside, outside
             # What the pages showed while run a's job trained and run b's waited (the same code as the server's).
             for name, shot in (("platform-live.html", "platform-live.png"), ("run-live.html", "training-run-live.png")):
                 live = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -574,7 +597,7 @@ def test_pages_in_the_browser(stack):
         finally:
             browser.close()
     for shot in ("platform.png", "training-runs.png", "training-run.png", "data-quality.png", "platform-live.png",
-                 "training-run-live.png"):
+                 "training-run-live.png", "validation-report.png"):
         assert (shots / shot).stat().st_size > 10_000, shot
 
 

@@ -108,7 +108,7 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert validation["failed_checks"] == ["action.in_set"] and validation["quarantine"]
     link = _value(summary["link"])
     assert summary["served_link"] == link, summary  # the UI's button (was null: get_link ran on the serialized task)
-    assert isinstance(link, str) and link.startswith("http") and link.endswith("/pinflow/data-quality/docs/events/2026-11-02")
+    assert isinstance(link, str) and link.startswith("http") and link.endswith("/pinflow/data-quality/report/events/2026-11-02")
     assert "DataError" in log.read_text() and "action.in_set" in log.read_text()
     # Quarantined with its report; the other partitions stay; nothing downstream was written.
     record = Path(validation["quarantine"])

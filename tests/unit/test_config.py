@@ -62,6 +62,11 @@ def test_environment_overrides_the_file(tmp_path: Path):
         ("features: {backend: off}\n", {},
          "features.backend = False in {file}: Input should be '', 'local', 'batch' or 'kubernetes' (YAML reads an "
          "unquoted yes, no, on or off as true or false: quote it, e.g. 'off')"),
+        # The price table (issue 36): a type that is not an instance type, a negative price.
+        ("costs: {prices: {p5.48xlarg: {on_demand: 55.04}}}\n", {},
+         "costs.prices names instance type(s) p5.48xlarg not under instance_types:"),
+        ("costs: {prices: {p5.48xlarge: {on_demand: -1}}}\n", {},
+         "costs.prices.p5.48xlarge.on_demand = -1 in {file}: Input should be greater than or equal to 0"),
         ("", {"PINFLOW_TEAMS": "{ranking: {queue: q}}"},  # a section set whole by a variable: the variable is named
          "teams.ranking.share = {{'queue': 'q'}} in environment variable PINFLOW_TEAMS: Field required"),
     ],

@@ -60,3 +60,21 @@ def test_parsing_imports_nothing_heavy(dag_file):
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.unit
+def test_no_taskflow_argument_is_named_like_a_context_key(dagbag):
+    """A TaskFlow task given a positional argument named like a context key ("ds") fails every run at execution
+    ("The key 'ds' in args is a part of kwargs and therefore reserved"), which parsing does not show."""
+    import inspect
+
+    from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
+
+    for dag in dagbag.dags.values():
+        for task in dag.tasks:
+            callable_ = getattr(task, "python_callable", None)
+            if callable_ is None:
+                continue
+            positional = list(inspect.signature(callable_).parameters)[: len(getattr(task, "op_args", ()) or ())]
+            clashes = [name for name in positional if name in KNOWN_CONTEXT_KEYS]
+            assert not clashes, f"{dag.dag_id}.{task.task_id}: argument(s) {clashes} are context keys"

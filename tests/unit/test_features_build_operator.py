@@ -201,3 +201,23 @@ def test_the_job_runs_with_this_interpreter() -> None:
                           shards=[], cfg=cfg, features=cfg.features, backend="local")
     request = LocalBackend("/tmp/unused").dry_run(spec)
     assert request["nodes"][0]["argv"][:3] == [sys.executable, "-m", "features.build"]
+
+
+def test_only_a_run_of_the_newest_day_announces_examples_to_training(platform: PlatformConfig, monkeypatch) -> None:
+    """Training is scheduled on the examples asset: a backfill, or a rebuild of an older day, must not start it."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from operators.features import announce_examples
+
+    days = ["2026-11-01", "2026-11-02"]
+    root = platform.storage_root
+    for ds in days:
+        with storage.publish(storage.partition(root, contracts.EXAMPLES, ds)) as folder:
+            storage.write_json(storage.join(folder, "part-00000.json"), {"ds": ds})
+    assert storage.complete_days(root, contracts.EXAMPLES) == days
+    assert announce_examples("2026-11-02", "scheduled") == {"ds": "2026-11-02"}
+    assert announce_examples("2026-11-02", "manual") == {"ds": "2026-11-02"}
+    with pytest.raises(AirflowSkipException, match="a backfill does not trigger training"):
+        announce_examples("2026-11-02", "backfill")
+    with pytest.raises(AirflowSkipException, match="newest complete examples day is 2026-11-02"):
+        announce_examples("2026-11-01", "manual")

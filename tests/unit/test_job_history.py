@@ -47,6 +47,45 @@ def test_a_job_moves_through_its_transitions(url):
                                                                                                     "worse")
 
 
+def test_a_job_costs_its_node_hours_at_its_teams_price_checked_by_hand(url, monkeypatch):
+    """Issue 36: cost in money next to GPU-hours. 2 p5.48xlarge nodes for 30 minutes at 55.04 USD a node-hour
+    (config/platform.yaml) are 55.04 USD; the same job of a Spot team at 21.50 is 21.50; a local job costs
+    costs.local_per_hour; an instance type without a price has no cost."""
+    from core import config
+    from core.config import PriceConfig
+    from operators.backends.resources import LOCAL_MACHINE
+
+    base = config.read()
+    assert base.costs.prices["p5.48xlarge"].on_demand == 55.04 and base.costs.currency == "USD"
+
+    def ended_job(name: str, job_id: str, minutes: float) -> dict:
+        submit(url, name, job_id)
+        history.mark_running("batch", job_id, started_at=1_000_000.0, queued_s=0.0, url=url)
+        history.mark_ended("batch", job_id, history.SUCCEEDED, ended_at=1_000_000.0 + minutes * 60, url=url)
+        row = history.get(name, url)
+        assert row is not None
+        return row
+
+    monkeypatch.setattr(config, "load", lambda: base)
+    row = ended_job("train-a", "job-a", 30)
+    assert row["node_hours"] == pytest.approx(1.0) and row["cost"] == pytest.approx(55.04) and row["currency"] == "USD"
+    spot_team = base.teams["ranking"].model_copy(update={"capacity": "spot"})
+    spot = base.model_copy(update={
+        "teams": {**base.teams, "ranking": spot_team},
+        "costs": base.costs.model_copy(update={"prices": {**base.costs.prices,
+                                                          "p5.48xlarge": PriceConfig(on_demand=55.04, spot=21.5)}})})
+    monkeypatch.setattr(config, "load", lambda: spot)
+    assert ended_job("train-b", "job-b", 30)["cost"] == pytest.approx(21.5)
+    assert history.run_cost("pin_ranker_training", "manual__1", url=url) == (pytest.approx(76.54), "USD")
+    local = base.model_copy(update={"costs": base.costs.model_copy(update={"local_per_hour": 0.5})})
+    monkeypatch.setattr(config, "load", lambda: local)
+    assert history.job_cost(LOCAL_MACHINE, "ranking", 3.0) == (pytest.approx(1.5), "USD")
+    assert history.job_cost("x1.32xlarge", "ranking", 3.0) == (None, "USD")
+    assert history.cost_note(76.54, "USD", 0.02) == "cost 76.54 USD (38.27 USD per AUC point over the champion)"
+    assert history.cost_note(76.54, "USD", -0.01) == "cost 76.54 USD"  # no gain: no price per point
+    assert "no price" in history.cost_note(None, "USD")
+
+
 def test_an_operators_error_gives_the_outcome_and_class(url, monkeypatch):
     submit(url)
     monkeypatch.setattr(history, "default_url", lambda: url)

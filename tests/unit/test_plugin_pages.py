@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,13 +96,18 @@ def test_platform_shows_usage_gpu_hours_waits_outcomes_and_the_running_jobs(worl
     assert ranking["quota"] == {"jobs": 4, "nodes": 8, "gpus": 64}  # config/platform.yaml
     assert sum(data["gpu_hours_by_team"]["ranking"]) == pytest.approx(8 + 8 + 8, rel=0.01)  # 2 ended, 1 for an hour
     assert set(data["outcomes_by_day"]) == {"SUCCEEDED", "FAILED:INFRA"}
+    # Cost in money beside GPU-hours (issue 36): two ended 1-node p5.48xlarge jobs of an hour at 55.04 USD.
+    assert data["cost_by_team_and_family"] == [{"team": "ranking", "family": "pin_ranker", "jobs": 2, "cost": 110.08,
+                                                "gpu_hours": 16.0}]
+    assert sum(data["cost_by_team"]["ranking"]) == pytest.approx(110.08) and data["currency"] == "USD"
     assert data["wait_percentiles"]["total"]["p99"] == pytest.approx(72, rel=0.05)
     live = next(j for j in data["active"] if j["job_name"] == "live")
     assert live["progress"]["percent"] == 25.0 and live["progress"]["eta_s"] == 90.0
     assert [j["state"] for j in data["active"]] == ["WAITING", "RUNNING"]
     assert live["links"]["run_page"].endswith("/pinflow/runs/pin_ranker_training/r3")
     html = web.render_platform(_request(), data)
-    assert html.count("<svg") >= 6 and "r3" in html and "25.0% (step 30/120)" in html and "FAILED:INFRA" in html
+    assert html.count("<svg") >= 7 and "r3" in html and "25.0% (step 30/120)" in html and "FAILED:INFRA" in html
+    assert "110.08 USD" in html and "Cost per team and day (USD)" in html
 
 
 def test_training_run_page_reads_progress_curve_checkpoint_mlflow_and_promotion(world, tmp_path):
@@ -159,12 +165,39 @@ def test_data_quality_reads_reports_and_the_quarantine(world):
                    "  - action.in_set: 3 rows have action outside [...]\nReport: x"}))
     data = pages.data_quality(world)
     assert data["days"] == ["2026-11-01", "2026-11-02"] and (data["passed"], data["failed"]) == (1, 1)
-    assert data["cells"]["events"]["2026-11-01"]["docs"].endswith("/pinflow/data-quality/docs/events/2026-11-01")
+    assert data["cells"]["events"]["2026-11-01"]["docs"].endswith("/pinflow/data-quality/report/events/2026-11-01")
     (q,) = data["quarantine"]
     assert q["reason"].startswith("Validation failed") and q["details"] == ["action.in_set: 3 rows have action outside [...]"]
     assert q["report"].endswith("/pinflow/files/quarantine/events/ds%3D2026-11-02/20261103T000000Z/report/index.html")
     html = web.render_data_quality(_request(), data)
     assert 'class="pass"' in html and 'class="fail"' in html and "action.in_set" in html
+
+
+def test_the_validation_report_page_lists_every_check_and_the_quarantine_without_outside_assets(world):
+    root = Path(world.storage_root)
+    folder = root / "reports" / "validation" / "events" / "ds=2026-11-02"
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({
+        "success": False, "rows": 10, "validated_at": "2026-11-03T00:00:00+00:00", "duration_s": 1.5,
+        "partition": "raw/events/ds=2026-11-02", "failed_checks": ["action.in_set"], "checks": [
+            {"name": "rows.between", "status": "passed", "success": True, "observed": 10, "expected": [1, None],
+             "details": "", "severity": "fail"},
+            {"name": "action.in_set", "status": "failed", "success": False, "observed": {"unexpected": 3},
+             "expected": ["click", "repin"], "details": "3 rows have action <script>", "severity": "fail"},
+            {"name": "volume.vs_history", "status": "failed", "success": False, "observed": 10, "expected": 100,
+             "details": "", "severity": "warn"}]}))
+    record = root / "quarantine" / "events" / "ds=2026-11-02" / "20261103T000000Z"
+    record.mkdir(parents=True)
+    (record / "QUARANTINE.json").write_text(json.dumps({"message": "Validation failed\n- x", "restore": "mv a b"}))
+    report = pages.validation_report(world, "events", "2026-11-02")
+    html = web.render_report(_request(), "events", "2026-11-02", report)
+    assert "FAILED: 3 checks, 1 failed, on 10 rows" in html and "Quarantined" in html and "mv a b" in html
+    assert html.index("action.in_set") < html.index("volume.vs_history") < html.index("rows.between")  # failed first
+    assert "&lt;script&gt;" in html and ">warned<" in html  # escaped; a warning does not fail the partition
+    assert "/pinflow/data-quality/docs/events/2026-11-02" in html  # GX's own Data Docs, linked
+    assert not re.search(r'(src|href)="https?://(?!localhost)', html)  # nothing loaded from elsewhere
+    assert pages.validation_report(world, "events", "2026-11-09") is None
+    assert "has not been validated yet" in web.render_report(_request(), "events", "2026-11-09", None)
 
 
 def test_only_reports_are_served_never_data():

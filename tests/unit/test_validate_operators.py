@@ -169,6 +169,27 @@ def test_deferrable_sensor_defers_to_its_trigger(root: Path) -> None:
     assert dt.timedelta(seconds=590) < deadline - dt.datetime.now(dt.UTC) <= dt.timedelta(seconds=600)
 
 
+def test_a_manual_rebuild_of_another_day_says_what_it_waits_for_and_how_to_run_at_once(root: Path, monkeypatch) -> None:
+    """A rebuild of a past day from the form sat with "No Status" behind the run before its logical date."""
+    from types import SimpleNamespace
+
+    land(root, "raw/events")
+    land(root, "raw/pins")
+    sensor = _sensor()
+    warnings: list[str] = []
+    said_as = SimpleNamespace(warning=lambda message, *args: warnings.append(message % args), info=lambda *a: None)
+    monkeypatch.setattr(RawPartitionSensor, "log", property(lambda self: said_as))
+    for run_type, logical, warned in (("manual", dt.datetime(2026, 12, 5, 7, tzinfo=dt.UTC), True),
+                                      ("manual", dt.datetime.fromisoformat(f"{DS}T00:00:00+00:00"), False),
+                                      ("scheduled", dt.datetime(2026, 12, 5, tzinfo=dt.UTC), False)):
+        warnings.clear()
+        sensor.execute({"dag_run": SimpleNamespace(run_type=run_type), "logical_date": logical})  # type: ignore[arg-type]
+        said = " ".join(warnings)
+        assert ("wait until the DAG's run before 2026-12-05" in said) == warned, (run_type, logical, said)
+        if warned:
+            assert f"builds ds={DS} but is named for 2026-12-05" in said and f"Logical date set to {DS}T00:00:00Z" in said
+
+
 def test_sensor_timeout_is_a_data_failure_naming_the_partitions() -> None:
     sensor = _sensor()
     sensor.execute_complete({}, {"status": "success"})  # type: ignore[arg-type]
@@ -245,7 +266,7 @@ def test_operator_pushes_summary_then_fails_and_quarantines(root: Path) -> None:
     assert storage.join(part, storage.DATA_FILE) in message and "Quarantined" in message
     # An http(s) link (the UI shows no other): the plugin serves the report from the storage root.
     link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
-    assert link == op.data_docs_url and link.startswith("http") and link.endswith("/pinflow/data-quality/docs/users/" + DS)
+    assert link == op.data_docs_url and link.startswith("http") and link.endswith("/pinflow/data-quality/report/users/" + DS)
     assert Path(unquote(summary["data_docs"])).exists() and summary["data_docs"].endswith("index.html")
 
 
@@ -263,7 +284,7 @@ def test_operator_on_an_object_store_fails_and_quarantines(memory_root: str) -> 
     assert not storage.is_dir(part)
     assert storage.read_json(summary["report_path"])["failed_checks"] == ["files.readable"]
     assert summary["data_docs"].startswith("memory://")  # the report, wherever the root is
-    assert op.data_docs_url.endswith(f"/pinflow/data-quality/docs/pins/{DS}")  # served by the plugin over HTTP
+    assert op.data_docs_url.endswith(f"/pinflow/data-quality/report/pins/{DS}")  # served by the plugin over HTTP
 
 
 def test_invalid_validation_settings_are_a_user_error(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,7 +305,7 @@ def test_link_without_a_run_points_at_the_partition_report(root: Path) -> None:
     link = DataDocsLink().get_link(op, ti_key=None)  # type: ignore[arg-type]
 
     # The plugin's page of the partition, which serves its Data Docs or else its report (pinflow_ui.web).
-    assert link.startswith("http") and link.endswith(f"/pinflow/data-quality/docs/events/{DS}")
+    assert link.startswith("http") and link.endswith(f"/pinflow/data-quality/report/events/{DS}")
 
 
 def test_plugin_registers_the_link_for_the_validation_operator() -> None:
