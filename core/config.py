@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.failures import ConfigError
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FILE = REPO_ROOT / "config" / "platform.yaml"
@@ -666,16 +669,35 @@ class _Loaded:
         self._config: PlatformConfig | None = None
 
     def __call__(self) -> PlatformConfig:
-        file = config_file()
+        stamp = self._stamp_now()
+        if self._config is not None and (stamp == self._stamp or stamp[2] == 0):
+            return self._config  # unchanged; or emptied, as an editor does just before it writes
+        try:
+            config = read(config_file())
+        except ConfigError as err:
+            if self._config is None:
+                raise
+            # A long-lived process keeps the configuration it has while the file is mid-write or wrong (a new
+            # task reads the same file and stops with the message): said once per version of the file.
+            if stamp != self._stamp:
+                log.warning("keeping the platform configuration read before: the new one is not valid: %s", err)
+                self._stamp = stamp
+            return self._config
+        if self._stamp_now() == stamp:  # not changed while it was read (else: read again at the next call)
+            self._stamp = stamp
+        self._config = config
+        return config
+
+    @staticmethod
+    def _stamp_now() -> tuple[Any, ...]:
+        named = os.environ.get("PINFLOW_CONFIG")
+        file = Path(named) if named else CONFIG_FILE
         try:
             st = file.stat()
             stamp: tuple[Any, ...] = (str(file), st.st_mtime_ns, st.st_size)
         except OSError:
             stamp = (str(file), None, None)
-        stamp += tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PINFLOW")))
-        if self._config is None or stamp != self._stamp:
-            self._config, self._stamp = read(file), stamp
-        return self._config
+        return stamp + tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PINFLOW")))
 
     def cache_clear(self) -> None:
         self._stamp = self._config = None

@@ -131,7 +131,8 @@ extra links open the job's console page and the MLflow run.
         from operators.promotion import promote_if_better
 
         assert params is not None
-        decision = promote_if_better(result, float(params["promotion_tolerance"]))
+        decision = promote_if_better(result, float(params["promotion_tolerance"]),
+                                     moved_by=f"{ti.dag_id}/{ti.run_id}" if ti is not None else "the promotion gate")
         if ti is not None:  # the Training progress page and the run's note (operators.run_notes) show it
             cost, currency = job_history.run_cost(ti.dag_id, ti.run_id)
             gain = (None if decision.get("auc") is None or decision.get("champion_auc") is None

@@ -789,7 +789,8 @@ def promote_best(name: str, tolerance: float, promote: bool = True) -> dict[str,
         return dict(cached)
     result = dict(best.user_attrs[RESULT_ATTR])
     version = register_trial_model(spec, best.number, result)
-    decision = promote_if_better({**result, "model_version": version}, tolerance)
+    decision = promote_if_better({**result, "model_version": version}, tolerance,
+                                 moved_by=f"HPO study {name} (best trial {best.number})")
     decision.update(trial=best.number, value=best.value, params=best.params)
     study.set_user_attr(PROMOTION_ATTR, decision)
     return decision

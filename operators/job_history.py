@@ -112,6 +112,21 @@ team_locks = sa.Table(
     sa.Column("admissions", sa.Integer, nullable=False, default=0),
 )
 
+# Every move of a model's champion alias (operators.champions): what MLflow's registry does not keep.
+alias_history = sa.Table(
+    "pinflow_alias_history",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("model_name", sa.String(250), nullable=False, index=True),
+    sa.Column("alias", sa.String(64), nullable=False),
+    sa.Column("from_version", sa.String(32), comment="the version it pointed at before; empty: none"),
+    sa.Column("to_version", sa.String(32), nullable=False),
+    sa.Column("moved_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("moved_by", sa.String(500), comment="the user or the DAG run that moved it"),
+    sa.Column("kind", sa.String(32), comment="promotion, approval or rollback"),
+    sa.Column("reason", sa.Text),
+)
+
 COLUMNS = [c.name for c in jobs.columns]
 
 
@@ -220,6 +235,23 @@ def transaction(url: str | None = None) -> Iterator[sa.Connection]:
         conn.execution_options(pinflow_write=True)
         with conn.begin():
             yield conn
+
+
+@contextlib.contextmanager
+def locked(key: str, url: str | None = None) -> Iterator[sa.Connection]:
+    """A write transaction holding the lock row ``key`` (made on first use) for its whole block: what runs in it
+    is serialised per key across processes (SQLite: the database's write lock, waited for; PostgreSQL: the row's
+    lock). A team's quota admission and a model's champion moves use it; write through the connection it gives
+    (another connection would wait for this one on SQLite)."""
+    try:
+        with transaction(url) as conn:
+            if conn.execute(sa.select(team_locks.c.team).where(team_locks.c.team == key)).first() is None:
+                conn.execute(sa.insert(team_locks).values(team=key, admissions=0))
+    except sa.exc.IntegrityError:
+        pass  # made by a concurrent caller
+    with transaction(url) as conn:
+        conn.execute(sa.update(team_locks).where(team_locks.c.team == key).values(admissions=team_locks.c.admissions + 1))
+        yield conn
 
 
 # --- writing ------------------------------------------------------------------------------------------------
@@ -355,7 +387,11 @@ def mark_ended(
         run_s = max(0.0, (end - started).total_seconds()) if started else 0.0
         queue_wait = row["queue_wait_s"] if row["queue_wait_s"] is not None else queued_s
         node_hours = (row["nodes"] or 0) * run_s / 3600
-        cost, currency = job_cost(row["instance_type"], row["team"], node_hours)
+        try:
+            cost, currency = job_cost(row["instance_type"], row["team"], node_hours)
+        except Exception as err:  # noqa: BLE001 - a price that cannot be read must not lose the job's end
+            log.warning("job history: no cost for job %s: %s", job_id, err)
+            cost, currency = None, None
         conn.execute(
             sa.update(jobs).where(jobs.c.id == row["id"]).values(
                 state=state, outcome=state, failure_class=failure_class,
@@ -386,11 +422,14 @@ def job_cost(instance_type: str | None, team: str | None, node_hours: float) -> 
 
 
 def run_cost(dag_id: str, run_id: str, url: str | None = None) -> tuple[float | None, str]:
-    """What the jobs of one DAG run cost together (every try and trial); None when none of them has a price."""
+    """What the ended jobs of one DAG run cost together (every try and trial); None when one of them has no price
+    (a partial sum would read as the whole)."""
     from core import config
 
-    costs = [r["cost"] for r in rows(dag_id=dag_id, run_id=run_id, url=url) if r.get("cost") is not None]
-    return (round(sum(costs), 6) if costs else None), config.load().costs.currency
+    ended = [r for r in rows(dag_id=dag_id, run_id=run_id, url=url) if r.get("ended_at") is not None]
+    if not ended or any(r.get("cost") is None for r in ended):
+        return None, config.load().costs.currency
+    return round(sum(float(r["cost"]) for r in ended), 6), config.load().costs.currency
 
 
 def cost_note(cost: float | None, currency: str, gain: float | None = None, over: str = "the champion",
@@ -398,11 +437,29 @@ def cost_note(cost: float | None, currency: str, gain: float | None = None, over
     """Cost next to the quality it bought: ``cost 12.50 USD (4.17 USD per AUC point over the champion)``; the
     per-point figure only for a gain (``gain``: the metric's improvement, 0.03 is 3 points)."""
     if cost is None:
-        return "cost unknown (no price for its instance type under costs.prices)"
+        return "cost unknown (a job's instance type has no price under costs.prices)"
     text = f"cost {cost:,.2f} {currency}"
     if gain is not None and gain > 0:
         text += f" ({cost / (gain * 100):,.2f} {currency} per {metric} point over {over})"
     return text
+
+
+def record_alias_move(move: dict[str, Any], conn: sa.Connection) -> None:
+    """One move of a champion alias (``operators.champions.move``), in the caller's transaction."""
+    conn.execute(sa.insert(alias_history).values(**{c.name: move.get(c.name) for c in alias_history.columns
+                                                    if c.name != "id"}))
+
+
+def alias_moves(model_name: str | None = None, url: str | None = None,
+                conn: sa.Connection | None = None) -> list[dict[str, Any]]:
+    """The recorded moves of champion aliases, oldest first (one model's, or every model's)."""
+    query = sa.select(alias_history).order_by(alias_history.c.id)
+    if model_name is not None:
+        query = query.where(alias_history.c.model_name == model_name)
+    if conn is not None:
+        return [{k: aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
+    with engine(url).connect() as own:
+        return [{k: aware(v) for k, v in row.items()} for row in own.execute(query).mappings()]
 
 
 def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:

@@ -154,10 +154,12 @@ def decide(result: dict[str, Any], champion_now: str | None, settings: GateSetti
     return decision
 
 
-def promote_if_better(result: dict[str, Any], tolerance: float | None = None) -> dict[str, Any]:
-    """Decide on ``result`` against the current champion and, if promoted, move the ``champion`` alias to it; the
-    decision is tagged on the version (``promotion``) either way. A registry that does not answer raises INFRA."""
-    from operators import registry
+def promote_if_better(result: dict[str, Any], tolerance: float | None = None,
+                      moved_by: str = "the promotion gate") -> dict[str, Any]:
+    """Decide on ``result`` against the current champion and, if promoted, move the ``champion`` alias to it
+    (recorded by ``operators.champions``: ``moved_by``, the run that decided); the decision is tagged on the version
+    (``promotion``) either way. A registry that does not answer raises INFRA."""
+    from operators import champions, registry
 
     cfg = config.load()
     if not result.get("model_version"):
@@ -167,16 +169,18 @@ def promote_if_better(result: dict[str, Any], tolerance: float | None = None) ->
     name, version = str(result["model_name"]), str(result["model_version"])
     settings = GateSettings.from_config(cfg, tolerance)
     try:
-        champion = registry.champion(client, name)
-        decision = decide(result, None if champion is None else str(champion.version), settings)
-        if decision["promoted"]:
-            again = registry.champion(client, name)  # another run may have moved it while this one decided
-            if (None if again is None else str(again.version)) != decision["champion_version"]:
-                decision = decide(result, None if again is None else str(again.version), settings)
-        verdict = "promoted: " if decision["promoted"] else "rejected: "
-        client.set_model_version_tag(name, version, "promotion", (verdict + decision["reason"])[:5000])
-        if decision["promoted"] and decision["champion_version"] != version:
-            client.set_registered_model_alias(name, registry.CHAMPION, version)
+        # One decision at a time per model: concurrent runs (and a rollback) read, decide and move in turn.
+        with champions.model_lock(name) as conn:
+            champion = registry.champion(client, name)
+            decision = decide(result, None if champion is None else str(champion.version), settings)
+            verdict = "promoted: " if decision["promoted"] else "rejected: "
+            client.set_model_version_tag(name, version, "promotion", (verdict + decision["reason"])[:5000])
+            if decision["promoted"] and decision["champion_version"] != version:
+                champions.move(client, name, version, kind="promotion", moved_by=moved_by, reason=decision["reason"],
+                               conn=conn)
+            elif decision["promoted"]:  # a retried promote step: its move stands; record it if the try did not
+                champions.record_if_missing(name, version, kind="promotion", moved_by=moved_by,
+                                            reason=decision["reason"], conn=conn)
     except PinflowError:
         raise
     except Exception as err:

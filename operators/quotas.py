@@ -213,26 +213,13 @@ class Verdict:
                 f"{self.holders or 'nobody recorded'}")
 
 
-def _ensure_lock_row(team: str, url: str | None) -> None:
-    try:
-        with history.transaction(url) as conn:
-            if conn.execute(sa.select(history.team_locks.c.team).where(history.team_locks.c.team == team)).first():
-                return
-            conn.execute(sa.insert(history.team_locks).values(team=team, admissions=0))
-    except sa.exc.IntegrityError:
-        pass  # created by a concurrent admission
-
-
 def try_admit(job_name: str, team: str, quota: QuotaConfig, need: Amount, url: str | None = None) -> Verdict:
     """Admit ``job_name`` if the team has room: one transaction, serialised per team by its lock row.
 
     The lock row's update comes first: it takes SQLite's write lock (waited for) or PostgreSQL's row lock, so
     the count that follows cannot be overtaken by another admission of the team.
     """
-    _ensure_lock_row(team, url)
-    locks = history.team_locks
-    with history.transaction(url) as conn:
-        conn.execute(sa.update(locks).where(locks.c.team == team).values(admissions=locks.c.admissions + 1))
+    with history.locked(team, url) as conn:
         holding, rows = held(conn, team, exclude=job_name)
         short = shortfall(quota, holding, need)
         row = conn.execute(sa.select(history.jobs.c.requested_at).where(history.jobs.c.job_name == job_name)).first()

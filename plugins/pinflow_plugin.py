@@ -1,7 +1,7 @@
 """pinflow's Airflow plugin: pages in the Airflow UI, a listener that records task data, and extra links.
 
 - Pages: a FastAPI app (``pinflow_ui.web``) mounted on the API server under ``/pinflow`` and shown in the UI's
-  navigation through ``external_views`` (menu *Pinflow*: Platform, Training runs, Data quality) and as a
+  navigation through ``external_views`` (menu *Pinflow*: Platform, Training runs, Data quality, Models) and as a
   *Training progress* tab of every DAG run. Its routes need an authenticated user as Airflow's own API does.
 - Every finished task instance of a pinflow DAG appends one JSON line (dag, task, run, try, state, duration, the
   failure's class and message) to ``<PINFLOW_HOME>/jobdata/task_runs.jsonl`` (the Platform page's task outcomes);
@@ -20,7 +20,7 @@ from airflow.listeners import hookimpl
 from airflow.plugins_manager import AirflowPlugin
 
 # Every DAG in dags/ (a test keeps the list complete): the listener records their tasks only.
-PINFLOW_DAGS = ("pin_daily_features", "pin_ranker_training", "pin_corpus_inference", "pinflow_hpo")
+PINFLOW_DAGS = ("pin_daily_features", "pin_ranker_training", "pin_corpus_inference", "pinflow_hpo", "pinflow_rollback")
 
 
 def _record(task_instance: Any, state: str, error: BaseException | str | None = None) -> None:
@@ -101,6 +101,8 @@ EXTERNAL_VIEWS = [
     {"name": "Training runs", "href": "pinflow/runs", "url_route": "pinflow-runs", "destination": "nav",
      "category": "Pinflow"},
     {"name": "Data quality", "href": "pinflow/data-quality", "url_route": "pinflow-data-quality", "destination": "nav",
+     "category": "Pinflow"},
+    {"name": "Models", "href": "pinflow/models", "url_route": "pinflow-models", "destination": "nav",
      "category": "Pinflow"},
     # A tab on every DAG run's page: the run's training job, live.
     {"name": "Training progress", "href": "pinflow/runs/{DAG_ID}/{RUN_ID}", "url_route": "pinflow-run",

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,27 +53,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"MLflow UI on http://{args.host}:{args.port} over {command[3]}", flush=True)
     # In a session of its own: mlflow server runs its web server as a child process, and stopping this script
-    # (make airflow's exit, SIGTERM, Ctrl-C) stops the whole group, leaving nothing behind.
+    # (make airflow's exit, SIGTERM, Ctrl-C) stops the whole group, leaving nothing behind. The handlers only ask;
+    # the stopping is done here (a handler that waited would wait inside this wait).
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda number, _frame: stopping.append(number))
     server = subprocess.Popen(command, start_new_session=True)
-
-    def stop(*_: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGHUP, stop)
-    code = server.wait()
+    while server.poll() is None and not stopping:
+        time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.pid, signal.SIGTERM)  # its web server, if mlflow itself ended first
-    return code
-
+        os.killpg(server.pid, signal.SIGTERM)  # its web server too, also when mlflow itself ended first
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    return 0 if stopping else int(server.returncode or 0)
 
 if __name__ == "__main__":
     sys.exit(main())

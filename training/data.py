@@ -498,6 +498,7 @@ class ItemBuffers:
         self.released, self.worker, self.patience_s = released, worker, patience_s
         self.buffers: list[torch.Tensor | None] = [None] * count
         self.items = 0
+        self.floor = 0  # items numbered below are free: items of an epoch that has ended (see new_epoch)
 
     def next(self, nbytes: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """A buffer of ``nbytes`` for the worker's next item, and the item's origin (worker, item number)."""
@@ -511,7 +512,14 @@ class ItemBuffers:
             held = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
         return held[:nbytes], (self.worker, number)
 
+    def new_epoch(self) -> None:
+        """The worker starts an epoch: every item it made before is free. The trainer finished the last epoch's
+        steps, and the items made past its end were dropped by the DataLoader, never handed on (nor marked)."""
+        self.floor = self.items
+
     def _done(self, number: int) -> bool:
+        if number < self.floor:
+            return True
         deadline = time.monotonic() + self.patience_s
         while int(self.released[self.worker]) < number:
             if time.monotonic() > deadline:
@@ -766,6 +774,8 @@ class ExampleStream(IterableDataset):
         if info is not None and self._buffers is None:  # a worker's buffers live as long as it (across epochs)
             self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight)
         buffers = self._buffers if info is not None else None
+        if buffers is not None:
+            buffers.new_epoch()
         for units, skip in zip(workers, skips, strict=True):
             # Rows encoded an item at a time; from a worker, items of batches_per_item batches counted from the
             # worker's first batch (a resumed worker first finishes the item it was in), each one buffer

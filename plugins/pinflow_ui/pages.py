@@ -25,6 +25,7 @@ from core.config import PlatformConfig
 from core.failures import PinflowError
 from operators import job_history as history
 from operators import links
+from operators.backends.resources import LOCAL_MACHINE
 
 FAILED_CLASSES = ("INFRA", "USER", "DATA", "OOM")
 
@@ -158,8 +159,9 @@ def platform(cfg: PlatformConfig, days: int = 14, now: dt.datetime | None = None
             totals["cost"] += float(row["cost"])
             totals["gpu_hours"] += float(row.get("gpu_hours") or 0.0)
             totals["jobs"] += 1
-        elif row.get("ended_at") and row.get("cost") is None and row.get("instance_type"):
-            unpriced.add(str(row["instance_type"]))
+        elif (row.get("ended_at") and row.get("cost") is None and row.get("instance_type")
+              and row["instance_type"] not in cfg.costs.prices and row["instance_type"] != LOCAL_MACHINE):
+            unpriced.add(str(row["instance_type"]))  # not a row that ended before costs were recorded
         if row.get("outcome") and _day(row.get("ended_at")) in day_list:
             outcomes[outcome_label(row)][_day(row["ended_at"]) or ""] += 1
         wait = total_wait(row)
@@ -343,6 +345,45 @@ def training_run(cfg: PlatformConfig, dag_id: str, run_id: str, now: dt.datetime
                       "model_version": promoted.get("model_version")} if promoted else None,
         "links": {"airflow_run": f"{links.base_url()}/dags/{dag_id}/runs/{run_id}"},
     }
+
+
+def models(cfg: PlatformConfig, versions_per_model: int = 20) -> list[dict[str, Any]]:
+    """Per model family: its registered model's champion now, every recorded move of the alias (promotions and
+    rollbacks: when, from, to, by whom, why) and its newest versions with their evaluation and the periods each was
+    champion. A registry that does not answer is said on the page (``error``), not a 500."""
+    from operators import registry
+
+    client = registry.client(cfg.mlflow)
+    out = []
+    for family, family_cfg in sorted(cfg.families.items()):
+        name = family_cfg.model_name or family
+        moves = [{**m, "moved_at": m["moved_at"].isoformat() if m.get("moved_at") else None}
+                 for m in history.alias_moves(name)]
+        periods: dict[str, list[list[str | None]]] = defaultdict(list)
+        for i, m in enumerate(moves):
+            until = moves[i + 1]["moved_at"] if i + 1 < len(moves) else None
+            periods[str(m["to_version"])].append([m["moved_at"], until])
+        entry: dict[str, Any] = {"family": family, "model_name": name, "moves": moves, "versions": [],
+                                 "champion": None, "error": None}
+        try:
+            champion = registry.champion(client, name)
+            entry["champion"] = None if champion is None else str(champion.version)
+            found = client.search_model_versions(f"name='{name}'") if champion is not None or moves else []
+            for version in sorted(found, key=lambda v: int(v.version), reverse=True)[:versions_per_model]:
+                try:
+                    metrics = client.get_run(version.run_id).data.metrics if version.run_id else {}
+                except Exception:  # noqa: BLE001 - a version whose run was deleted still has its row
+                    metrics = {}
+                entry["versions"].append({
+                    "version": str(version.version), "created": dt.datetime.fromtimestamp(
+                        version.creation_timestamp / 1000, dt.UTC).isoformat() if version.creation_timestamp else None,
+                    "mean_auc": metrics.get("eval_mean_auc"), "run_id": version.run_id,
+                    "promotion": (version.tags or {}).get("promotion"), "champion_periods": periods.get(str(version.version), []),
+                })
+        except Exception as err:  # noqa: BLE001 - the page says what it could not read
+            entry["error"] = f"the MLflow registry at {cfg.mlflow.tracking_uri} did not answer: {err}"[:500]
+        out.append(entry)
+    return out
 
 
 def _read_json(location: str) -> dict[str, Any] | None:

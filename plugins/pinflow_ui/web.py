@@ -67,7 +67,7 @@ def _layout(request: Request, title: str, body: str, refresh: int | None = None)
         f'<!doctype html><html lang="en"><head><meta charset="utf-8">{meta}<title>{escape(title)} · pinflow</title>'
         f"<style>{CSS}</style></head><body>"
         f'<nav><a href="{p}/platform">Platform</a><a href="{p}/runs">Training runs</a>'
-        f'<a href="{p}/data-quality">Data quality</a></nav><h1>{escape(title)}</h1>{body}'
+        f'<a href="{p}/data-quality">Data quality</a><a href="{p}/models">Models</a></nav><h1>{escape(title)}</h1>{body}'
         f'<p class="muted">Updated {dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")}'
         f'{f" · refreshes every {refresh}s" if refresh else ""}</p></body></html>'
     )
@@ -302,11 +302,11 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         best = study["best"]
         parts.append(
             f'<h2>Study</h2><p class="big">{escape(study["direction"])} {escape(study["metric"])} of '
-            f'{escape(study["family"])}: {len(study["trials"])} of {study["requested"]} trial(s) ({escape(counts)})'
-            + (f' · best so far: trial {best["number"]}, {_auc(best["value"])}' if best else "") + "</p>")
+            f'{escape(study["family"])}: {len(study["trials"])} of {escape(str(study["requested"]))} trial(s) ({escape(counts)})'
+            + (f' · best so far: trial {escape(str(best["number"]))}, {_auc(best["value"])}' if best else "") + "</p>")
         css = {"complete": "pass", "pruned": "warn", "fail": "fail", "running": ""}
         parts.append(_table(["trial", "state", study["metric"], "params", "round", "job", "tries", "run time"], [[
-            f'<b>{t["number"]}</b>' + (" (best)" if t["best"] else "") + (" (baseline)" if t["baseline"] else ""),
+            f'<b>{escape(str(t["number"]))}</b>' + (" (best)" if t["best"] else "") + (" (baseline)" if t["baseline"] else ""),
             f'<span class="{css.get(t["state"], "")}">{escape(t["state"])}</span>', _auc(t["value"]),
             escape(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items())),
             escape(str(t["round"])), escape(str(t["job_state"] or "—")), str(t["tries"]), _duration(t["run_s"]),
@@ -407,7 +407,7 @@ def render_report(request: Request, dataset: str, ds: str, report: dict[str, Any
                else c.get("status")} for c in report.get("checks") or []]  # a warning does not fail the partition
     failed = [c for c in checks if c.get("status") == "failed"]
     parts = [f'<p class="big {"pass" if ok else "fail"}">{"Passed" if ok else "FAILED"}: {len(checks)} checks, '
-             f'{len(failed)} failed, on {report.get("rows")} rows · validated {_time(report.get("validated_at"))} in '
+             f'{len(failed)} failed, on {escape(str(report.get("rows")))} rows · validated {_time(report.get("validated_at"))} in '
              f'{_duration(report.get("duration_s"))}</p>']
     quarantined = report.get("quarantined")
     if quarantined is not None:
@@ -426,6 +426,30 @@ def render_report(request: Request, dataset: str, ds: str, report: dict[str, Any
                  f'{_a(report.get("gx_data_docs"), "Great Expectations Data Docs")} (its page loads styles and '
                  "scripts from public CDNs: blank on a closed network; this page has the same results).</p>")
     return _layout(request, title, "".join(parts))
+
+
+def render_models(request: Request, families: list[dict[str, Any]]) -> str:
+    """Each family's champion, the history of its alias (every promotion and rollback) and its versions."""
+    parts = ['<p class="muted">Every move of a champion alias is recorded (when, from which version, by whom or which '
+             "run, why). To move one back: trigger <code>pinflow_rollback</code> (model, to_version, reason); the "
+             "corpus is re-scored with the restored version.</p>"]
+    for fam in families:
+        now = f"champion: version {escape(fam['champion'])}" if fam["champion"] else "no champion yet"
+        parts.append(f'<h2>{escape(fam["family"])} <span class="muted">(model {escape(fam["model_name"])}; {now})</span></h2>')
+        if fam["error"]:
+            parts.append(f'<p class="warn">{escape(fam["error"])}</p>')
+        parts.append(_table(["when", "from", "to", "kind", "by", "why"], [[
+            _time(m.get("moved_at")), escape(str(m.get("from_version") or "—")), f'<b>{escape(str(m["to_version"]))}</b>',
+            escape(str(m.get("kind") or "")), escape(str(m.get("moved_by") or "")), escape(str(m.get("reason") or "")[:300]),
+        ] for m in reversed(fam["moves"])], "the alias has not moved yet"))
+        if fam["versions"]:
+            parts.append(_table(["version", "registered", "mean AUC", "champion", "promotion gate"], [[
+                f'<b>{escape(v["version"])}</b>' + (" (champion)" if v["version"] == fam["champion"] else ""),
+                _time(v.get("created")), _auc(v.get("mean_auc")),
+                "<br>".join(f"{_time(a)} – {_time(b) if b else 'now'}" for a, b in v["champion_periods"]) or "—",
+                escape(str(v.get("promotion") or "")[:200]),
+            ] for v in fam["versions"]]))
+    return _layout(request, "Models", "".join(parts), refresh=60)
 
 
 def render_job(request: Request, job: dict[str, Any] | None, logs: str, backend: str, job_id: str) -> str:
@@ -548,8 +572,18 @@ def create_app() -> FastAPI:
     def data_quality_page(request: Request, days: Days = 14) -> HTMLResponse:
         return HTMLResponse(render_data_quality(request, pages.data_quality(cfg(), days)))
 
+    @app.get("/api/models")
+    def api_models() -> JSONResponse:
+        return JSONResponse(jsonable_encoder(pages.models(cfg())))
+
+    @app.get("/models", response_class=HTMLResponse)
+    def models_page(request: Request) -> HTMLResponse:
+        return HTMLResponse(render_models(request, pages.models(cfg())))
+
     @app.get("/data-quality/report/{dataset}/{ds}", response_class=HTMLResponse)
     def report_page(request: Request, dataset: str, ds: str) -> HTMLResponse:
+        if not _allowed_file(["reports", "validation", dataset, f"ds={ds}", "result.json"]):
+            raise HTTPException(404, "no such partition")
         report = pages.validation_report(cfg(), dataset, ds)
         return HTMLResponse(render_report(request, dataset, ds, report), status_code=200 if report else 404)
 

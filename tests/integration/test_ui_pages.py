@@ -468,6 +468,11 @@ def test_pages_api_needs_a_token(stack):
     for days in ("-5", "0", "100000000", "two"):
         status, _, body = stack.request(f"{paths[0]}?days={days}", token=token)
         assert status == 422 and b"days" in body, (days, status, body[:300])
+    # The Models page's data: run a's promotion is a recorded move of pin_ranker's champion alias.
+    families = {f["family"]: f for f in json.loads(stack.request("/pinflow/api/models", token=token)[2])}
+    ranker = families["pin_ranker"]
+    assert ranker["champion"] and ranker["error"] is None
+    assert [m["kind"] for m in ranker["moves"]][-1] == "promotion" and "pin_ranker_training/" in ranker["moves"][-1]["moved_by"]
     status, _, body = stack.request("/pinflow/openapi.json", token=token)
     assert status == 200 and "/api/platform" in json.loads(body)["paths"], body[:300]
 
@@ -487,7 +492,7 @@ def test_plugin_is_registered_with_its_app_and_views(stack):
     plugin = next(p for p in json.loads(body)["plugins"] if p["name"] == "pinflow")
     assert plugin["fastapi_apps"][0]["url_prefix"] == "/pinflow"
     routes = {v["url_route"]: v for v in plugin["external_views"]}
-    assert {"pinflow-platform", "pinflow-runs", "pinflow-data-quality", "pinflow-run"} <= set(routes)
+    assert {"pinflow-platform", "pinflow-runs", "pinflow-data-quality", "pinflow-models", "pinflow-run"} <= set(routes)
     assert routes["pinflow-run"]["destination"] == "dag_run"
 
 
@@ -565,6 +570,9 @@ def test_pages_in_the_browser(stack):
             assert frame.locator("text=promoted").count() + frame.locator("text=not promoted").count() >= 1
             assert frame.locator("td", has_text="done").count() >= 1  # the rank's last phase
 
+            frame = plugin_page("pinflow-models", "Models", "models.png", 900)
+            assert frame.locator("text=champion: version").count() >= 1 and frame.locator("td", has_text="promotion").count() >= 1
+
             frame = plugin_page("pinflow-data-quality", "Data quality", "data-quality.png", 1100)
             assert frame.locator("a.pass").count() >= 1 and frame.locator("a.fail").count() >= 1
             assert frame.locator("td", has_text="partition.").count() + frame.locator("td", has_text="action").count() >= 1
@@ -597,7 +605,7 @@ def test_pages_in_the_browser(stack):
         finally:
             browser.close()
     for shot in ("platform.png", "training-runs.png", "training-run.png", "data-quality.png", "platform-live.png",
-                 "training-run-live.png", "validation-report.png"):
+                 "training-run-live.png", "validation-report.png", "models.png"):
         assert (shots / shot).stat().st_size > 10_000, shot
 
 

@@ -136,6 +136,13 @@ def test_a_long_lived_process_sees_an_edited_quota_at_its_next_load(tmp_path: Pa
         assert before == 4 and config.load().teams["ranking"].quota.jobs == 12
         monkeypatch.setenv("PINFLOW_TEAMS__RANKING__QUOTA__JOBS", "3")  # the environment counts too
         assert config.load().teams["ranking"].quota.jobs == 3
+        # Mid-write (emptied) or wrong: the process keeps what it has; a new reader is told what is wrong.
+        edited.write_text("")
+        assert config.load().teams["ranking"].quota.jobs == 3
+        edited.write_text(text + "\ntrainig: {}\n")
+        assert config.load().teams["ranking"].quota.jobs == 3
+        with pytest.raises(ConfigError, match="trainig: unknown key"):
+            config.read(edited)
     finally:
         monkeypatch.undo()
         config.load.cache_clear()

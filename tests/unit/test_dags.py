@@ -11,7 +11,7 @@ import pytest
 
 DAGS = Path(__file__).resolve().parents[2] / "dags"
 HEAVY = ("torch", "pandas", "great_expectations", "duckdb", "boto3", "mlflow", "pyarrow")
-EXPECTED = {"pin_daily_features", "pin_ranker_training", "pin_corpus_inference", "pinflow_hpo"}
+EXPECTED = {"pin_daily_features", "pin_ranker_training", "pin_corpus_inference", "pinflow_hpo", "pinflow_rollback"}
 
 
 @pytest.fixture(scope="module")

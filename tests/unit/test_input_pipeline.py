@@ -131,6 +131,11 @@ def test_a_workers_buffers_are_reused_only_once_the_trainer_is_done_with_their_i
     assert buffers.next(80)[0].data_ptr() == second[0].data_ptr()
     released[0] = 2  # item 2 (in a buffer of its own) done too: item 4 reuses item 0's
     assert buffers.next(100)[0].data_ptr() == first[0].data_ptr()
+    # A new epoch: the items made before are free (the ones past the last epoch's end were dropped unmarked).
+    buffers.next(100)  # item 5, never marked
+    buffers.new_epoch()
+    reused = buffers.next(100)  # item 6 takes item 4's slot at once, no wait
+    assert reused[1] == (0, 6) and reused[0].is_shared()
 
 
 def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from core import config
-from core.config import MlflowConfig, PlatformConfig
+from core.config import JobHistoryConfig, MlflowConfig, PlatformConfig
 from core.failures import FailureClass, InfraError, UserError
 from operators import registry
 from operators.inference import plan_inference
@@ -29,7 +29,8 @@ def closed_port() -> int:
 @pytest.fixture
 def use_mlflow(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     def use(tracking_uri: str) -> None:
-        platform = PlatformConfig(storage_root=str(tmp_path / "storage"), mlflow=MlflowConfig(tracking_uri=tracking_uri))
+        platform = PlatformConfig(storage_root=str(tmp_path / "storage"), mlflow=MlflowConfig(tracking_uri=tracking_uri),
+                                  job_history=JobHistoryConfig(url=f"sqlite:///{tmp_path / 'history.db'}"))
         monkeypatch.setattr(config, "load", lambda: platform)
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
