@@ -74,8 +74,9 @@ def model_name(family: str) -> str:
 
 def rollback(family: str, to_version: str, reason: str, moved_by: str) -> dict[str, Any]:
     """Move ``family``'s champion back to ``to_version``, checked first (nothing moves on a bad input): the version
-    must be one of the family's model's versions, and a reason is required. Returns the move, with ``moved`` False
-    when that version was the champion already (before this rollback)."""
+    must be one of the family's model's versions that was champion before (promoted by the gate, or a recorded
+    champion: a rollback never crowns a model the gate did not pass), and a reason is required. Returns the move,
+    with ``moved`` False when that version was the champion already (before this rollback)."""
     name = model_name(family)
     version = str(to_version).strip()
     if not version.isdigit():
@@ -89,6 +90,15 @@ def rollback(family: str, to_version: str, reason: str, moved_by: str) -> dict[s
             raise UserError(
                 f"{name} (family {family}) has no version {version}: its versions are {', '.join(versions) or 'none'} "
                 "(version numbers are per model: another family's model may have a version of that number)"
+            )
+        tags = client.get_model_version(name, version).tags or {}
+        was_champion = "pinflow.champion_since" in tags or str(tags.get("promotion", "")).startswith("promoted") or any(
+            m["to_version"] == version for m in job_history.alias_moves(name))
+        if not was_champion:
+            raise UserError(
+                f"version {version} of {name} was never champion (its promotion gate: "
+                f"{str(tags.get('promotion') or 'not run')[:300]}): a rollback returns to an earlier champion; to crown "
+                "another version, put it through the promotion gate"
             )
         with model_lock(name) as conn:
             current = registry.champion(client, name)

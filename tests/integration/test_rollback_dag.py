@@ -36,7 +36,7 @@ def main() -> None:
 # -- the test ------------------------------------------------------------------------------------------------
 @pytest.fixture
 def registry_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """A registry with versions 1 and 2 of pin_ranker, version 2 the champion (promoted by a training run)."""
+    """A registry with versions 1 and 2 of pin_ranker, each promoted in turn: version 2 the champion."""
     from core import config
     from operators import champions, registry
 
@@ -50,9 +50,10 @@ def registry_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, s
     for _ in range(2):
         run = client.create_run(experiment).info
         client.create_model_version("pin_ranker", f"runs:/{run.run_id}/model", run_id=run.run_id)
-    with champions.model_lock("pin_ranker") as conn:
-        champions.move(client, "pin_ranker", "2", kind="promotion", moved_by="pin_ranker_training/run-2",
-                       reason="better", conn=conn)
+    for version in ("1", "2"):  # each promoted in turn by a training run
+        with champions.model_lock("pin_ranker") as conn:
+            champions.move(client, "pin_ranker", version, kind="promotion", moved_by=f"pin_ranker_training/run-{version}",
+                           reason="better", conn=conn)
     return env
 
 
@@ -76,7 +77,7 @@ def test_a_rollback_moves_the_champion_back_and_starts_rescoring_a_bad_one_moves
     bad = drive({"model": "pin_ranker", "to_version": "7", "reason": "typo"}, registry_env, tmp_path / "bad.log")
     assert bad["tasks"] == {"rollback": "failed"} and bad["events"] == []
     assert "pin_ranker (family pin_ranker) has no version 7: its versions are 1, 2" in (tmp_path / "bad.log").read_text()
-    assert str(registry.champion(client, "pin_ranker").version) == "2" and len(job_history.alias_moves()) == 1
+    assert str(registry.champion(client, "pin_ranker").version) == "2" and len(job_history.alias_moves()) == 2
 
     good = drive({"model": "pin_ranker", "to_version": "1", "reason": "v2 ranks stale pins first"}, registry_env,
                  tmp_path / "good.log")

@@ -468,11 +468,16 @@ def test_pages_api_needs_a_token(stack):
     for days in ("-5", "0", "100000000", "two"):
         status, _, body = stack.request(f"{paths[0]}?days={days}", token=token)
         assert status == 422 and b"days" in body, (days, status, body[:300])
-    # The Models page's data: run a's promotion is a recorded move of pin_ranker's champion alias.
+    # The Models page's data: run a's promotion, if its gate promoted it (a tiny world), is a recorded move of
+    # pin_ranker's champion alias; else the alias has not moved.
     families = {f["family"]: f for f in json.loads(stack.request("/pinflow/api/models", token=token)[2])}
     ranker = families["pin_ranker"]
-    assert ranker["champion"] and ranker["error"] is None
-    assert [m["kind"] for m in ranker["moves"]][-1] == "promotion" and "pin_ranker_training/" in ranker["moves"][-1]["moved_by"]
+    assert ranker["error"] is None and set(families) >= {"pin_ranker", "pin_content"}
+    if _history(stack)["run-a"]["promoted"]:
+        assert ranker["champion"] and [m["kind"] for m in ranker["moves"]] == ["promotion"]
+        assert ranker["moves"][0]["moved_by"] == f"pin_ranker_training/{run_id}"
+    else:
+        assert ranker["champion"] is None and ranker["moves"] == []
     status, _, body = stack.request("/pinflow/openapi.json", token=token)
     assert status == 200 and "/api/platform" in json.loads(body)["paths"], body[:300]
 
@@ -570,8 +575,24 @@ def test_pages_in_the_browser(stack):
             assert frame.locator("text=promoted").count() + frame.locator("text=not promoted").count() >= 1
             assert frame.locator("td", has_text="done").count() >= 1  # the rank's last phase
 
+            # A champion history on the tiny world's versions (run a's, then run b's, as a promotion records them),
+            # then a rollback to run a's as pinflow_rollback makes it: the Models page shows the moves.
+            from core import config
+            from operators import champions, registry
+
+            rows = _history(stack)
+            version_a, version_b = str(rows["run-a"]["model_version"]), str(rows["run-b"]["model_version"])
+            client = registry.client(config.load().mlflow)
+            for version, run in ((version_a, "run-a"), (version_b, "run-b")):
+                with champions.model_lock("pin_ranker") as conn:
+                    champions.move(client, "pin_ranker", version, kind="promotion", conn=conn,
+                                   moved_by=f"pin_ranker_training/{rows[run]['run_id']}", reason="the pages' test")
+            champions.rollback("pin_ranker", version_a, "version b ranks stale pins first (the pages' test)",
+                               moved_by="admin via pinflow_rollback/manual__pages")
             frame = plugin_page("pinflow-models", "Models", "models.png", 900)
-            assert frame.locator("text=champion: version").count() >= 1 and frame.locator("td", has_text="promotion").count() >= 1
+            assert frame.locator("h2", has_text="pin_ranker").count() == 1  # a section per family
+            assert frame.locator(f"text=champion: version {version_a}").count() == 1
+            assert frame.locator("td", has_text=re.compile("^rollback$")).count() == 1  # the kind of the last move
 
             frame = plugin_page("pinflow-data-quality", "Data quality", "data-quality.png", 1100)
             assert frame.locator("a.pass").count() >= 1 and frame.locator("a.fail").count() >= 1

@@ -79,6 +79,7 @@ def test_every_move_is_recorded_and_a_rollback_moves_the_champion_back(platform)
     ("pin_ranker", "9", "why", "pin_ranker (family pin_ranker) has no version 9: its versions are 1, 2, 3"),
     ("pin_content", "2", "why", "pin_content (family pin_content) has no version 2: its versions are none"),
     ("pin_ranker", "two", "why", "to_version='two': give the number of a registered version of pin_ranker"),
+    ("pin_ranker", "3", "why", "version 3 of pin_ranker was never champion (its promotion gate: not run): a rollback"),
     ("pin_ranker", "2", " ", "a rollback needs a reason"),
     ("pin_rankr", "2", "why", "unknown model family 'pin_rankr'"),
 ])
@@ -101,6 +102,7 @@ def test_a_move_whose_record_was_lost_is_recorded_by_the_retry(platform):
     (move,) = history.alias_moves("pin_ranker")
     assert (move["from_version"], move["to_version"], move["moved_by"]) == (None, "1", "pin_ranker_training/run-1")
     assert "recorded after the move" in move["reason"]
+    client.set_model_version_tag("pin_ranker", "3", "promotion", "promoted: better")  # a champion once
     client.set_registered_model_alias("pin_ranker", registry.CHAMPION, "3")  # a rollback's try, unrecorded
     again = champions.rollback("pin_ranker", "3", "v1 is stale", moved_by="ada via pinflow_rollback/r")
     assert again["moved"] and [m["to_version"] for m in history.alias_moves("pin_ranker")] == ["1", "3"]
