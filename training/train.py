@@ -713,11 +713,20 @@ class Trainer:
         return verdict
 
     def stop_ray_input(self) -> None:
+        """Leave the job's Ray cluster. The ranks that joined it disconnect first; the rank that started the node's
+        cluster stops it only once every rank has (a barrier): stopped under a rank still connected, the cluster
+        took that rank down with it (its Ray core worker exits the process with 1 when its raylet dies)."""
         if self.ray_input is None:
             return
         import ray
+        import torch.distributed as dist
 
-        ray.shutdown()  # the rank that started the node's cluster stops it; the others disconnect
+        if not self.ray_started:
+            ray.shutdown()
+        if dist.is_initialized():
+            dist.barrier()
+        if self.ray_started:
+            ray.shutdown()
 
     def finish(self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the family evaluates every variant, then MLflow gets the metrics and the registered model,
