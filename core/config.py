@@ -690,13 +690,12 @@ class _Loaded:
 
     @staticmethod
     def _stamp_now() -> tuple[Any, ...]:
-        named = os.environ.get("PINFLOW_CONFIG")
-        file = Path(named) if named else CONFIG_FILE
         try:
+            file = config_file()
             st = file.stat()
             stamp: tuple[Any, ...] = (str(file), st.st_mtime_ns, st.st_size)
-        except OSError:
-            stamp = (str(file), None, None)
+        except (ConfigError, OSError):  # PINFLOW_CONFIG names no file (read() says so), or it is being replaced
+            stamp = (os.environ.get("PINFLOW_CONFIG"), None, None)
         return stamp + tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PINFLOW")))
 
     def cache_clear(self) -> None:

@@ -39,11 +39,9 @@ def move(client: Any, name: str, to_version: str, *, kind: str, moved_by: str, r
     a failure between the two is repaired by the retry (:func:`record_if_missing`)."""
     previous = registry.champion(client, name)
     from_version = None if previous is None else str(previous.version)
-    when = job_history.now()
     client.set_registered_model_alias(name, registry.CHAMPION, to_version)
-    record = {"model_name": name, "alias": registry.CHAMPION, "from_version": from_version, "to_version": to_version,
-              "moved_at": when, "moved_by": moved_by, "kind": kind, "reason": reason[:4000]}
-    job_history.record_alias_move(record, conn)
+    record = _record(name, from_version, to_version, kind=kind, moved_by=moved_by, reason=reason, conn=conn)
+    when = record["moved_at"]
     client.set_model_version_tag(name, to_version, "pinflow.champion_since", when.isoformat())
     client.set_model_version_tag(name, to_version, "pinflow.champion_reason", f"{kind} by {moved_by}: {reason}"[:5000])
     if from_version is not None and from_version != to_version:
@@ -57,9 +55,15 @@ def record_if_missing(name: str, version: str, *, kind: str, moved_by: str, reas
     moves = job_history.alias_moves(name, conn=conn)
     if moves and moves[-1]["to_version"] == version:
         return None
-    record = {"model_name": name, "alias": registry.CHAMPION, "from_version": moves[-1]["to_version"] if moves else None,
-              "to_version": version, "moved_at": job_history.now(), "moved_by": moved_by, "kind": kind,
-              "reason": f"{reason} (recorded after the move: the alias had moved, its record had not)"[:4000]}
+    return _record(name, moves[-1]["to_version"] if moves else None, version, kind=kind, moved_by=moved_by,
+                   reason=f"{reason} (recorded after the move: the alias had moved, its record had not)", conn=conn)
+
+
+def _record(name: str, from_version: str | None, to_version: str, *, kind: str, moved_by: str, reason: str,
+            conn: Any) -> dict[str, Any]:
+    """A row of the alias history, written in the caller's locked transaction; returns it."""
+    record = {"model_name": name, "alias": registry.CHAMPION, "from_version": from_version, "to_version": to_version,
+              "moved_at": job_history.now(), "moved_by": moved_by, "kind": kind, "reason": reason[:4000]}
     job_history.record_alias_move(record, conn)
     return record
 
@@ -105,11 +109,10 @@ def rollback(family: str, to_version: str, reason: str, moved_by: str) -> dict[s
             if current is None or str(current.version) != version:
                 return {"model": family, **move(client, name, version, kind="rollback", moved_by=moved_by,
                                                 reason=reason.strip(), conn=conn), "moved": True}
-            repaired = record_if_missing(name, version, kind="rollback", moved_by=moved_by, reason=reason.strip(),
-                                         conn=conn)
-            moves = job_history.alias_moves(name, conn=conn)
-            if repaired is not None or moves[-1]["moved_by"] == moved_by:  # this rollback's own move (a retry)
-                return {"model": family, **moves[-1], "moved": True}
+            last = record_if_missing(name, version, kind="rollback", moved_by=moved_by, reason=reason.strip(),
+                                     conn=conn) or job_history.alias_moves(name, conn=conn)[-1]
+            if last["moved_by"] == moved_by:  # this rollback's own move (its retry, or recorded just now)
+                return {"model": family, **last, "moved": True}
             return {"model": family, "model_name": name, "from_version": version, "to_version": version,
                     "moved": False, "reason": f"version {version} is the champion of {name} already"}
     except PinflowError:

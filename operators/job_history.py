@@ -417,8 +417,8 @@ def job_cost(instance_type: str | None, team: str | None, node_hours: float) -> 
     if price is None:
         return None, costs.currency
     team_config = cfg.teams.get(team or "")
-    spot = team_config is not None and team_config.capacity == "spot" and price.spot is not None
-    return round(node_hours * (price.spot if spot and price.spot is not None else price.on_demand), 6), costs.currency
+    spot = price.spot if team_config is not None and team_config.capacity == "spot" else None
+    return round(node_hours * (price.on_demand if spot is None else spot), 6), costs.currency
 
 
 def run_cost(dag_id: str, run_id: str, url: str | None = None) -> tuple[float | None, str]:
@@ -426,10 +426,11 @@ def run_cost(dag_id: str, run_id: str, url: str | None = None) -> tuple[float | 
     (a partial sum would read as the whole)."""
     from core import config
 
+    currency = config.load().costs.currency
     ended = [r for r in rows(dag_id=dag_id, run_id=run_id, url=url) if r.get("ended_at") is not None]
     if not ended or any(r.get("cost") is None for r in ended):
-        return None, config.load().costs.currency
-    return round(sum(float(r["cost"]) for r in ended), 6), config.load().costs.currency
+        return None, currency
+    return round(sum(float(r["cost"]) for r in ended), 6), currency
 
 
 def cost_note(cost: float | None, currency: str, gain: float | None = None, over: str = "the champion",
@@ -456,10 +457,8 @@ def alias_moves(model_name: str | None = None, url: str | None = None,
     query = sa.select(alias_history).order_by(alias_history.c.id)
     if model_name is not None:
         query = query.where(alias_history.c.model_name == model_name)
-    if conn is not None:
-        return [{k: aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
-    with engine(url).connect() as own:
-        return [{k: aware(v) for k, v in row.items()} for row in own.execute(query).mappings()]
+    with contextlib.nullcontext(conn) if conn is not None else engine(url).connect() as reader:
+        return [{k: aware(v) for k, v in row.items()} for row in reader.execute(query).mappings()]
 
 
 def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:

@@ -771,11 +771,10 @@ class ExampleStream(IterableDataset):
             torch.set_num_threads(1)
             pa.set_cpu_count(1)  # one thread per worker: the workers are the parallelism
             workers, skips = [workers[info.id]], [skips[info.id]]
-        if info is not None and self._buffers is None:  # a worker's buffers live as long as it (across epochs)
-            self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight)
+            if self._buffers is None:  # a worker's buffers live as long as it (across epochs)
+                self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight)
+            self._buffers.new_epoch()
         buffers = self._buffers if info is not None else None
-        if buffers is not None:
-            buffers.new_epoch()
         for units, skip in zip(workers, skips, strict=True):
             # Rows encoded an item at a time; from a worker, items of batches_per_item batches counted from the
             # worker's first batch (a resumed worker first finishes the item it was in), each one buffer
