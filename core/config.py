@@ -231,6 +231,10 @@ class PromotionConfig(Section):
         0.0, ge=0, le=0.5, description="every head with a baseline on the evaluation day (the ranker's popularity) "
         "must beat the baseline's AUC by at least this"
     )
+    approval_timeout_h: float = Field(
+        24.0, gt=0, le=24 * 30, description="a family with promotion: approval waits this many hours for a person's "
+        "answer (the training form's approval_timeout_h); no answer leaves the champion as it is"
+    )
 
 
 class FamilyConfig(Section):
@@ -247,6 +251,10 @@ class FamilyConfig(Section):
     batch_size: int | None = Field(None, ge=8, le=65536)
     lr: float | None = Field(None, gt=0, le=1)
     params: dict[str, Any] = Field(default_factory=dict, description="the family's hyperparameters")
+    promotion: Literal["auto", "approval"] = Field(
+        "auto", description="auto: a model that passes the promotion gate becomes champion at once; approval: it "
+        "waits for a person to approve it on Airflow's Required Actions page (promotion.approval_timeout_h)"
+    )
 
 
 # The families that ship with the platform (training/models/), always configured; families: may override them.

@@ -9,6 +9,7 @@ import pendulum
 from airflow.sdk import DAG, Param, task
 
 from core import config
+from operators.approval import ChampionApprovalOperator
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
 from operators.errors import default_args
@@ -47,6 +48,10 @@ baseline (`promotion:` floors, the first model of a family too), and its mean AU
 that day (within `promotion_tolerance`); the decision and the numbers it compared are in the promote task's log
 and XCom, the run's note and on the MLflow version. A promotion emits `pinflow_champion_model`, which starts
 corpus inference of that family; a model that is not promoted emits nothing (the promote task is skipped).
+For a family with `promotion: approval` in its configuration, a model that passes the gate also waits (the
+`approve` task, up to `approval_timeout_h`) for a person to approve it on the run's *Required Actions* page, which
+shows each head's AUC against the champion and the baseline; the reviewer is recorded as the one who moved the
+alias. Reject, or no answer in time, leaves the champion as it is.
 
 The `backend` param picks where the job runs: `local`, `batch` (AWS Batch multi-node parallel job, the
 team's fair share) or `kubernetes` (a Kubeflow Trainer TrainJob, or a PyTorchJob, in the team's Kueue queue). The `team` param picks whose
@@ -90,6 +95,7 @@ extra links open the job's console page and the MLflow run.
         "prefetch_factor": Param(_training.prefetch_factor, type="integer", minimum=1, maximum=64, description="Batches each input worker prepares ahead."),
         "pin_memory": Param(_training.pin_memory, type=["null", "boolean"], description="Page-locked batches for faster copies to the GPU (empty: on CUDA)."),
         "promotion_tolerance": Param(_training.promotion_tolerance, type="number", minimum=0, maximum=0.1, description="How much worse than the champion's mean AUC a new model may be and still be promoted."),
+        "approval_timeout_h": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=720, description=f"For a family with promotion: approval, hours to wait for a person's answer on the Required Actions page; no answer leaves the champion as it is (empty: {_cfg.promotion.approval_timeout_h})."),
     },
     render_template_as_native_obj=True,
 ) as dag:
@@ -121,8 +127,18 @@ extra links open the job's console page and the MLflow run.
         deferrable=True,
     )
 
+    # A family with promotion: approval waits here for a person's answer (the Required Actions page); else it
+    # returns at once.
+    approve = ChampionApprovalOperator(
+        task_id="approve",
+        result="{{ ti.xcom_pull(task_ids='train') }}",
+        tolerance="{{ params.promotion_tolerance }}",
+        timeout_h="{{ params.approval_timeout_h }}",
+    )
+
     @task(outlets=[CHAMPION_MODEL_ASSET])
-    def promote(result: dict, params: dict | None = None, outlet_events: Any = None, ti: Any = None) -> dict:
+    def promote(result: dict, approval: dict | None = None, params: dict | None = None, outlet_events: Any = None,
+                ti: Any = None) -> dict:
         import logging
 
         from airflow.sdk.exceptions import AirflowSkipException
@@ -132,7 +148,8 @@ extra links open the job's console page and the MLflow run.
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]),
-                                     moved_by=f"{ti.dag_id}/{ti.run_id}" if ti is not None else "the promotion gate")
+                                     moved_by=f"{ti.dag_id}/{ti.run_id}" if ti is not None else "the promotion gate",
+                                     approval=approval)
         if ti is not None:  # the Training progress page and the run's note (operators.run_notes) show it
             cost, currency = job_history.run_cost(ti.dag_id, ti.run_id)
             gain = (None if decision.get("auc") is None or decision.get("champion_auc") is None
@@ -153,5 +170,5 @@ extra links open the job's console page and the MLflow run.
         }
         return decision
 
-    plan_run() >> train
-    promote(train.output)  # type: ignore[arg-type]  # XComArg resolves to the dict at run time
+    plan_run() >> train >> approve
+    promote(train.output, approve.output)  # type: ignore[arg-type]  # XComArgs resolve to dicts at run time

@@ -154,11 +154,55 @@ def decide(result: dict[str, Any], champion_now: str | None, settings: GateSetti
     return decision
 
 
+def needs_approval(result: dict[str, Any]) -> bool:
+    """Whether the result's family moves its champion only with a person's approval (``families.<f>.promotion``)."""
+    family = config.load().families.get(str(result.get("family") or ""))
+    return family is not None and family.promotion == "approval"
+
+
+def preview(result: dict[str, Any], tolerance: float | None = None) -> dict[str, Any]:
+    """What the gate would decide now, reading the current champion and writing nothing: what a reviewer is shown
+    before approving (the promote step decides again, under the model's lock, after the answer)."""
+    from operators import registry
+
+    cfg = config.load()
+    name = str(result.get("model_name"))
+    try:
+        champion = registry.champion(registry.client(cfg.mlflow), name)
+    except Exception as err:
+        raise as_typed(err, f"reading the champion of {name}") from err
+    return decide(result, None if champion is None else str(champion.version), GateSettings.from_config(cfg, tolerance))
+
+
+def _apply_approval(decision: dict[str, Any], approval: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    """A decision of a family with ``promotion: approval`` given the reviewer's answer (the approve task's XCom):
+    promoted only if the gate passed *and* a person approved. Returns it and the kind of the move."""
+    answer = approval or {}
+    decision["approval"] = answer or None
+    if not decision["promoted"] or decision["reason"].startswith(f"version {decision['model_version']} is already"):
+        return decision, "promotion"
+    who = answer.get("responded_by")
+    if answer.get("approved"):
+        decision["approved_by"] = who
+        decision["reason"] = f"approved by {who} at {answer.get('responded_at')}; {decision['reason']}"
+        return decision, "approval"
+    if answer.get("timed_out"):
+        why = (f"no answer within the approval timeout ({answer.get('timeout_h')} h): the champion stays "
+               f"{'v' + str(decision['champion_version']) if decision['champion_version'] else 'unset'}")
+    elif answer.get("rejected"):
+        why = f"rejected by {who} at {answer.get('responded_at')}"
+    else:
+        why = "passed the gate, but the family's promotion needs a person's approval (promotion: approval)"
+    decision.update(promoted=False, failed=[why], reason=f"{why} (the gate: {decision['reason']})")
+    return decision, "promotion"
+
+
 def promote_if_better(result: dict[str, Any], tolerance: float | None = None,
-                      moved_by: str = "the promotion gate") -> dict[str, Any]:
+                      moved_by: str = "the promotion gate", approval: dict[str, Any] | None = None) -> dict[str, Any]:
     """Decide on ``result`` against the current champion and, if promoted, move the ``champion`` alias to it
     (recorded by ``operators.champions``: ``moved_by``, the run that decided); the decision is tagged on the version
-    (``promotion``) either way. A registry that does not answer raises INFRA."""
+    (``promotion``) either way. For a family with ``promotion: approval`` the alias moves only with ``approval``
+    approved (the reviewer is recorded as the mover). A registry that does not answer raises INFRA."""
     from operators import champions, registry
 
     cfg = config.load()
@@ -173,10 +217,16 @@ def promote_if_better(result: dict[str, Any], tolerance: float | None = None,
         with champions.model_lock(name) as conn:
             champion = registry.champion(client, name)
             decision = decide(result, None if champion is None else str(champion.version), settings)
+            kind = "promotion"
+            if needs_approval(result):
+                decision, kind = _apply_approval(decision, approval)
+                if kind == "approval":
+                    moved_by = f"{decision['approved_by']} (approved in {moved_by})"
+                    client.set_model_version_tag(name, version, "pinflow.approved_by", str(decision["approved_by"]))
             verdict = "promoted: " if decision["promoted"] else "rejected: "
             client.set_model_version_tag(name, version, "promotion", (verdict + decision["reason"])[:5000])
             if decision["promoted"] and decision["champion_version"] != version:
-                champions.move(client, name, version, kind="promotion", moved_by=moved_by, reason=decision["reason"],
+                champions.move(client, name, version, kind=kind, moved_by=moved_by, reason=decision["reason"],
                                conn=conn)
             elif decision["promoted"]:  # a retried promote step: its move stands; record it if the try did not
                 champions.record_if_missing(name, version, kind="promotion", moved_by=moved_by,

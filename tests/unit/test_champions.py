@@ -119,3 +119,69 @@ def test_the_models_page_says_when_the_registry_does_not_answer(platform, monkey
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     families = pages.models(down)
     assert all(f["error"] and "did not answer" in f["error"] for f in families)
+
+
+# -- promotion: approval (issue 36, 1) ---------------------------------------------------------------------------
+@pytest.fixture
+def approval_family(platform: PlatformConfig) -> PlatformConfig:
+    platform.families["pin_ranker"] = platform.families["pin_ranker"].model_copy(update={"promotion": "approval"})
+    return platform
+
+
+APPROVED = {"asked": True, "approved": True, "rejected": False, "timed_out": False, "responded_by": "alice",
+            "responded_at": "2026-11-21T08:00:00+00:00", "timeout_h": 24.0}
+
+
+def test_an_approval_family_moves_the_champion_only_when_a_person_approved(approval_family):
+    client = registry.client(approval_family.mlflow)
+    result = {**RESULT, "family": "pin_ranker"}
+    unasked = promote_if_better(result, tolerance=0.0, moved_by="pin_ranker_training/run-1")
+    assert not unasked["promoted"] and "needs a person's approval" in unasked["reason"]
+    rejected = promote_if_better(result, tolerance=0.0, moved_by="pin_ranker_training/run-1",
+                                 approval={**APPROVED, "approved": False, "rejected": True, "responded_by": "bob"})
+    assert not rejected["promoted"] and rejected["reason"].startswith("rejected by bob at 2026-11-21")
+    timed_out = promote_if_better(result, tolerance=0.0, moved_by="pin_ranker_training/run-1",
+                                  approval={**APPROVED, "approved": False, "timed_out": True, "responded_by": None})
+    assert not timed_out["promoted"] and "no answer within the approval timeout (24.0 h): the champion stays unset" \
+        in timed_out["reason"]
+    assert registry.champion(client, "pin_ranker") is None and history.alias_moves("pin_ranker") == []
+    assert client.get_model_version("pin_ranker", "1").tags["promotion"].startswith("rejected: no answer")
+
+    approved = promote_if_better(result, tolerance=0.0, moved_by="pin_ranker_training/run-1", approval=APPROVED)
+    assert approved["promoted"] and approved["approved_by"] == "alice"
+    assert str(registry.champion(client, "pin_ranker").version) == "1"
+    [move] = history.alias_moves("pin_ranker")
+    assert (move["kind"], move["moved_by"]) == ("approval", "alice (approved in pin_ranker_training/run-1)")
+    assert client.get_model_version("pin_ranker", "1").tags["pinflow.approved_by"] == "alice"
+
+
+def test_an_approved_model_the_gate_now_refuses_is_not_promoted(approval_family):
+    # Approved, but the champion moved while the question waited: the promote step decides again, on the new one.
+    client = registry.client(approval_family.mlflow)
+    with champions.model_lock("pin_ranker") as conn:
+        champions.move(client, "pin_ranker", "2", kind="promotion", moved_by="run-2", reason="better", conn=conn)
+    result = {**RESULT, "family": "pin_ranker", "champion": {"version": "1", "eval_ds": "2026-11-20",
+                                                             "metrics": {"mean_auc": 0.6}}}
+    decision = promote_if_better(result, tolerance=0.0, moved_by="pin_ranker_training/run-1", approval=APPROVED)
+    assert not decision["promoted"] and "the champion moved from v1 to v2" in decision["reason"]
+    assert str(registry.champion(client, "pin_ranker").version) == "2"
+
+
+def test_an_auto_family_ignores_the_approval_step(platform):
+    assert promote_if_better({**RESULT, "family": "pin_ranker"}, tolerance=0.0, moved_by="r", approval=None)["promoted"]
+
+
+def test_the_review_shows_each_head_against_the_champion_and_the_baseline():
+    from operators.approval import review_body
+    from operators.promotion import GateSettings, decide
+
+    result = {**RESULT, "metrics": {"auc": {"click": 0.71, "hide": 0.66}, "mean_auc": 0.685,
+                                    "baseline_auc": {"click": 0.6, "hide": 0.55}},
+              "train_days": ["2026-11-17", "2026-11-18", "2026-11-19"],
+              "champion": {"version": "3", "eval_ds": "2026-11-20",
+                           "metrics": {"auc": {"click": 0.70, "hide": 0.65}, "mean_auc": 0.675}}}
+    decision = decide(result, "3", GateSettings(0.0, 100, 0.01, 0.0))
+    body = review_body(result, decision, "http://x/run", "http://x/mlflow")
+    assert "| click | 0.7100 | 0.7000 | 0.6000 |" in body and "| hide | 0.6600 | 0.6500 | 0.5500 |" in body
+    assert "would replace champion v3" in body and "2026-11-17 to 2026-11-19 (3 days)" in body
+    assert "[The training run](http://x/run)" in body and "[its MLflow run](http://x/mlflow)" in body
