@@ -213,7 +213,7 @@ def wait_for_job(
     from operators.job_history import Watching
 
     watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
-    watching = Watching(backend.name, job_id)
+    watching = Watching(backend.name, job_id, None if output_dir is None else str(output_dir))
     delays = poll_delays(poll_seconds)
     last_log = 0.0
     was_running = False
