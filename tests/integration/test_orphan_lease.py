@@ -54,6 +54,7 @@ def test_a_job_whose_runner_was_killed_registers_nothing_and_its_row_ends(
     assert quotas.reconcile(row["team"]) >= 1  # ... until the next reconcile
     ended = job_history.get(job.name)
     assert ended["state"] == job_history.FAILED and ended["failure_class"] == "INFRA" and ended["ended_at"], ended
+    assert "its task is gone" in ended["reason"], ended["reason"]
 
 
 class _Alive:
