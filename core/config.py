@@ -361,6 +361,10 @@ class JobHistoryConfig(Section):
     orphan_after_s: float = Field(
         900.0, ge=0, description="a job still running that no task (operator or trigger) has looked at for this long "
         "is orphaned (its task was killed with no retry left, or its runner died): cancelled and its row ended; 0: never")
+    lease_s: float = Field(
+        300.0, ge=0, description="a training job checks its lease (core.lease: renewed by the task that watches it) "
+        "before it registers its model: not renewed for this long, its task is gone, so it registers nothing and "
+        "exits as INFRA; 0: not checked")
 
 
 class InstanceTypeConfig(Section):
@@ -502,6 +506,14 @@ class PlatformConfig(Section):
         for key, team in (("training.team", self.training.team), ("features.team", self.features.team)):
             if (team or key == "training.team") and team not in self.teams:
                 raise ValueError(f"{key}={team!r} is not under teams: (known: {', '.join(sorted(self.teams))})")
+        return self
+
+    @model_validator(mode="after")
+    def _lease(self) -> PlatformConfig:
+        # The watcher renews the lease once per status check: a lease shorter than a few checks would expire under it.
+        if self.job_history.lease_s and self.job_history.lease_s < 3 * self.training.poll_seconds:
+            raise ValueError(f"job_history.lease_s={self.job_history.lease_s:g} must be at least 3 x training.poll_seconds "
+                             f"({3 * self.training.poll_seconds:g} s), or 0 (not checked)")
         return self
 
     @model_validator(mode="after")

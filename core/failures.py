@@ -118,6 +118,11 @@ class InfraError(PinflowError):
     exit_code = ExitCode.INFRA
 
 
+class TaskGoneError(InfraError):
+    """The job's lease expired (``core.lease``): no task watches it any more, so it does not register its model.
+    INFRA: a retry of the task submits a job that resumes from the last checkpoint."""
+
+
 class OOMError(PinflowError):
     failure_class = FailureClass.OOM
     exit_code = ExitCode.OOM

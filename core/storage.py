@@ -306,6 +306,22 @@ def last_modified(folder: Location) -> float | None:
     return max(times, default=None)
 
 
+def modified(location: Location) -> float | None:
+    """When a file was last written by the storage's own clock (a local file's mtime, an object's LastModified), in
+    Unix seconds; None if it is not there."""
+    if not is_remote(location):
+        try:
+            return local_path(location).stat().st_mtime
+        except FileNotFoundError:
+            return None
+    fs, key = filesystem(location)
+    try:
+        stamp = fs.modified(key)
+    except FileNotFoundError:
+        return None
+    return float(stamp.timestamp())
+
+
 def make_dirs(location: Location) -> None:
     """Create a local folder and its parents; an object store has no folders to create."""
     if not is_remote(location):

@@ -61,7 +61,7 @@ RUN_FIELDS: dict[str, type] = {
 PLATFORM_FIELDS = (
     "root", "train_days", "eval_ds", "output_dir", "checkpoint_dir", "mlflow_tracking_uri", "mlflow_artifact_location",
     "family", "family_module", "experiment", "model_name", "tags", "register", "run_name", "log_every",
-    "train_days_requested", "evaluate_champion",
+    "train_days_requested", "evaluate_champion", "lease_s",
 )
 # Study and trial user attributes (the study's state lives in its storage).
 SPEC_ATTR = "pinflow.spec"

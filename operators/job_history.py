@@ -24,6 +24,7 @@ import contextlib
 import datetime as dt
 import functools
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -337,16 +338,37 @@ def mark_watched(backend: str, job_id: str, url: str | None = None) -> None:
                                            jobs.c.state.in_(ACTIVE)).values(watched_at=now()))
 
 
-class Watching:
-    """Calls :func:`mark_watched` at most every WATCH_EVERY_S from a task's polling loop (never raises)."""
+def lease_every_s(lease_s: float) -> float:
+    """How often a watcher renews a job's lease: every WATCH_EVERY_S, and at least four times per lease."""
+    return min(WATCH_EVERY_S, lease_s / 4) if lease_s else WATCH_EVERY_S
 
-    def __init__(self, backend: str, job_id: str) -> None:
+
+class Watching:
+    """From a task's polling loop: :func:`mark_watched` at most every WATCH_EVERY_S, and the job's lease in
+    ``output_dir`` (``core.lease``) renewed at once, then every :func:`lease_every_s` (never raises)."""
+
+    def __init__(self, backend: str, job_id: str, output_dir: str | None = None) -> None:
         self.backend, self.job_id, self.last = backend, job_id, time.monotonic()
+        self.output_dir = output_dir
+        self.lease_last = -math.inf  # a watcher that starts (a reattaching try, a restarted trigger) renews at once
+        self.lease_every = WATCH_EVERY_S
+        if output_dir:
+            try:
+                from core import config
+
+                self.lease_every = lease_every_s(config.load().job_history.lease_s)
+            except Exception as err:  # noqa: BLE001 - the default keeps the lease renewed well within 300 s
+                log.warning("could not read job_history.lease_s (renewing every %.0f s): %s", WATCH_EVERY_S, err)
 
     def tick(self) -> None:
         if time.monotonic() - self.last >= WATCH_EVERY_S:
             self.last = time.monotonic()
             note(mark_watched, self.backend, self.job_id)
+        if self.output_dir and time.monotonic() - self.lease_last >= self.lease_every:
+            from core import lease
+
+            self.lease_last = time.monotonic()
+            lease.renew(self.output_dir, self.job_id)
 
 
 def update_job(backend: str, job_id: str, url: str | None = None, **fields: Any) -> None:

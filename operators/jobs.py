@@ -54,6 +54,19 @@ def read_heartbeats(output_dir: str | Path) -> list[dict[str, Any]]:
     return beats
 
 
+def failure_messages(output_dir: str | Path | None) -> str:
+    """What a failed job's ranks said why (their ``failure-rank<r>.json``), '' if none did or it cannot be read."""
+    if not output_dir:
+        return ""
+    said = []
+    try:
+        for path in storage.glob(output_dir, "failure-rank*.json"):
+            said.append(str(storage.read_json(path).get("message") or ""))
+    except Exception:  # noqa: BLE001 - a courtesy: the exit code already says the class
+        return ""
+    return "; ".join(dict.fromkeys(m for m in said if m))[:1000]
+
+
 class HeartbeatWatch:
     """Progress from the ranks' heartbeats; a stall is no change for ``stall_seconds``.
 
@@ -213,7 +226,7 @@ def wait_for_job(
     from operators.job_history import Watching
 
     watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
-    watching = Watching(backend.name, job_id)
+    watching = Watching(backend.name, job_id, None if output_dir is None else str(output_dir))
     delays = poll_delays(poll_seconds)
     last_log = 0.0
     was_running = False

@@ -147,6 +147,7 @@ def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | N
     """
     from core import config
     from operators.backends import get_backend
+    from operators.jobs import failure_messages
 
     if orphan_after_s is None:
         orphan_after_s = config.load().job_history.orphan_after_s
@@ -171,10 +172,13 @@ def reconcile(team: str, url: str | None = None, backends: Mapping[str, Any] | N
                 changed += 1
                 continue
             if status.state.terminal:
+                # A job that ended with no task watching says why itself (a lease that expired: its task was gone).
+                said = failure_messages(row.get("output_dir")) if status.failure_class else ""
                 history.mark_ended(
                     row["backend"], row["job_id"], status.state.value,
                     failure_class=status.failure_class.value if status.failure_class else None,
-                    reason=status.reason, started_at=status.started_at, queued_s=status.queued_s,
+                    reason=f"{status.reason}: {said}" if said else status.reason, started_at=status.started_at,
+                    queued_s=status.queued_s,
                     ended_at=status.ended_at, url=url,
                 )
                 changed += 1

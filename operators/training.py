@@ -314,6 +314,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             "ray_cpus": training.ray_cpus,
             "ray_task_cpus": training.ray_task_cpus,
             "train_days_requested": int(self.plan.get("train_days_requested") or len(self.plan["train_days"])),
+            # The job registers its model only while a task renews its lease (core.lease).
+            "lease_s": cfg.job_history.lease_s,
             "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
                      "job": name, "team": str(self.team or training.team), "family": family_name},
         }
@@ -374,7 +376,11 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         from operators.backends import get_backend
 
         self._job = job
+        from core import lease
         from operators import job_history, links
+
+        if job.get("output_dir"):  # this try watches the job now (a reattaching one too): its lease is renewed at once
+            lease.renew(job["output_dir"], job["job_id"])
 
         ti = context["ti"]
         try:  # http(s) only (the UI shows no other link): a local job's folder is the plugin's job page
@@ -420,6 +426,9 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
                              output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
             run_config["inputs"] = self._pin_inputs(run_config)
             storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
+            from core import lease
+
+            lease.renew(output_dir, spec.name)  # before the job exists: a runner killed after submitting leaves a lease
             submitted_at = job_history.now()
             try:
                 job_id = backend.submit(spec)

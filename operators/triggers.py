@@ -93,7 +93,7 @@ class ComputeJobTrigger(BaseTrigger):
         was_running = False
         from operators.job_history import Watching
 
-        watching = Watching(self.backend, self.job_id)
+        watching = await asyncio.to_thread(Watching, self.backend, self.job_id, self.output_dir)  # reads the config
         while True:
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)

@@ -130,6 +130,10 @@ class RunConfig:
         "save a checkpoint every this many steps, and at least ten times in a run (0 = only at the end)", 500)
     keep_checkpoints: int = _f("complete checkpoints to keep (older ones are deleted)", 2)
     heartbeat_every_s: float = _f("seconds between heartbeat files of each rank", 10.0)
+    lease_s: float = _f(
+        "before it registers its model, rank 0 checks the job's lease (<output_dir>/LEASE.json, renewed by the task "
+        "watching the job; core.lease): not renewed for this long, the task is gone and the job exits as INFRA "
+        "without registering (the training operator sets job_history.lease_s); 0, or no lease file: not checked", 0.0)
     log_every: int = _f("log the train loss to MLflow every this many steps", 10)
     dist_timeout_s: int = _f("timeout of collectives (gloo/NCCL), after which the job fails as INFRA", 1800)
     device: Literal["auto", "cpu", "cuda"] = _f(
@@ -222,6 +226,8 @@ class RunConfig:
                             "must be positive")
         if self.heartbeat_every_s <= 0:
             problems.append(f"heartbeat_every_s={self.heartbeat_every_s} must be positive")
+        if self.lease_s < 0:
+            problems.append(f"lease_s={self.lease_s} must not be negative")
         for dataset, days in self.inputs.items():
             for ds, entry in days.items():
                 try:

@@ -41,8 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core import storage
-from core.failures import ConfigError, ExitCode, NanLossError, exit_code_for
+from core import lease, storage
+from core.failures import ConfigError, ExitCode, NanLossError, TaskGoneError, exit_code_for
 from training.config import RunConfig, fields_help
 from training.faults import FaultInjector, LossHook
 from training.runtime import (
@@ -772,6 +772,8 @@ class Trainer:
             "outputs": list(family.outputs),
             **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
         }
+        # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
+        lease.check(cfg.output_dir, cfg.lease_s)
         if tracker is not None:
             model_uri, version = tracker.log_model(family, models["model"], feature_spec)
             tracker.end("FINISHED")
@@ -828,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat.update(progress=0, force=True, phase="failed", exit_code=int(code), error=str(exc)[:500])
         if trainer.tracker is not None:
             with contextlib.suppress(Exception):
-                trainer.tracker.end("FAILED")
+                trainer.tracker.end("KILLED" if isinstance(exc, TaskGoneError) else "FAILED")
         return int(code)
     heartbeat.update(progress=0, force=True, phase="done")
     return int(ExitCode.OK)

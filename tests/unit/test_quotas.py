@@ -147,6 +147,21 @@ def test_a_running_job_no_task_watches_is_cancelled_as_orphaned(url, monkeypatch
         assert quotas.held(conn, "t")[0].jobs == 2  # the orphan no longer holds quota
 
 
+def test_reconcile_records_why_a_job_that_ended_unwatched_stopped(url, tmp_path):
+    """Issue 37, 2: a job whose lease expired (its task was gone) exits INFRA saying so in its failure file; the row
+    that reconcile ends carries that reason, not only the exit code."""
+    run = tmp_path / "runs" / "lease-gone"
+    run.mkdir(parents=True)
+    (run / "failure-rank0.json").write_text(json.dumps({"message": "no task has watched this job for 400 s"}))
+    hold(url, "lease-gone", output_dir=str(run))
+    hold(url, "no-file", output_dir=str(tmp_path / "runs" / "none"))
+    backend = Scripted({"lease-gone": JobState.FAILED, "no-file": JobState.FAILED})
+    assert quotas.reconcile("t", url, backends={"local": backend}) == 2
+    rows = {r["job_name"]: r for r in history.rows(url=url)}
+    assert rows["lease-gone"]["reason"] == "node-0 lost: no task has watched this job for 400 s"
+    assert rows["no-file"]["reason"] == "node-0 lost" and rows["no-file"]["state"] == history.FAILED
+
+
 def test_a_waiting_task_marks_its_job_watched(url, monkeypatch):
     from operators.jobs import wait_for_job
 
