@@ -446,6 +446,31 @@ class KubernetesConfig(Section):
     )
 
 
+class DeadlinesConfig(Section):
+    """Deadlines on the daily chain (``operators.deadlines``, Airflow's deadline alerts): a run not done in time is
+    recorded with how late it is (the Platform page) and told to ``notifier``. Backfills have none."""
+
+    features_built_h: float = Field(
+        30.0, ge=0, le=24 * 30, description="pin_daily_features: a day's features built within this many hours of the "
+        "day's start (the run's logical date): 30 is 06:00 UTC the next morning; 0: no deadline"
+    )
+    champion_decision_h: float = Field(
+        4.0, ge=0, le=24 * 30, description="pin_ranker_training: a run's promotion decided (its approval too) within "
+        "this many hours of the run being queued; 0: no deadline"
+    )
+    notifier: str = Field(
+        "", pattern=r"^$|^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$",
+        description="an Airflow notifier class told of each missed deadline (dotted path; it needs async_notify, "
+        "as the Slack, SMTP and Amazon SNS providers' notifiers have: it runs in the triggerer), e.g. "
+        "airflow.providers.slack.notifications.slack_webhook.SlackWebhookNotifier; empty: logged and shown on the "
+        "Platform page only"
+    )
+    notifier_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="the notifier's arguments (its connection id, channel, text; templated with "
+        "the context: dag_run, deadline, pinflow_deadline). No secrets here: they live in Airflow connections"
+    )
+
+
 class DemoConfig(Section):
     """The synthetic world of ``make demo``."""
 
@@ -485,6 +510,7 @@ class PlatformConfig(Section):
     instance_types: dict[str, InstanceTypeConfig] = Field(default_factory=_default_instance_types)
     job_history: JobHistoryConfig = JobHistoryConfig()
     costs: CostsConfig = CostsConfig()
+    deadlines: DeadlinesConfig = DeadlinesConfig()
     images: ImagesConfig = ImagesConfig()
     resources: ResourcesConfig = ResourcesConfig()
     batch: BatchConfig = BatchConfig()

@@ -10,6 +10,7 @@ from airflow.sdk import DAG, Param, task
 from airflow.timetables.interval import CronDataIntervalTimetable
 
 from core import config
+from operators import deadlines
 from operators.assets import EXAMPLES_ASSET
 from operators.errors import default_args
 from operators.features import FeatureBuildOperator
@@ -54,6 +55,7 @@ start training (trigger `pin_ranker_training` from its form to train on older da
     start_date=pendulum.datetime(2026, 11, 1, tz="UTC"),
     catchup=False,
     max_active_runs=4,
+    deadline=deadlines.alerts(_cfg, "pin_daily_features"),
     tags=["pinflow", "features"],
     default_args=default_args("data-eng", retry_delay=timedelta(minutes=2)),
     params={

@@ -9,6 +9,7 @@ import pendulum
 from airflow.sdk import DAG, Param, task
 
 from core import config
+from operators import deadlines
 from operators.approval import ChampionApprovalOperator
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
@@ -71,6 +72,7 @@ extra links open the job's console page and the MLflow run.
     # admission before a job is submitted) decide which jobs run and which wait. One active run made a team's
     # second run queue behind any other team's.
     max_active_runs=8,
+    deadline=deadlines.alerts(_cfg, "pin_ranker_training"),
     tags=["pinflow", "training"],
     default_args=default_args("ml-eng"),
     params={

@@ -128,6 +128,23 @@ alias_history = sa.Table(
     sa.Column("reason", sa.Text),
 )
 
+# Every missed deadline of the daily chain (operators.deadlines): which run, which deadline, how late.
+deadline_misses = sa.Table(
+    "pinflow_deadline_misses",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("dag_id", sa.String(250), nullable=False),
+    sa.Column("run_id", sa.String(250), nullable=False),
+    sa.Column("run_type", sa.String(32)),
+    sa.Column("deadline", sa.String(100), nullable=False, comment="its name in the configuration (deadlines:)"),
+    sa.Column("deadline_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("noticed_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("run_ended_at", sa.DateTime(timezone=True), comment="when the run ended (success or failure); empty: not yet"),
+    sa.Column("run_state", sa.String(32)),
+    sa.Column("notified", sa.String(1000), comment="the notifier told, or why it could not be"),
+    sa.UniqueConstraint("dag_id", "run_id", "deadline"),
+)
+
 COLUMNS = [c.name for c in jobs.columns]
 
 
@@ -481,6 +498,34 @@ def alias_moves(model_name: str | None = None, url: str | None = None,
         query = query.where(alias_history.c.model_name == model_name)
     with contextlib.nullcontext(conn) if conn is not None else engine(url).connect() as reader:
         return [{k: aware(v) for k, v in row.items()} for row in reader.execute(query).mappings()]
+
+
+def record_deadline_miss(miss: dict[str, Any], url: str | None = None) -> bool:
+    """A missed deadline, once per run and deadline (a callback run twice records one row); True if new."""
+    with transaction(url) as conn:
+        table = deadline_misses.c
+        seen = conn.execute(sa.select(table.id).where(table.dag_id == miss["dag_id"], table.run_id == miss["run_id"],
+                                                      table.deadline == miss["deadline"])).first()
+        if seen is None:
+            conn.execute(sa.insert(deadline_misses).values(**{c.name: miss.get(c.name) for c in deadline_misses.columns
+                                                              if c.name != "id"}))
+        return seen is None
+
+
+def deadline_run_ended(dag_id: str, run_id: str, ended_at: dt.datetime, state: str, url: str | None = None) -> None:
+    """The run of a missed deadline ended: how late it was is now known."""
+    table = deadline_misses.c
+    with transaction(url) as conn:
+        conn.execute(sa.update(deadline_misses).where(table.dag_id == dag_id, table.run_id == run_id)
+                     .values(run_ended_at=ended_at, run_state=state))
+
+
+def deadline_misses_since(since: dt.datetime, url: str | None = None) -> list[dict[str, Any]]:
+    """Missed deadlines whose deadline was at or after ``since``, newest first."""
+    query = (sa.select(deadline_misses).where(deadline_misses.c.deadline_at >= since)
+             .order_by(deadline_misses.c.deadline_at.desc()))
+    with engine(url).connect() as conn:
+        return [{k: aware(v) for k, v in row.items()} for row in conn.execute(query).mappings()]
 
 
 def record_result(backend: str, job_id: str, result: dict[str, Any], url: str | None = None) -> None:

@@ -110,16 +110,17 @@ EXTERNAL_VIEWS = [
 ]
 
 
-def _run_notes() -> Any:
-    """The listener that writes run notes: the HPO study's summary, the promotion decision (operators/run_notes.py)."""
-    from operators import run_notes
+def _run_listeners() -> list[Any]:
+    """The DAG-run listeners: run notes (the HPO study's summary, the promotion decision: operators/run_notes.py) and
+    the end of a run with a missed deadline (operators/deadlines.py)."""
+    from operators import deadlines, run_notes
 
-    return run_notes
+    return [run_notes, deadlines]
 
 
 class PinflowPlugin(AirflowPlugin):
     name = "pinflow"
-    listeners = [sys.modules[__name__], _run_notes()]
+    listeners = [sys.modules[__name__], *_run_listeners()]
     operator_extra_links = _operator_extra_links()
     fastapi_apps = [{"app": PagesApp(), "url_prefix": URL_PREFIX, "name": "pinflow pages"}]
     external_views = EXTERNAL_VIEWS

@@ -213,7 +213,21 @@ def platform(cfg: PlatformConfig, days: int = 14, now: dt.datetime | None = None
         "active": running,
         "recent": [_job_view(r, now) for r in history.rows(newest_first=True, limit=15)],
         "tasks_by_day": task_outcomes(cfg, day_list),
+        "deadline_misses": deadline_misses(since, now),
     }
+
+
+def deadline_misses(since: dt.datetime, now: dt.datetime) -> list[dict[str, Any]]:
+    """Missed deadlines of the chain (operators.deadlines) since ``since``: how late each run was when it ended, or
+    is now while it still runs (``late_s``; a run that failed before its deadline is late by 0, ``failed``)."""
+    misses = []
+    for row in history.deadline_misses_since(since):
+        ended = row.get("run_ended_at")
+        late = max(0.0, ((ended or now) - row["deadline_at"]).total_seconds())
+        misses.append({**{k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in row.items()},
+                       "late_s": round(late, 1), "still_running": ended is None,
+                       "airflow_run": f"{links.base_url()}/dags/{row['dag_id']}/runs/{row['run_id']}"})
+    return misses
 
 
 def _job_view(row: dict[str, Any], now: dt.datetime) -> dict[str, Any]:

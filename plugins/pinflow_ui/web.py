@@ -155,6 +155,12 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
         f"{job['gpu_hours']:.2f}" if job.get("gpu_hours") is not None else "—", _money(job.get("cost")),
         _time(job.get("ended_at")),
     ] for job in data["recent"]]
+    misses = [[
+        escape(m["deadline"]), _a(m["airflow_run"], f"{m['dag_id']} / {m['run_id']}", top=True), _time(m["deadline_at"]),
+        (f"{_duration(m['late_s'])} so far (still running)" if m["still_running"] else
+         f"{_duration(m['late_s'])} ({escape(m.get('run_state') or '')})"),
+        escape(m.get("notified") or "logged"),
+    ] for m in data["deadline_misses"]]
     currency = escape(data["currency"])
     cost_rows = [[escape(c["team"]), escape(c["family"]), str(c["jobs"]), f"{c['gpu_hours']:.2f}",
                   f"{c['cost']:,.2f} {currency}"] for c in data["cost_by_team_and_family"]]
@@ -164,6 +170,9 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
 <h2>Teams: usage against quota now</h2>
 {_table(["team", "Airflow pool", "instance type", "jobs", "nodes", "GPUs", "waiting for room"], usage_rows)}
 <div class="grid">{''.join(usage_charts)}</div>
+<h2>Missed deadlines</h2>
+{_table(["deadline", "DAG run", "was due", "how late", "notified"], misses,
+        "no deadline missed in these days (deadlines: in config/platform.yaml)")}
 <h2>Jobs waiting or running</h2>
 {_table(["team", "family", "DAG run", "state", "nodes", "for", "progress", "ETA", "links"], active,
         "no job is waiting or running")}

@@ -13,6 +13,11 @@ data engineer would:
    scheduler does (without ``operators/metadata_db.py`` that fails at once with ``database is locked`` and can
    delete the runs it took over);
 
+3. triggers a run of today (its day's raw data never comes) with a deadline of 1.8 s (``deadlines.features_built_h``):
+   the scheduler finds it missed and the triggerer runs pinflow's callback, which records it and tells the
+   configured notifier (a test notifier writing a file); every backfill run missed the same deadline by days and
+   is ignored;
+
 waits for the runs (bounded), stops what it started, and compares every feature partition with a day-by-day
 build of the same raw data by row checksums.
 """
@@ -20,6 +25,7 @@ build of the same raw data by row checksums.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import json
 import os
@@ -52,6 +58,7 @@ DAG_ID = "pin_daily_features"
 FEATURES = {"window_days": 2, "sequence_length": 4, "negative_downsample": 0.5, "negative_downsample_seed": 3}
 OUTPUTS = contracts.FEATURE_OUTPUTS
 RUNS_TIMEOUT_S = 1200
+DEADLINE_H = 0.0005  # 1.8 s after a run's logical date: every run misses it
 
 
 def free_port() -> int:
@@ -101,6 +108,11 @@ class Airflow:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "GX_ANALYTICS_ENABLED": "False",
             "PINFLOW_VALIDATION__SENSOR_POKE_SECONDS": "5",
+            "PINFLOW_DEADLINES__FEATURES_BUILT_H": str(DEADLINE_H),
+            "PINFLOW_DEADLINES__NOTIFIER": "file_notifier.FileNotifier",
+            "PINFLOW_DEADLINES__NOTIFIER_KWARGS__PATH": str(home / "notified.txt"),
+            "PINFLOW_DEADLINES__NOTIFIER_KWARGS__TEXT": "{{ dag_run.dag_run_id }} missed {{ pinflow_deadline.name }}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "notifiers"), os.environ.get("PYTHONPATH")])),
             **{f"PINFLOW_FEATURES__{k.upper()}": str(v) for k, v in FEATURES.items()},
         }
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -220,6 +232,9 @@ class Backfilled:
     runs_after: list[tuple[object, ...]]  # (id, run_id, logical_date, state, backfill_id) when all ended
     announced: list[object]  # the announce_examples task's states
     examples_events: int  # pinflow_examples asset events (what starts training)
+    late_run_id: str  # the run of today that missed its deadline
+    deadline_misses: list[tuple[object, ...]]  # (run_id, run_type, deadline, notified) recorded
+    notified: list[str]  # what the notifier was told
 
 
 @pytest.fixture(scope="module")
@@ -266,20 +281,33 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backfilled]
             airflow.wait(f"{len(DAYS)} API backfill runs",
                          lambda: airflow.backfill_finished(int(body["id"]), len(DAYS)),  # type: ignore[call-overload]
                          timeout=RUNS_TIMEOUT_S)
+        backfill_days = airflow.query(
+            "SELECT logical_date, dag_run_id, exception_reason FROM backfill_dag_run WHERE backfill_id = ? "
+            "ORDER BY logical_date", body.get("id"))
+        runs_after = airflow.query(
+            "SELECT id, run_id, logical_date, state, backfill_id FROM dag_run WHERE dag_id = ? ORDER BY id", DAG_ID)
+        announced = [state for (state,) in airflow.query(
+            "SELECT state FROM task_instance WHERE dag_id = ? AND task_id = 'announce_examples'", DAG_ID)]
+        examples_events = airflow.query(
+            "SELECT count(*) FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE a.name = 'pinflow_examples'"
+        )[0][0]
+
+        # A run of today, whose raw data never comes: it misses its 1.8 s deadline while its sensors wait.
+        status_late, late = airflow.api("POST", f"/api/v2/dags/{DAG_ID}/dagRuns",
+                                        {"logical_date": dt.datetime.now(dt.UTC).isoformat(), "conf": {}})
+        assert status_late == 200, late
+        history = home / "jobdata" / "job_history.db"
+        airflow.wait("the late run's deadline miss to be recorded", lambda: history.exists() and bool(
+            sqlite3.connect(history, timeout=30).execute("SELECT count(*) FROM pinflow_deadline_misses").fetchone()[0]),
+            timeout=300)
+        with sqlite3.connect(history, timeout=30) as con:
+            misses = con.execute("SELECT run_id, run_type, deadline, notified FROM pinflow_deadline_misses").fetchall()
         yield Backfilled(
             storage=storage, runs_before_api=runs_before, api_status=status, api_body=body,
-            neighbour_commits=neighbour.commits,
-            backfill_days=airflow.query(
-                "SELECT logical_date, dag_run_id, exception_reason FROM backfill_dag_run WHERE backfill_id = ? "
-                "ORDER BY logical_date", body.get("id")),
-            runs_after=airflow.query(
-                "SELECT id, run_id, logical_date, state, backfill_id FROM dag_run WHERE dag_id = ? ORDER BY id",
-                DAG_ID),
-            announced=[state for (state,) in airflow.query(
-                "SELECT state FROM task_instance WHERE dag_id = ? AND task_id = 'announce_examples'", DAG_ID)],
-            examples_events=airflow.query(
-                "SELECT count(*) FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE a.name = 'pinflow_examples'"
-            )[0][0],
+            neighbour_commits=neighbour.commits, backfill_days=backfill_days, runs_after=runs_after,
+            announced=announced, examples_events=examples_events, late_run_id=str(late["dag_run_id"]),
+            deadline_misses=misses,
+            notified=(home / "notified.txt").read_text().splitlines() if (home / "notified.txt").exists() else [],
         )
     finally:
         airflow.stop()
@@ -328,3 +356,11 @@ def test_backfill_equals_day_by_day_build(backfilled: Backfilled, tmp_path: Path
         mode = read_metadata(storage, contracts.USER_SEQUENCE, day)["mode"]
         assert mode == ("full" if day == DAYS[0] else "incremental"), (day, mode)
         assert read_metadata(storage, contracts.EXAMPLES, day)["negative_downsample"] == 0.5
+
+
+@pytest.mark.e2e
+def test_a_missed_deadline_is_recorded_and_notified_and_backfills_are_not_late(backfilled: Backfilled) -> None:
+    # Every backfill run's deadline passed days before the run was made: ignored, not recorded, nobody told.
+    assert backfilled.deadline_misses == [(backfilled.late_run_id, "manual", "features built",
+                                           "file_notifier.FileNotifier")], backfilled.deadline_misses
+    assert backfilled.notified == [f"{backfilled.late_run_id} missed features built"]
