@@ -15,11 +15,13 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
 * ``full`` — the same outputs recomputed from the raw events of the whole window (``recompute=True``);
 * ``pandas`` — a straightforward pandas (with numpy/pyarrow for I/O and lists) implementation of the
   same four steps with the same inputs, checked against the DuckDB outputs;
-* ``sharded`` (benchmark config only) — the incremental build split into ``--shards`` shards per step (as the DAG's
-  array jobs run it, here one shard after another in one process) and merged: ``sharded.work_vs_unsharded`` is
-  the shards' total time over the unsharded build's (what the split costs: each shard scans the whole day),
-  ``sharded.parallel_vs_unsharded`` the time with one machine per shard (each step's slowest shard plus the merge)
-  over the unsharded build's, and ``sharded.equal`` whether every output holds the unsharded rows.
+* ``sharding`` (benchmark config only) — for each of ``--shards`` (1, 2, 4, 8) shards, the incremental build split
+  into that many shards per step, each shard its own process (as the DAG's array jobs run it; here one after another),
+  from the day's events bucketed as validation writes them (``--buckets``, not timed with the build: ``bucketing``)
+  and the state a build in as many shards left the day before, each step merged: ``work_vs_unsharded`` is the CPU-
+  seconds of the shards and merges over the unsharded build's, ``parallel_vs_unsharded`` the time with one machine
+  per shard (each step's slowest shard plus its merge) over the unsharded build's, and ``equal`` whether every output
+  holds the unsharded rows.
 
 Two configurations, on the same day: ``default`` (the platform's ``negative_downsample``, 1.0) and ``benchmark``
 (``--negative-downsample``, 0.2). ``--repeat N``: N rounds of the three phases per config, each phase's fastest
@@ -174,33 +176,55 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
 # --- measured phases (each in its own process) ----------------------------------------------------------
 
 
-def phase_sharded(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The incremental build of DAY in ``args.shards`` shards per step, each shard timed, then merged."""
+def cpu_s() -> float:
+    """CPU-seconds of this process so far, every thread's (DuckDB's and the Parquet writers')."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def phase_shard(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One shard of one step of DAY (``--step``, ``--shard`` of ``--shards``), as one job of the array runs it."""
     features = build.DEFAULTS.model_copy(update={
         "window_days": args.window_days, "sequence_length": args.sequence_length,
         "negative_downsample": args.negative_downsample, "negative_downsample_seed": args.seed,
     })
     engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
-    shard_seconds: dict[str, list[float]] = {}
-    merge_seconds: dict[str, float] = {}
-    for step in build.STEP_DATASETS:
-        staging = str(root / "_staging" / step)
-        shard_seconds[step] = []
-        for index in range(args.shards):
-            started = time.perf_counter()
-            build.build_step(root, DAY, step, features, require_validation=False, engine=engine,
-                             shard=build.Shard(index, args.shards, staging))
-            shard_seconds[step].append(round(time.perf_counter() - started, 3))
-        started = time.perf_counter()
-        build.merge_shards(root, DAY, step, staging, args.shards)
-        merge_seconds[step] = round(time.perf_counter() - started, 3)
-    return {
-        "seconds": sum(map(sum, shard_seconds.values())) + sum(merge_seconds.values()),
-        "parallel_seconds": sum(max(v) for v in shard_seconds.values()) + sum(merge_seconds.values()),
-        "shard_seconds": shard_seconds,
-        "merge_seconds": merge_seconds,
-        "peak_rss_mb": peak_rss_mb(),
-    }
+    cpu, started = cpu_s(), time.perf_counter()
+    build.build_step(root, DAY, args.step, features, require_validation=False, engine=engine,
+                     shard=build.Shard(args.shard, args.shards, str(root / "_staging" / args.step)))
+    return {"seconds": time.perf_counter() - started, "cpu_s": cpu_s() - cpu, "peak_rss_mb": peak_rss_mb()}
+
+
+def phase_buckets(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The day's events bucketed by user and by pin (what validation adds when the build is sharded)."""
+    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    cpu, started = cpu_s(), time.perf_counter()
+    build.write_event_buckets(root, DAY, args.buckets, engine=engine)
+    return {"seconds": time.perf_counter() - started, "cpu_s": cpu_s() - cpu, "peak_rss_mb": peak_rss_mb()}
+
+
+def relay_state(source: Path, target: Path, shards: int, window_days: int) -> None:
+    """The state a day built in ``shards`` shards left (not timed): the day before's window and sequences and the
+    leaving day's daily aggregates as a merge writes them (part-i: the rows of shard i, ``hash_buckets``), with the
+    same publish stamps (so the incremental paths are taken), from the unsharded ones of ``source``."""
+    prev, leaving = shift_ds(DAY, -1), shift_ds(DAY, -window_days)
+    relaid = [(d, prev) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE)]
+    relaid += [(d, leaving) for d in (contracts.USER_DAILY, contracts.PIN_DAILY)]
+    with build.connect(build.DuckDBSettings(threads=2)) as con:
+        for dataset, day in relaid:
+            src, dst = Path(partition(source, dataset, day)), Path(partition(target, dataset, day))
+            if dst.is_symlink():
+                dst.unlink()
+            dst.mkdir(parents=True)
+            key = build.DATASET_KEYS[dataset]
+            files = ", ".join(f"'{f}'" for f in data_files(source, dataset, day))
+            for i in range(shards):
+                con.execute(f"""COPY (SELECT * FROM read_parquet([{files}]) WHERE hash({key}) % {shards} = {i}
+                                      ORDER BY {key}) TO '{dst / build.shard_file(i)}' (FORMAT parquet)""")
+            meta = read_metadata(source, dataset, day) | {"shards": shards,
+                                                          "hash_buckets": build.hash_layout(key, shards)}
+            (dst / "_metadata.json").write_text(json.dumps(meta))
+            shutil.copy(src / "_SUCCESS", dst / "_SUCCESS")
 
 
 def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> dict[str, Any]:
@@ -219,16 +243,19 @@ def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> di
     }
     summary: dict[str, Any] = {}
     step_seconds = {}
+    cpu = cpu_s()
     for step, run in steps.items():
         started = time.perf_counter()
         summary |= run()
         step_seconds[step] = round(time.perf_counter() - started, 3)
+    cpu = cpu_s() - cpu
     started = time.perf_counter()
     for dataset in (contracts.RAW_EVENTS, contracts.RAW_PINS):
         content_fingerprint(partition(root, dataset, DAY))
     check_s = time.perf_counter() - started
     return {
         "seconds": sum(step_seconds.values()),
+        "cpu_s": round(cpu, 3),
         "step_seconds": step_seconds,
         "peak_rss_mb": peak_rss_mb(),
         "validation_check_s": round(check_s, 4),
@@ -513,6 +540,8 @@ def run_phase(name: str, args: argparse.Namespace, root: Path, extra: list[str] 
 def link_inputs(source: Path, target: Path, window_days: int) -> None:
     """A root that sees the raw data and the day before's features of ``source`` but none of DAY's outputs."""
     (target / "raw").symlink_to(source / "raw")
+    if (source / "buckets").exists():
+        (target / "buckets").symlink_to(source / "buckets")
     prev = shift_ds(DAY, -1)
     for dataset in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE):
         link = Path(partition(target, dataset, prev))
@@ -523,6 +552,55 @@ def link_inputs(source: Path, target: Path, window_days: int) -> None:
             link = Path(partition(target, dataset, day))
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(partition(source, dataset, day))
+
+
+def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, count: int,
+                     unsharded: dict[str, Any]) -> dict[str, Any]:
+    """The incremental build of DAY in ``count`` shards per step, each shard a process as the array job runs it (one
+    after another here), from the state a ``count``-shard build of the day before left; each step merged.
+
+    ``work_vs_unsharded``: the shards' and merges' CPU-seconds (every thread) over the unsharded build's (the same
+    measure of the same run, interpreter start excluded on both sides; ``process_work_vs_unsharded`` includes each
+    shard process's start and imports). ``parallel_vs_unsharded``: each step's slowest shard plus its merge, in
+    seconds, over the unsharded build's seconds (a machine per shard). ``equal``: every output holds the unsharded
+    build's rows.
+    """
+    say(f"sharding: {count} shard(s) per step")
+    shutil.rmtree(sharded_root, ignore_errors=True)
+    sharded_root.mkdir()
+    link_inputs(root, sharded_root, args.window_days)
+    relay_state(root, sharded_root, count, args.window_days)
+    cpu = process_cpu = parallel = 0.0
+    steps: dict[str, Any] = {}
+    for step in build.STEP_DATASETS:
+        seconds, cpus = [], []
+        for index in range(count):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            result = run_phase("shard", args, sharded_root, ["--step", step, "--shard", str(index), "--shards", str(count)])
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            process_cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+            seconds.append(round(result["seconds"], 3))
+            cpus.append(round(result["cpu_s"], 3))
+        merge_cpu, started = cpu_s(), time.perf_counter()
+        build.merge_shards(sharded_root, DAY, step, str(sharded_root / "_staging" / step), count)
+        merge_s, merge_cpu = time.perf_counter() - started, cpu_s() - merge_cpu
+        cpu += sum(cpus) + merge_cpu
+        process_cpu += merge_cpu
+        parallel += max(seconds) + merge_s
+        steps[step] = {"shard_seconds": seconds, "shard_cpu_s": cpus, "merge_s": round(merge_s, 3)}
+    equal = compare_rows(root, sharded_root)
+    result = {
+        "work_vs_unsharded": round(cpu / unsharded["cpu_s"], 3),
+        "parallel_vs_unsharded": round(parallel / unsharded["seconds"], 3),
+        "equal": all(v == "equal" for v in equal.values()),
+        "process_work_vs_unsharded": round(process_cpu / unsharded["cpu_s"], 3),
+        "cpu_s": round(cpu, 3),
+        "parallel_s": round(parallel, 3),
+        "steps": steps,
+        **({} if all(v == "equal" for v in equal.values()) else {"differ": equal}),
+    }
+    say(f"  {result['work_vs_unsharded']}x the work, {result['parallel_vs_unsharded']}x the time, equal {result['equal']}")
+    return result
 
 
 def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_root: Path, pandas_root: Path,
@@ -547,22 +625,7 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
             if phase not in best or result["seconds"] < best[phase]["seconds"]:
                 best[phase] = result
     incremental, full, pandas = best["incremental"], best["full"], best["pandas"]
-    sharded: dict[str, Any] | None = None
-    if args.shards > 1:
-        say(f"sharded: {args.shards} shards per step")
-        shutil.rmtree(sharded_root, ignore_errors=True)
-        sharded_root.mkdir()
-        link_inputs(root, sharded_root, args.window_days)
-        result = run_phase("sharded", args, sharded_root, ["--shards", str(args.shards)])
-        say(f"  {result['seconds']:.1f}s of work, {result['parallel_seconds']:.1f}s with a machine per shard")
-        sharded = {
-            "shards": args.shards,
-            "work_vs_unsharded": round(result["seconds"] / incremental["seconds"], 3),
-            "parallel_vs_unsharded": round(result["parallel_seconds"] / incremental["seconds"], 3),
-            "equal": compare_rows(root, sharded_root),
-            "shard_seconds": result["shard_seconds"],
-            "merge_seconds": result["merge_seconds"],
-        }
+    sharding = {str(count): measure_sharding(args, root, sharded_root, count, incremental) for count in args.shard_counts}
 
     events = world["events"]
     return {
@@ -596,7 +659,8 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
             for phase, result in (("incremental", incremental), ("full", full))
         },
         "validation_check_s": incremental["validation_check_s"],
-        **({"sharded": sharded} if sharded else {}),
+        "cpu_s": {"incremental": incremental["cpu_s"], "full": full["cpu_s"]},
+        **({"sharding": sharding} if sharding else {}),
     }
 
 
@@ -612,20 +676,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-limit", default="4GB", help="DuckDB memory limit (default: 4GB)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds of the three phases per config; each phase's fastest counts (default: 1)")
-    parser.add_argument("--shards", type=int, default=4,
-                        help="shards of the sharded build (benchmark config only; 1: skip it; default: 4)")
+    parser.add_argument("--shards", default="1,2,4,8",
+                        help="shard counts of the sharded builds (benchmark config only; empty: skip; default: 1,2,4,8)")
+    parser.add_argument("--buckets", type=int, default=build.DEFAULTS.event_buckets,
+                        help="buckets of the day's events that the shards read (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="where to build (default: a temporary folder, removed)")
-    parser.add_argument("--phase", choices=("incremental", "full", "pandas", "sharded"), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("incremental", "full", "pandas", "shard", "buckets"), help=argparse.SUPPRESS)
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    parser.add_argument("--shard", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.shard_counts = [int(n) for n in str(args.shards).split(",") if n.strip()]
 
     if args.phase:
         root = Path(args.root)
         if args.phase == "pandas":
             result = phase_pandas(root, Path(args.out), args)
-        elif args.phase == "sharded":
-            result = phase_sharded(root, args)
+        elif args.phase == "shard":
+            args.shards = args.shard_counts[0]
+            result = phase_shard(root, args)
+        elif args.phase == "buckets":
+            result = phase_buckets(root, args)
         else:
             result = phase_duckdb(root, args, recompute=args.phase == "full")
         print(json.dumps(result))
@@ -643,22 +715,37 @@ def main(argv: list[str] | None = None) -> int:
         world = setup(root, args)
         setup_s = time.perf_counter() - started
         say(f"setup done in {setup_s:.0f}s: {world['events']} events in {DAY}, {world['history_days']} history days")
+        bucketing = None
+        if args.shard_counts:
+            bucketing = run_phase("buckets", args, root, ["--buckets", str(args.buckets)])
+            say(f"events bucketed in {bucketing['seconds']:.1f}s ({bucketing['cpu_s']:.1f} CPU-s)")
         link_inputs(root, full_root, args.window_days)
 
         configs = {"default": build.DEFAULTS.negative_downsample, "benchmark": args.negative_downsample}
         results = {}
         for name, rate in configs.items():
             say(f"config {name}: negative_downsample {rate}")
-            shards = args.shards if name == "benchmark" else 1
-            results[name] = measure(argparse.Namespace(**{**vars(args), "negative_downsample": rate, "shards": shards}),
-                                    world, root, full_root, pandas_root, sharded_root)
+            counts = args.shard_counts if name == "benchmark" else []
+            results[name] = measure(
+                argparse.Namespace(**{**vars(args), "negative_downsample": rate, "shard_counts": counts}),
+                world, root, full_root, pandas_root, sharded_root,
+            )
+            if bucketing is not None and counts:
+                base = results[name]
+                results[name]["bucketing"] = {
+                    "buckets": args.buckets, "seconds": round(bucketing["seconds"], 3), "cpu_s": round(bucketing["cpu_s"], 3),
+                    "cpu_vs_unsharded": round(bucketing["cpu_s"] / base["cpu_s"]["incremental"], 3),
+                }
             print(json.dumps({"config": name, **results[name]}), flush=True)
         # The last line: every config's figures; the headline ones of the benchmark config, as before.
         headline = ("events_per_s", "speedup_vs_pandas", "incremental_vs_full", "peak_rss_mb", "examples_bytes")
-        sharded = results["benchmark"].get("sharded", {})
+        sharding = {
+            count: {k: r[k] for k in ("work_vs_unsharded", "parallel_vs_unsharded", "equal")}
+            for count, r in results["benchmark"].get("sharding", {}).items()
+        }
         print(json.dumps({**{k: results["benchmark"][k] for k in headline}, "setup_s": round(setup_s, 1),
-                          **{f"sharded_{k}": sharded[k] for k in ("work_vs_unsharded", "parallel_vs_unsharded")
-                             if k in sharded},
+                          **({"sharding": sharding} if sharding else {}),
+                          **({"bucketing": results["benchmark"]["bucketing"]} if "bucketing" in results["benchmark"] else {}),
                           "configs": {name: {k: r[k] for k in (*headline, "negative_downsample")}
                                       for name, r in results.items()}}))
     finally:

@@ -71,6 +71,10 @@ class FeaturesConfig(Section):
         "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"
     )
     shards: int = Field(1, ge=1, le=10000, description="split each build step into this many jobs by user / pin id hash")
+    event_buckets: int = Field(
+        64, ge=1, le=1024,
+        description="buckets of the day's events that validation writes when shards > 1 (a shard reads its buckets; keep shards a divisor)",
+    )
     team: str = Field("", description="team whose queue build jobs use (a key of teams:); empty: training.team")
     instance_type: str = Field("m5.2xlarge", description="node type of a build job (a key of instance_types:)")
     poll_seconds: float = Field(2, gt=0, description="between status checks of a build job")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -45,6 +46,8 @@ from core.contracts import (
     COUNT_COLUMNS,
     DENSE_FEATURES,
     ENGAGEMENTS,
+    EVENTS_BY_PIN,
+    EVENTS_BY_USER,
     EVENTS_SCHEMA,
     EXAMPLES,
     EXAMPLES_SCHEMA,
@@ -86,6 +89,7 @@ from core.storage import (
     is_complete,
     is_remote,
     join,
+    name_of,
     open_output,
     partition,
     publish,
@@ -191,6 +195,117 @@ def shard_file(index: int) -> str:
 
 def _keeps(shard: Shard | None, column: str) -> str:
     return shard.keeps(column) if shard is not None else "TRUE"
+
+
+# --- bucketed layouts -------------------------------------------------------------------------------------
+# A partition whose metadata has ``hash_buckets`` {key, count, probe} holds in file part-b exactly the rows with
+# hash(key) % count = b: the merged output of a sharded step (part-i: shard i), and the day's events bucketed by
+# validation (EVENTS_BY_USER, EVENTS_BY_PIN). Shard i of N needs the rows with hash % N = i, which lie in the files
+# b with b % gcd(count, N) = i % gcd(count, N) (exactly those files when N divides count): it reads those only,
+# and still filters them. Any other partition (unsharded, written before) is read whole and filtered, as before.
+# ``probe`` is DuckDB's hash of fixed ids when the layout was written: a DuckDB whose hash differs reads whole.
+_PROBE_IDS = "(VALUES (0), (1), (12345), (987654321))"
+DATASET_KEYS = {
+    USER_DAILY: "user_id", PIN_DAILY: "pin_id", USER_WINDOW: "user_id", PIN_WINDOW: "pin_id", USER_SEQUENCE: "user_id",
+    EXAMPLES: "user_id", EVENTS_BY_USER: "user_id", EVENTS_BY_PIN: "pin_id",
+}
+# The columns of each bucketed copy of the events: the pin side only feeds pin_daily.
+EVENT_BUCKETS: dict[str, tuple[str, str]] = {
+    EVENTS_BY_USER: ("user_id", "*"),
+    EVENTS_BY_PIN: ("pin_id", "pin_id, user_id, action"),
+}
+
+
+@functools.cache
+def hash_probe() -> int:
+    """A digest of this DuckDB's ``hash()`` of fixed ids (the same in every process of one DuckDB version)."""
+    con = duckdb.connect()
+    try:
+        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
+        return int(value)
+    finally:
+        con.close()
+
+
+def hash_layout(key: str, count: int) -> dict[str, Any]:
+    return {"key": key, "count": count, "probe": hash_probe()}
+
+
+def shard_files(
+    root: str | os.PathLike[str], dataset: str, day: str, shard: Shard | None, files: Sequence[str] | None = None
+) -> list[str]:
+    """The Parquet files of partition ``dataset/day`` that can hold ``shard``'s rows (every file without a shard, or
+    when the partition records no usable ``hash_buckets`` layout)."""
+    files = list(data_files(root, dataset, day) if files is None else files)
+    if shard is None:
+        return files
+    layout = read_metadata(root, dataset, day).get("hash_buckets")
+    key = DATASET_KEYS.get(dataset)
+    if not isinstance(layout, dict) or layout.get("key") != key or layout.get("probe") != hash_probe():
+        return files
+    count = int(layout["count"])
+    group = math.gcd(count, shard.count)
+    by_name = {name_of(f): f for f in files}
+    picked = [by_name.get(shard_file(b)) for b in range(count) if b % group == shard.index % group]
+    if len(by_name) != count or None in picked:  # not the recorded layout: read every file
+        return files
+    return [f for f in picked if f is not None]
+
+
+def _events_files(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> list[str]:
+    """The files of the raw events of ``day`` that a shard reads: its buckets of the bucketed copy by ``key`` when
+    that copy was made from the raw partition as it is now (its publish stamp), else the raw files."""
+    raw = data_files(root, RAW_EVENTS, day)
+    if shard is None:
+        return raw
+    dataset = EVENTS_BY_USER if key == "user_id" else EVENTS_BY_PIN
+    if not is_complete(root, dataset, day):
+        return raw
+    current = _input_versions(root, [_ref(RAW_EVENTS, day)])[_ref(RAW_EVENTS, day)]
+    if current is None or read_metadata(root, dataset, day).get("source_version") != current:
+        return raw
+    return shard_files(root, dataset, day, shard)
+
+
+def write_event_buckets(
+    root: str | os.PathLike[str], ds: str | dt.date, count: int = DEFAULTS.event_buckets, *,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Write the raw events of ``ds`` bucketed by hash(user_id) (every column) and by hash(pin_id) (pin_id, user_id,
+    action) into ``count`` files each (EVENTS_BY_USER, EVENTS_BY_PIN), so that a shard of a build reads only its part
+    (``shard_files``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
+    buckets. Called by validation when the build is sharded; the summaries by dataset."""
+    ds = ds_str(ds)
+    if count < 1:
+        raise ValueError(f"event buckets must be >= 1, got {count}; set features.event_buckets")
+    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    version = _input_versions(root, [_ref(RAW_EVENTS, ds)])[_ref(RAW_EVENTS, ds)]
+    summary: dict[str, Any] = {}
+    with connect(engine, root) as con:
+        _view(con, "events_all", events, EVENTS_SCHEMA)
+        for dataset, (key, columns) in EVENT_BUCKETS.items():
+            # Sorted by bucket, so that each bucket's scan of the temp table skips the others' row groups.
+            con.execute(
+                f"CREATE OR REPLACE TEMP TABLE bucketed AS SELECT hash({key}) % {count} AS bucket, {columns} "
+                "FROM events_all ORDER BY bucket"
+            )
+            rows = 0
+            with write_partition(root, dataset, ds) as out:
+                for bucket in range(count):
+                    table = _query(con, "SELECT * EXCLUDE (bucket) FROM bucketed WHERE bucket = $b", {"b": bucket})
+                    rows += table.num_rows
+                    with open_output(join(out, shard_file(bucket))) as sink:
+                        pq.write_table(table, sink, row_group_size=64 * 1024)
+                meta = {
+                    "dataset": dataset, "ds": ds, "source": _ref(RAW_EVENTS, ds), "source_version": version,
+                    "rows": rows, "hash_buckets": hash_layout(key, count),
+                }
+                write_json(join(out, METADATA_FILE), meta)
+            summary[dataset] = meta
+        con.execute("DROP TABLE IF EXISTS bucketed")
+    if _input_versions(root, [_ref(RAW_EVENTS, ds)])[_ref(RAW_EVENTS, ds)] != version:
+        log.warning("%s was republished while it was bucketed: shards read it whole until it is bucketed again", _ref(RAW_EVENTS, ds))
+    return summary
 
 
 @contextmanager
@@ -434,10 +549,12 @@ ORDER BY user_id
 """
 
 
-def _engagements_sql(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str]) -> str:
-    """The engagements of ``days`` (raw events and pins of each day), as one UNION ALL query."""
+def _engagements_sql(
+    con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str], shard: Shard | None = None
+) -> str:
+    """The engagements of ``days`` (raw events and pins of each day; a shard's buckets), as one UNION ALL query."""
     return "\nUNION ALL\n".join(
-        ENGAGEMENTS_OF_DAY_SQL.format(events=_quoted(data_files(root, RAW_EVENTS, day)), pins=_pins_source(con, root, day))
+        ENGAGEMENTS_OF_DAY_SQL.format(events=_quoted(_events_files(root, day, shard)), pins=_pins_source(con, root, day))
         for day in days
     )
 
@@ -560,10 +677,11 @@ ORDER BY i.impression_id
 # seq_age_hours = (impression ts - action ts) in hours as FLOAT. Copying lists of 50 into every example was
 # most of the day's time and of its bytes.
 
+# Of the shard's impressions (every one unsharded); the merge sums the shards'.
 IMPRESSION_COUNTS_SQL = """
 SELECT count(*) AS impressions,
        count(*) FILTER (WHERE pin_id NOT IN (SELECT pin_id FROM pins)) AS unknown_pin
-FROM events_all
+FROM events
 WHERE action = 'impression'
 """
 
@@ -863,20 +981,23 @@ def build_daily(
         **_check_validated(root, [ds], require_validation=require_validation),
     }
     summary: dict[str, Any] = {}
+    counts = (
+        "SELECT count(*), count(*) FILTER (WHERE action IS NULL OR action NOT IN "
+        f"({_sql_list(ACTIONS)})) FROM events"
+    )
     with connect(engine, root) as con:
-        _view(con, "events_all", events, EVENTS_SCHEMA)
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
-        events_rows, unknown = _row(
-            con,
-            "SELECT count(*), count(*) FILTER (WHERE action IS NULL OR action NOT IN "
-            f"({_sql_list(ACTIONS)})) FROM events_all",
-        )
-        base["events"] = int(events_rows)
-        base["unknown_action_events"] = int(unknown)
         for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
             key = "user_id" if dataset == USER_DAILY else "pin_id"
+            # A shard reads its buckets of the day (by user for users, by pin for pins) and counts its own events:
+            # the merge sums the counts (each event is in one shard of each side).
+            _view(con, "events_all", events if shard is None else _events_files(root, ds, shard, key), EVENTS_SCHEMA)
             con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, key)}")
+            if shard is not None or dataset == USER_DAILY:
+                events_rows, unknown = _row(con, counts)
+                base["events"] = int(events_rows)
+                base["unknown_action_events"] = int(unknown)
             summary[dataset] = _write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
@@ -1020,12 +1141,14 @@ def build_window(
                 signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
                 if plan["leaving"]:
                     signed.append((daily, plan["leaving"], -1))
-                selects = [
-                    f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
-                    f"FROM read_parquet([{_quoted(data_files(root, dataset, day))}], hive_partitioning = false)"
-                    for dataset, day, sign in signed
-                ]
-                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS " + "\nUNION ALL\n".join(selects))
+                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts_src", shard)):
+                    selects = [
+                        f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
+                        f"FROM read_parquet([{_quoted(shard_files(root, dataset, day, of_shard))}], hive_partitioning = false)"
+                        for dataset, day, sign in signed
+                    ]
+                    # A shard reads only the files of its users / pins (``shard_files``); the pin totals every pin.
+                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS " + "\nUNION ALL\n".join(selects))
                 inputs[name] = [_ref(dataset, day) for dataset, day, _ in signed]
         else:
             stored, computed, missing = _classify_days(root, days, recompute=recompute)
@@ -1047,13 +1170,14 @@ def build_window(
                     f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
                     f"FROM {name}_daily"
                 )
+                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts_src AS SELECT * FROM {name}_parts_all")
                 daily = USER_DAILY if name == "user" else PIN_DAILY
                 inputs[name] = [_ref(daily, d) for d in stored] + [
                     ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
                 ]
         for name in ("user", "pin"):
             con.execute(
-                f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_all "
+                f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_src "
                 f"WHERE {_keeps(shard, f'{name}_id')}"
             )
         if missing:
@@ -1156,10 +1280,10 @@ def build_sequences(
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         if mode == "incremental":
-            _view(con, "previous_all", data_files(root, USER_SEQUENCE, previous_ds), USER_SEQUENCE_SCHEMA)
+            _view(con, "previous_all", shard_files(root, USER_SEQUENCE, previous_ds, shard), USER_SEQUENCE_SCHEMA)
             con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {_keeps(shard, 'user_id')}")
             validation = _check_validated(root, [ds], require_validation=require_validation)
-            engagements = _engagements_sql(con, root, [ds])
+            engagements = _engagements_sql(con, root, [ds], shard)
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
             carried = previous_meta.get("missing_days", [])
             missing_days = sorted(d for d in carried if d >= window_start)
@@ -1168,7 +1292,7 @@ def build_sequences(
             present = [d for d in days[:-1] if _has_raw(root, d)]
             validation = _check_validated(root, [*present, ds], require_validation=require_validation)
             _view(con, "previous_sequence", [], USER_SEQUENCE_SCHEMA)
-            engagements = _engagements_sql(con, root, [*present, ds])
+            engagements = _engagements_sql(con, root, [*present, ds], shard)
             inputs = [_ref(raw, d) for d in [*present, ds] for raw in (RAW_EVENTS, RAW_PINS)]
             missing_days = sorted(set(days) - set(present) - {ds})
         if missing_days:
@@ -1250,7 +1374,7 @@ def build_examples(
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
-        _view(con, "events_all", events, EVENTS_SCHEMA)
+        _view(con, "events_all", events if shard is None else _events_files(root, ds, shard), EVENTS_SCHEMA)
         # An impression and its engagements have one user: a shard's labels are complete.
         con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, 'user_id')}")
         _pins_view(con, root, ds)
@@ -1262,7 +1386,8 @@ def build_examples(
                 inputs.append(_ref(dataset, features_ds))
                 if dataset == USER_SEQUENCE:
                     sequence_digest = _sequence_digest(root, features_ds, files)
-            _view(con, name, files, schema)
+            # A shard joins its own users' features only; every pin's (any user may see any pin).
+            _view(con, name, files if dataset == PIN_WINDOW else shard_files(root, dataset, features_ds, shard, files), schema)
         if _ref(PIN_WINDOW, features_ds) in inputs:
             recorded = read_metadata(root, PIN_WINDOW, features_ds).get("global_rates")
             if recorded:
@@ -1343,7 +1468,8 @@ STEP_DATASETS: dict[str, tuple[str, ...]] = {
     "examples": (EXAMPLES,),
 }
 # Metadata that differs from shard to shard (summed or dropped by the merge); every other key must agree.
-_PER_SHARD_KEYS = ("rows", "positives", "content_digest", "shard")
+_SUMMED_KEYS = ("rows", "events", "unknown_action_events", "impressions", "impressions_unknown_pin")
+_PER_SHARD_KEYS = (*_SUMMED_KEYS, "positives", "content_digest", "shard")
 
 
 def build_step(
@@ -1408,10 +1534,14 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
                     f"{dataset} ds={ds}: shard {i} was built from other inputs or settings than shard 0 ({', '.join(differ)} "
                     f"differ; an input was rebuilt during the build?): rerun the step, which rebuilds every shard"
                 )
-        merged["rows"] = sum(int(m["rows"]) for m in metas)
+        for key in _SUMMED_KEYS:
+            if key in metas[0]:
+                merged[key] = sum(int(m[key]) for m in metas)
         if "positives" in metas[0]:
             merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
         merged["shards"] = count
+        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_files``).
+        merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
         with write_partition(root, dataset, ds) as out:
             for i, folder in enumerate(folders):
                 copy_file(join(folder, shard_file(i)), join(out, shard_file(i)))

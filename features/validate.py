@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config=cfg.validation,
             data_docs=cfg.validation.data_docs and not args.no_data_docs,
             quarantine=args.quarantine,
+            event_buckets=cfg.features.event_buckets if cfg.features.shards > 1 else 0,
         )
     except Exception as err:  # noqa: BLE001 - the CLI turns any tool error into an exit status
         message = f"error: validating {where}: {type(err).__name__}: {err}"

@@ -90,6 +90,7 @@ class ValidatePartitionOperator(BaseOperator):
             config=section,
             data_docs=section.data_docs,
             quarantine=section.quarantine,
+            event_buckets=cfg.features.event_buckets if cfg.features.shards > 1 else 0,
         )
         self.data_docs_url = data_docs_url(cfg.storage_root, self.dataset, self.ds)
         self._checks = [(c.name, bool(c.success)) for c in report.checks if c.success is not None]

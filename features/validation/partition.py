@@ -85,6 +85,7 @@ def validate_partition(
     config: ValidationConfig,
     data_docs: bool = True,
     quarantine: bool = False,
+    event_buckets: int = 0,
 ) -> ValidationReport:
     """Validate the raw partition ``<root>/raw/<dataset>/ds=<ds>`` and write its report and profile.
 
@@ -94,6 +95,8 @@ def validate_partition(
     ``quarantine``: move a failed, complete partition to ``quarantine/<dataset>/ds=<ds>/<UTC time>/`` with a
     copy of its report (never deleted; an incomplete partition is left in place, its writer may still be
     landing it). The caller applies ``config.data_docs`` and ``config.quarantine`` through these two.
+    ``event_buckets`` > 0: a passed events partition is also written bucketed in that many files by user and by pin
+    (``features.build.write_event_buckets``), so the shards of a sharded build read only their part.
 
     Raises only for errors of the tool itself (a bad argument, a GX failure, storage that does not answer);
     everything wrong with the data is a failed check in the returned report.
@@ -198,5 +201,9 @@ def validate_partition(
         write_report(report, docs_dir if rendered else None)
     if record is not None:
         record_quarantine(report, record)
+    if event_buckets > 0 and name == "events" and report.success:
+        from features.build import write_event_buckets  # the build imports this package: imported when used
+
+        write_event_buckets(root, day, event_buckets)
     return report
 

@@ -28,7 +28,7 @@ KEYS = {
     contracts.PIN_WINDOW: "pin_id", contracts.USER_SEQUENCE: "user_id", contracts.EXAMPLES: "impression_id",
 }
 # What only the layout changes (the digest hashes rows in file order), and publish stamps (daily_versions, input_versions).
-LAYOUT_KEYS = {"shards", "content_digest", "sequence_digest", "daily_versions", "input_versions"}
+LAYOUT_KEYS = {"shards", "hash_buckets", "content_digest", "sequence_digest", "daily_versions", "input_versions"}
 
 
 def build_sharded(root: Path, day: str, step: str, shards: int = SHARDS) -> dict:
@@ -160,3 +160,59 @@ def test_an_input_republished_during_the_build_publishes_nothing(roots: tuple[Pa
     assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
     # The retry builds from the new version.
     assert build.build_daily(root, day, require_validation=False, engine=ENGINE)[contracts.USER_DAILY]["rows"] == before["rows"]
+
+
+@pytest.fixture(scope="module")
+def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same world built in 3 shards from events bucketed in 6 (what validation writes when the build is sharded),
+    and one day of it in 4 shards (not a divisor of 6: shards read more buckets and filter them)."""
+    whole, _ = roots
+    root = tmp_path_factory.mktemp("bucketed")
+    shutil.copytree(whole / "raw", root / "raw")
+    for day in BUILT:
+        meta = build.write_event_buckets(root, day, 6, engine=ENGINE)
+        assert meta[contracts.EVENTS_BY_USER]["rows"] == read_table(root, contracts.RAW_EVENTS, day).num_rows
+        for step in build.STEP_DATASETS:
+            build_sharded(root, day, step, shards=4 if day == BUILT[-1] else SHARDS)
+    return root
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("day", BUILT)
+def test_shards_reading_bucketed_events_equal_the_unsharded_build(roots: tuple[Path, Path], bucketed: Path,
+                                                                  day: str) -> None:
+    whole, _ = roots
+    for dataset, key in KEYS.items():
+        expected, got = read_table(whole, dataset, day), read_table(bucketed, dataset, day)
+        assert sorted_by(got, key).equals(sorted_by(expected, key)), f"{dataset} ds={day}"
+        meta_whole, meta_bucketed = read_metadata(whole, dataset, day), read_metadata(bucketed, dataset, day)
+        assert {k: v for k, v in meta_bucketed.items() if k not in LAYOUT_KEYS} == {
+            k: v for k, v in meta_whole.items() if k not in LAYOUT_KEYS
+        }, f"{dataset} ds={day}"
+
+
+@pytest.mark.unit
+def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp_path: Path) -> None:
+    day = BUILT[1]
+    names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
+    # 6 buckets, shard 1 of 3: buckets 1 and 4; of 2: 1, 3, 5; of 4 (gcd 2): the odd ones, filtered.
+    assert names(build._events_files(bucketed, day, build.Shard(1, 3, "s"))) == ["part-00001.parquet", "part-00004.parquet"]
+    assert names(build._events_files(bucketed, day, build.Shard(1, 2, "s"), "pin_id")) == [
+        "part-00001.parquet", "part-00003.parquet", "part-00005.parquet"]
+    assert len(build._events_files(bucketed, day, build.Shard(1, 4, "s"))) == 3
+    # The previous day's state merged from 3 shards: shard i of 3 reads part-i only; unsharded readers read all.
+    assert names(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(2, 3, "s"))) == ["part-00002.parquet"]
+    assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
+    assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(0, 2, "s"))) == 3
+    # Unsharded readers never read the buckets; a raw partition re-landed since it was bucketed is read whole.
+    raw = storage.data_files(bucketed, contracts.RAW_EVENTS, day)
+    assert build._events_files(bucketed, day, None) == raw
+    root = tmp_path / "root"
+    shutil.copytree(bucketed, root)
+    storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
+    assert build._events_files(root, day, build.Shard(1, 3, "s")) == storage.data_files(root, contracts.RAW_EVENTS, day)
+    # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
+    meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
+    meta = dict(storage.read_json(meta_path))
+    storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
+    assert len(build._events_files(root, BUILT[2], build.Shard(1, 3, "s"))) == 6
