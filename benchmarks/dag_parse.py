@@ -1,0 +1,75 @@
+"""How long each DAG file takes to parse, against a hello-world DAG parsed the same way in the same run.
+
+The DAG processor parses each file in a child process of a parent that has Airflow imported. Here each parse is a
+fresh process that imports Airflow and ``airflow.sdk`` first (not timed), then times ``DagBag`` over the one file:
+what the file itself costs (its imports, the configuration, building the DAG). Each file is parsed ``--repeat``
+times, alternating with the hello DAG; the median counts. Prints one JSON line: seconds per file and
+``vs_hello`` per file (issue 35's bar: at most 2).
+
+    .venv/bin/python benchmarks/dag_parse.py [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HELLO = '''
+import pendulum
+from airflow.sdk import DAG, task
+
+with DAG(dag_id="hello", start_date=pendulum.datetime(2026, 11, 1, tz="UTC"), schedule="@daily", catchup=False):
+    @task
+    def hello() -> str:
+        return "hello"
+
+    hello()
+'''
+TIMER = '''
+import sys, time
+import airflow, airflow.sdk  # noqa: F401  (the DAG processor's parent has these)
+from airflow.dag_processing.dagbag import DagBag
+start = time.perf_counter()
+bag = DagBag(dag_folder=sys.argv[1])
+elapsed = time.perf_counter() - start
+assert bag.dags and not bag.import_errors, bag.import_errors
+print(elapsed)
+'''
+
+
+def parse_seconds(path: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", TIMER, str(path)], capture_output=True, text=True, env=env, cwd=REPO,
+                         check=True, timeout=300)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    files = sorted((REPO / "dags").glob("*.py"))
+    with tempfile.TemporaryDirectory() as tmp:
+        hello = Path(tmp) / "hello_dag.py"
+        hello.write_text(HELLO)
+        times: dict[str, list[float]] = {"hello": []}
+        for _ in range(args.repeat):
+            for path in files:
+                times["hello"].append(parse_seconds(hello))
+                times.setdefault(path.name, []).append(parse_seconds(path))
+    median = {name: statistics.median(values) for name, values in times.items()}
+    print(json.dumps({
+        "repeat": args.repeat, "seconds": {k: round(v, 4) for k, v in median.items()},
+        "vs_hello": {k: round(v / median["hello"], 2) for k, v in median.items() if k != "hello"},
+    }))
+
+
+if __name__ == "__main__":
+    main()
