@@ -619,3 +619,32 @@ def test_thresholds_per_dataset_and_unknown_keys() -> None:
     assert config.for_dataset("pin_labels").volume_min_ratio == 0.2 and config.for_dataset("events").volume_min_ratio == 0.5
     with pytest.raises(ValueError, match="per_dataset.events: volum_min_ratio"):
         ValidationConfig(per_dataset={"events": {"volum_min_ratio": 0.2}})
+
+
+# --- the bucketed copy for sharded builds (features.shards > 1) ------------------------------------------------
+
+
+def test_a_passed_events_partition_is_bucketed_for_the_shards_and_a_failed_one_is_not(tmp_path: Path) -> None:
+    from features import build
+
+    write_day(tmp_path)
+    report = validate_partition(tmp_path, "events", event_buckets=4)
+    assert report.success, report.failure_message()
+    by_user = read_table_all(tmp_path, contracts.EVENTS_BY_USER)
+    assert sorted(by_user.column("impression_id").to_pylist()) == sorted(events_table().column("impression_id").to_pylist())
+    meta = storage.read_metadata(tmp_path, contracts.EVENTS_BY_USER, DS)
+    assert meta["hash_buckets"]["count"] == 4 and meta["source"] == f"raw/events/ds={DS}"
+    # Each shard of 2 reads 2 of the 4 files (its buckets).
+    assert len(build.shard_files(tmp_path, contracts.EVENTS_BY_USER, DS, build.Shard(0, 2, str(tmp_path / "staging")))) == 2
+    # Not for the other datasets, nor when switched off, nor for a failed partition.
+    assert storage.is_complete(tmp_path, contracts.EVENTS_BY_PIN, DS)
+    validate_partition(tmp_path, "pins", event_buckets=4)
+    assert not (tmp_path / "buckets" / "pins").exists()
+    other = tmp_path / "other"
+    write(other, "events", events_table(action=["bogus"] * N))
+    assert not validate_partition(other, "events", event_buckets=4).success
+    assert not storage.is_complete(other, contracts.EVENTS_BY_USER, DS)
+
+
+def read_table_all(root: Path, dataset: str) -> pa.Table:
+    return storage.read_table(root, dataset, DS)
