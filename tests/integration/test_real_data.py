@@ -129,7 +129,7 @@ def _champion(home: Path) -> str | None:
 
 def test_a_model_below_the_floors_is_not_the_first_champion(runs):
     first = runs[0]
-    assert first["tasks"] == {"plan_run": "success", "train": "success", "promote": "skipped"}, first
+    assert first["tasks"] == {"plan_run": "success", "train": "success", "approve": "success", "promote": "skipped"}, first
     decision, result = first["decision"], first["result"]
     assert not decision["promoted"] and decision["champion_version"] is None
     assert result["steps"] >= 100 and result["champion"] is None  # trained its full length; no champion to compare
@@ -139,7 +139,8 @@ def test_a_model_below_the_floors_is_not_the_first_champion(runs):
 
 def test_at_the_defaults_the_ranker_beats_popularity_on_real_data_and_becomes_the_first_champion(runs, movielens):
     default = runs[1]
-    assert default["tasks"] == {"plan_run": "success", "train": "success", "promote": "success"}, default
+    assert default["tasks"] == {"plan_run": "success", "train": "success", "approve": "success", "promote": "success"}, \
+        default
     result = default["result"]
     metrics = result["metrics"]
     lift = {head: metrics["auc"][head] - metrics["baseline_auc"][head] for head in metrics["auc"]}
