@@ -21,9 +21,7 @@ from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator, HITLOperator
 
-
-def _auc(value: Any) -> str:
-    return "-" if value is None else f"{float(value):.4f}"
+from operators.promotion import auc_text as _auc
 
 
 def review_body(result: dict[str, Any], decision: dict[str, Any], run_url: str, mlflow_url: str) -> str:

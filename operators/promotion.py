@@ -55,7 +55,8 @@ def head_aucs(metrics: dict[str, Any]) -> dict[str, float | None]:
     return {"mean": None if mean is None else float(mean)}
 
 
-def _number(value: Any) -> str:
+def auc_text(value: Any) -> str:
+    """An AUC as the gate's messages and the reviewer's table show it ('-' when undefined)."""
     return "-" if value is None else f"{float(value):.4f}"
 
 
@@ -126,7 +127,7 @@ def decide(result: dict[str, Any], champion_now: str | None, settings: GateSetti
                               f"day {evaluated['eval_ds']}: a model of older data does not replace a newer one (the "
                               f"champion may have trained on {eval_ds})")
             if mean is None or champion_mean is None:
-                failed.append(f"mean AUC {_number(mean)} vs champion v{champion_now}'s {_number(champion_mean)}: "
+                failed.append(f"mean AUC {auc_text(mean)} vs champion v{champion_now}'s {auc_text(champion_mean)}: "
                               "undefined, no comparison")
             elif float(mean) + settings.tolerance < float(champion_mean):
                 failed.append(f"mean AUC {float(mean):.4f} is below champion v{champion_now}'s {float(champion_mean):.4f} "
@@ -139,11 +140,11 @@ def decide(result: dict[str, Any], champion_now: str | None, settings: GateSetti
              for head, value in aucs.items()}
     columns = "new / baseline" + (f" / champion v{champion_now}" if champion_aucs else "")
     per_head = "; ".join(
-        f"{head} " + " / ".join(_number(v[k]) for k in ("new", "baseline", "champion") if k != "champion" or champion_aucs)
+        f"{head} " + " / ".join(auc_text(v[k]) for k in ("new", "baseline", "champion") if k != "champion" or champion_aucs)
         for head, v in heads.items()
     )
     compared = (f"compared: {steps} steps (min {need}), {trained_days} of {asked_days} days, AUC on {eval_ds} "
-                f"{columns}: {per_head}; mean {_number(mean)}" + (f" vs {_number(champion_mean)}" if champion_aucs else ""))
+                f"{columns}: {per_head}; mean {auc_text(mean)}" + (f" vs {auc_text(champion_mean)}" if champion_aucs else ""))
     promoted = not failed
     if promoted:
         reason = f"{standing}; every head clears its floors ({compared})"
@@ -179,7 +180,7 @@ def _apply_approval(decision: dict[str, Any], approval: dict[str, Any] | None) -
     promoted only if the gate passed *and* a person approved. Returns it and the kind of the move."""
     answer = approval or {}
     decision["approval"] = answer or None
-    if not decision["promoted"] or decision["reason"].startswith(f"version {decision['model_version']} is already"):
+    if not decision["promoted"] or decision["champion_version"] == decision["model_version"]:  # no move to approve
         return decision, "promotion"
     who = answer.get("responded_by")
     if answer.get("approved"):
