@@ -10,6 +10,7 @@ linked or copied, metadata merged, nothing read). A retry builds only the shards
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,10 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import Context
 
 from core import config
 from core.failures import ConfigError, InfraError
+from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from core.config import FeaturesConfig, PlatformConfig
@@ -78,8 +80,6 @@ def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg:
     per shard in ``shards`` (``--run-shards``: its array index picks one), each on a slice of a
     ``features.instance_type`` node (DuckDB's threads, its memory limit and half as much again for Arrow batches and
     the interpreter). Local children run as many at once as the machine has CPUs for their DuckDB threads."""
-    import dataclasses
-
     from core.arrays import format_shards
     from operators.backends import JobSpec
 
@@ -96,7 +96,19 @@ def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg:
     return spec
 
 
-class FeatureBuildOperator(BaseOperator):
+@dataclasses.dataclass(frozen=True)
+class FeaturePlan:
+    """What a feature task builds, the same for every try of a run: the settings, the command, the shard count, the
+    backend, and (sharded) the staging folder the shards write to."""
+
+    features: FeaturesConfig
+    command: tuple[str, ...]
+    shards: int
+    backend: str
+    staging: str | None = None
+
+
+class FeatureBuildOperator(ComputeJobOperator):
     """Build one feature step of a day as a job on a compute backend; written atomically, rerunning replaces that
     day only.
 
@@ -112,15 +124,18 @@ class FeatureBuildOperator(BaseOperator):
         ``training.backend``).
     :param deferrable: wait for the job in the triggerer (default); False polls on the worker.
 
-    The job's end is classified (``core.failures``): a missing or unusable input (DATA) and a bad setting (USER)
-    fail now, naming what to do; a killed process or a lost node (INFRA) is retried, and the retry builds only
-    the shards still missing. A retry whose earlier try's job still runs (its worker was lost) waits for that
-    job instead of submitting another. Killing the task cancels the job. Build jobs are not in the job history
-    and hold no team quota (that accounts for training jobs).
+    The job's lifecycle is :class:`~operators.compute_job.ComputeJobOperator`'s: its end is classified
+    (``core.failures``): a missing or unusable input (DATA) and a bad setting (USER) fail now, naming what to do; a
+    killed process or a lost node (INFRA) is retried, and the retry builds only the shards still missing. A retry
+    whose earlier try's job still runs (its worker was lost) waits for that job instead of submitting another.
+    Killing the task cancels the job. Build jobs are not in the job history and hold no team quota (that accounts
+    for training jobs).
     """
 
     template_fields: Sequence[str] = ("ds", "overrides", "shards", "backend")
     ui_color = "#f0e4d0"
+    external_id_key = "feature_job"
+    what = "feature build job"
 
     def __init__(
         self,
@@ -131,7 +146,6 @@ class FeatureBuildOperator(BaseOperator):
         skip_validation: bool = False,
         shards: Any = None,
         backend: str | None = None,
-        deferrable: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -143,105 +157,72 @@ class FeatureBuildOperator(BaseOperator):
         self.skip_validation = skip_validation
         self.shards = shards
         self.backend = backend
-        self.deferrable = deferrable
         self._built: dict[str, Any] | None = None
-        self._job: dict[str, Any] | None = None
 
     def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
         overrides = {**self.overrides, "shards": self.shards if self.shards not in ("", None) else None}
         return config.with_overrides(cfg.features, overrides, "the run's params")
 
-    def _plan(self, context: Context) -> dict[str, Any]:
-        """What this task builds: settings, command, shard count, backend, staging folder (the same for every try of a
-        run)."""
+    def _plan(self, context: Context) -> FeaturePlan:
+        """What this task builds (the same for every try of a run)."""
         cfg = config.load()
         features = self._features(cfg)
         command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
         ti = context.get("ti")
         run = [ti.dag_id, ti.run_id, ti.task_id, str(getattr(ti, "map_index", -1))] if ti is not None else []
         key = hashlib.sha1(json.dumps([*run, command, features.shards]).encode()).hexdigest()[:16]
-        plan: dict[str, Any] = {"command": command, "shards": features.shards, "features": features,
-                                "backend": self.backend or features.backend or cfg.training.backend, "staging": None}
-        if features.shards > 1:
-            plan["staging"] = staging_folder(cfg.storage_root, self.step, self.ds, key)
-            plan["command"] = [*command, "--shards", str(features.shards), "--staging", plan["staging"]]
-        return plan
+        backend = self.backend or features.backend or cfg.training.backend
+        if features.shards <= 1:
+            return FeaturePlan(features, tuple(command), features.shards, backend)
+        staging = staging_folder(cfg.storage_root, self.step, self.ds, key)
+        return FeaturePlan(features, (*command, "--shards", str(features.shards), "--staging", staging),
+                           features.shards, backend, staging)
 
-    def execute(self, context: Context) -> Any:
+    # -- ComputeJobOperator --------------------------------------------------------------------------------------
+    def name_parts(self, context: Context) -> tuple[str, ...]:
+        ti = context["ti"]
+        return ("features", ti.dag_id, ti.run_id, ti.task_id)
+
+    def watch(self) -> Watch:
+        cfg = config.load()
+        features = self._features(cfg)
+        return Watch(poll_s=float(self.poll_seconds or features.poll_seconds), stall_s=float(features.timeout_seconds),
+                     queue_timeout_s=float(cfg.training.queue_timeout_seconds))
+
+    def _todo(self, plan: FeaturePlan) -> list[int]:
         from features.build import missing_shards
-        from operators.backends import get_backend, validate_for
-        from operators.jobs import job_name
 
+        return missing_shards(plan.staging, self.step, plan.shards) if plan.staging else [0]
+
+    def result_without_job(self, context: Context) -> Any:
+        plan = self._plan(context)
+        if self._todo(plan):
+            return None
+        self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)
+        return self._publish(plan)
+
+    def prepare(self, context: Context, name: str) -> Submission:
         cfg = config.load()
         plan = self._plan(context)
         if self.skip_validation:
             self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, self.ds)
-        todo = missing_shards(plan["staging"], self.step, plan["shards"]) if plan["staging"] else [0]
-        if not todo:
-            self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)
-            return self._finish(plan)
-        ti = context.get("ti")
-        parts = [ti.dag_id, ti.run_id, ti.task_id] if ti is not None else [self.task_id, self.ds]
-        try_number = int(ti.try_number) if ti is not None else 1
-        features = plan["features"]
-        spec = build_job_spec(plan["command"], name=job_name("features", *parts, f"try{try_number}"),
-                              shards=todo if plan["staging"] else [], cfg=cfg, features=features,
-                              backend=plan["backend"])
-        validate_for(spec, cfg.teams, backend=plan["backend"])
-        backend = get_backend(plan["backend"], cfg)
-        backend.dry_run(spec)  # the backend's own checks before anything is submitted
-        # No duplicate job: an earlier try's job still running (its worker was lost) is waited for, not repeated.
-        earlier = (backend.find(job_name("features", *parts, f"try{n}")) for n in range(try_number - 1, 0, -1))
-        running = next((found for found in earlier if found and not backend.status(found).state.terminal), None)
-        if running:
-            job_id = running
-            self.log.info("reattaching to build job %s of an earlier try, still running", job_id)
-        else:
-            job_id = backend.submit(spec)  # idempotent per name: a job this try submitted already is reattached
-        what = f"shard(s) {todo} of {plan['shards']}" if plan["staging"] else "unsharded"
-        self.log.info("building %s ds=%s (%s) as %s job %s: %s", self.step, self.ds, what, plan["backend"], job_id,
-                      backend.console_url(job_id))
-        job = {"backend": plan["backend"], "job_id": job_id}
-        self._job = job
-        if not self.deferrable:
-            from operators.jobs import wait_for_job
+        todo = self._todo(plan) if plan.staging else []
+        spec = build_job_spec(list(plan.command), name=name, shards=todo, cfg=cfg, features=plan.features,
+                              backend=plan.backend)
+        what = f"shard(s) {todo} of {plan.shards}" if plan.staging else "unsharded"
+        return Submission(plan.backend, spec, shards=tuple(todo), summary=f"{self.step} ds={self.ds}, {what}")
 
-            wait_for_job(backend, job_id, poll_seconds=features.poll_seconds, stall_seconds=float(features.timeout_seconds),
-                         queue_timeout_seconds=cfg.training.queue_timeout_seconds, what="feature build job")
-            self._job = None
-            return self._finish(plan)
-        from operators.triggers import ComputeJobTrigger
+    def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
+        return self._publish(self._plan(context))
 
-        self.defer(
-            trigger=ComputeJobTrigger(backend=plan["backend"], job_id=job_id, poll_seconds=features.poll_seconds,
-                                      stall_seconds=float(features.timeout_seconds),
-                                      queue_timeout_seconds=cfg.training.queue_timeout_seconds),
-            method_name="execute_complete",
-            kwargs={"job": job},
-        )
-        return None  # not reached: defer() raises
-
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
-                         job: dict[str, Any] | None = None) -> Any:
-        """Re-check the job through its backend (the event is a hint), classify its end, publish the day."""
-        from operators.backends import get_backend
-        from operators.jobs import WATCHER_STATES, raise_for_status
-
-        job = dict(job or {k: (event or {})[k] for k in ("backend", "job_id")})
-        if event and event.get("state") in WATCHER_STATES:  # queued too long: the trigger cancelled it
-            raise InfraError(str(event.get("reason")))
-        backend = get_backend(job["backend"])
-        raise_for_status(backend, backend.status(job["job_id"]), what="feature build job")
-        return self._finish(self._plan(context))
-
-    def _finish(self, plan: dict[str, Any]) -> dict[str, Any]:
+    def _publish(self, plan: FeaturePlan) -> dict[str, Any]:
         """Publish the shards (a sharded step) or read what the job published; log gaps; the summaries."""
         from core import storage
         from features.build import merge_shards
 
         root = config.load().storage_root
-        if plan["staging"]:
-            summary = merge_shards(root, self.ds, self.step, plan["staging"], plan["shards"])
+        if plan.staging:
+            summary = merge_shards(root, self.ds, self.step, plan.staging, plan.shards)
             self._remove_abandoned_staging(plan)
         else:
             summary = {}
@@ -261,27 +242,21 @@ class FeatureBuildOperator(BaseOperator):
         self._built = summary
         return summary
 
-    def _remove_abandoned_staging(self, plan: dict[str, Any]) -> None:
+    def _remove_abandoned_staging(self, plan: FeaturePlan) -> None:
         """Remove other sharded builds of this step and day (runs that failed, or ran with other settings) left
         unwritten longer than ``ABANDONED_AFTER_TIMEOUTS`` build timeouts: no job of theirs can still be writing, and
         no retry of theirs still merging. A build in progress elsewhere is left alone."""
         from core import storage
 
-        day_folder = plan["staging"].rstrip("/").rsplit("/", 1)[0]
-        cutoff = time.time() - ABANDONED_AFTER_TIMEOUTS * plan["features"].timeout_seconds
+        assert plan.staging is not None
+        day_folder = plan.staging.rstrip("/").rsplit("/", 1)[0]
+        cutoff = time.time() - ABANDONED_AFTER_TIMEOUTS * plan.features.timeout_seconds
         for name in storage.list_names(day_folder):
             folder = storage.join(day_folder, name)
             written = storage.last_modified(folder)
-            if folder != plan["staging"] and written is not None and written < cutoff:
+            if folder != plan.staging and written is not None and written < cutoff:
                 self.log.info("removing an abandoned sharded build of %s ds=%s: %s", self.step, self.ds, folder)
                 storage.remove_tree(folder)
-
-    def on_kill(self) -> None:
-        if self._job is not None:
-            from operators.backends import get_backend
-
-            self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
-            get_backend(self._job["backend"]).cancel(self._job["job_id"])
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and

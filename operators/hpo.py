@@ -41,11 +41,13 @@ from airflow.triggers.base import TriggerEvent
 
 from core import config
 from core.failures import ConfigError, PinflowError, UserError, as_typed
+from operators.compute_job import JobRef, Submission, Watch
 from operators.training import TUNABLE, DistributedTrainingOperator
 from operators.triggers import ComputeJobTrigger
 
 if TYPE_CHECKING:
     import optuna
+    from airflow.triggers.base import BaseTrigger
 
     from core.config import PlatformConfig
 
@@ -1090,11 +1092,11 @@ class HpoTrialOperator(DistributedTrainingOperator):
         self.plan = trial["plan"]
         self.overrides = {**{k: v for k, v in trial["run"].items() if k in TUNABLE}, "params": trial["family_params"]}
 
-    def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
+    def prepare(self, context: Context, name: str) -> Submission:
         from training.config import RunConfig
 
-        backend, spec, run_config, output_dir = super()._prepare(context)
-        trial, ti = self.trial, context["ti"]
+        submission = super().prepare(context, name)
+        run_config, trial, ti = submission.settings, self.trial, context["ti"]
         run_config.update({k: v for k, v in trial["run"].items() if k not in TUNABLE})
         run_config.update(
             log_every=config.load().hpo.report_every_steps,  # the steps at which trials are compared
@@ -1103,18 +1105,13 @@ class HpoTrialOperator(DistributedTrainingOperator):
             tags={**run_config["tags"], "hpo_study": trial["study"], "hpo_trial": str(trial["number"])},
         )
         RunConfig.from_dict(run_config, source=f"RUN.json of trial {trial['number']} of study {trial['study']}")
-        return backend, spec, run_config, output_dir
+        return submission
 
-    def _defer(self, job: dict[str, Any]) -> None:
-        settings = self._settings()
-        self.defer(
-            trigger=HpoTrialTrigger(
-                study=self.trial["study"], trial=int(self.trial["number"]),
-                backend=job["backend"], job_id=job["job_id"], output_dir=job["output_dir"],
-                poll_seconds=settings["poll"], stall_seconds=settings["stall"],
-                queue_timeout_seconds=settings["queue_timeout"],
-            ),
-            method_name="execute_complete",
+    def trigger(self, job: JobRef, watch: Watch) -> BaseTrigger:
+        return HpoTrialTrigger(
+            study=self.trial["study"], trial=int(self.trial["number"]), backend=job.backend, job_id=job.job_id,
+            output_dir=job.output_dir, poll_seconds=watch.poll_s, stall_seconds=watch.stall_s,
+            queue_timeout_seconds=watch.queue_timeout_s,
         )
 
     # -- the task ------------------------------------------------------------------------------------------
@@ -1129,20 +1126,21 @@ class HpoTrialOperator(DistributedTrainingOperator):
             self._record_error(err)
             raise
 
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+    def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
+                         job: dict[str, Any] | None = None) -> Any:
         self._bind()
         if event and event.get("state") == PRUNED:
             return self._pruned(context, event)
         try:
-            return super().execute_complete(context, event)
+            return super().execute_complete(context, event, job)
         except PinflowError as err:
             self._record_error(err)
             raise
 
-    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
+    def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         from training.evaluate import flat_metrics
 
-        result = super().get_job_result(external_id, context)
+        result = super().finish(context, job)
         study, spec = load(self.trial["study"])
         metrics = flat_metrics(result.get("metrics") or {}, prefix="")
         if spec.metric not in metrics:
@@ -1150,24 +1148,23 @@ class HpoTrialOperator(DistributedTrainingOperator):
                 f"trial {self.trial['number']}: the family's evaluation has no metric {spec.metric!r} (param metric); "
                 f"it has {', '.join(sorted(metrics))}"
             )
-        job = dict(external_id)  # type: ignore[arg-type]
         self._report_final(job)
         outcome = {
             "state": "COMPLETE", "trial": self.trial["number"], "study": self.trial["study"],
             "value": metrics[spec.metric], "params": self.trial["params"], "metrics": result.get("metrics"),
             "mlflow_run_id": result.get("mlflow_run_id"), "model_uri": result.get("model_uri"),
             "model_name": result.get("model_name"), "family": result.get("family"), "eval_ds": result.get("eval_ds"),
-            "train_days": result.get("train_days"), "steps": result.get("steps"), "job": job.get("job_id"),
+            "train_days": result.get("train_days"), "steps": result.get("steps"), "job": job.job_id,
         }
         self._record(study, outcome)
         self.log.info("trial %d complete: %s %s with %s", self.trial["number"], spec.metric, outcome["value"],
                       json.dumps(self.trial["params"]))
         return outcome
 
-    def _report_final(self, job: dict[str, Any]) -> None:
+    def _report_final(self, job: JobRef) -> None:
         """The whole curve of an ended trial, for the pruner's comparisons (the trigger may have missed the end)."""
         try:
-            TrialMonitor(self.trial["study"], int(self.trial["number"]), str(job["output_dir"])).report()
+            TrialMonitor(self.trial["study"], int(self.trial["number"]), str(job.output_dir)).report()
         except Exception as err:  # noqa: BLE001 - the curve helps pruning later trials; the result is what counts
             self.log.warning("trial %d: could not report its last intermediate values: %s", self.trial["number"], err)
 

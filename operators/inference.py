@@ -20,10 +20,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, Context
+from airflow.sdk import Context
 
 from core import config
-from core.failures import ConfigError, DataError, InfraError, PinflowError
+from core.failures import ConfigError, DataError, InfraError
+from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from core.config import PlatformConfig
@@ -217,14 +218,15 @@ def scoring_job_spec(plan: dict[str, Any], shards: Sequence[int], *, name: str, 
     return spec
 
 
-class CorpusScoringOperator(BaseOperator):
+class CorpusScoringOperator(ComputeJobOperator):
     """Score the shards of a corpus-inference plan that have no part yet, as one job on a compute backend.
 
-    Submits (or reattaches to the job this task recorded in the task state store while it still runs) and defers
-    to :class:`~operators.triggers.ComputeJobTrigger` until the job ends: no worker slot is held while it runs.
-    The job's outcome is re-checked through the backend and classified (``core.failures``): INFRA (a killed or
-    lost process, a node taken away) is retried by the task's retry policy, and the retry submits a job for the
-    shards still missing only; USER, DATA and OOM fail now. ``on_kill`` cancels the job.
+    The job's lifecycle is :class:`~operators.compute_job.ComputeJobOperator`'s: submit (or reattach to the job this
+    task recorded while it still runs) and defer to :class:`~operators.triggers.ComputeJobTrigger` until the job
+    ends, no worker slot held while it runs. The job's outcome is re-checked through the backend and classified
+    (``core.failures``): INFRA (a killed or lost process, a node taken away) is retried by the task's retry policy,
+    and the retry submits a job for the shards still missing only; USER, DATA and OOM fail now. ``on_kill`` cancels
+    the job.
 
     :param plan: the summary :func:`plan_inference` returned (templated: an XCom).
     :param backend: ``local``, ``batch`` or ``kubernetes`` (templated; default: the plan's, else
@@ -237,18 +239,13 @@ class CorpusScoringOperator(BaseOperator):
     template_fields: Sequence[str] = ("plan", "backend", "engine")
     ui_color = "#e4f0d0"
     external_id_key = "scoring_job"
+    what = "scoring job"
 
-    def __init__(
-        self, *, plan: Any, backend: str | None = None, engine: str | None = None, deferrable: bool = True,
-        poll_seconds: float | None = None, **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, plan: Any, backend: str | None = None, engine: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.plan = plan
         self.backend = backend
         self.engine = engine
-        self.deferrable = deferrable
-        self.poll_seconds = poll_seconds
-        self._job: dict[str, Any] | None = None
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage: the registered model and the raw/pins snapshot in, the output partition out."""
@@ -261,126 +258,61 @@ class CorpusScoringOperator(BaseOperator):
         engine = str(self.engine or self.plan.get("engine") or cfg.inference.engine)
         return backend, engine
 
-    def _summary(self, plan: dict[str, Any], scored: list[int], job: dict[str, Any] | None) -> dict[str, Any]:
-        return {**self.plan, "scored_shards": len(scored), "job_id": job["job_id"] if job else None,
-                "backend": job["backend"] if job else self.plan.get("backend"), "num_shards": plan["num_shards"]}
+    def _summary(self, plan: dict[str, Any], scored: Sequence[int], job: JobRef | None) -> dict[str, Any]:
+        return {**self.plan, "scored_shards": len(scored), "job_id": job.job_id if job else None,
+                "backend": job.backend if job else self.plan.get("backend"), "num_shards": plan["num_shards"]}
 
-    def execute(self, context: Context) -> Any:
-        from core import storage
-        from operators.backends import get_backend, validate_for
-        from operators.jobs import job_name
-        from training.inference import missing_shards, write_plan
+    # -- ComputeJobOperator --------------------------------------------------------------------------------------
+    def name_parts(self, context: Context) -> tuple[str, ...]:
+        ti = context["ti"]
+        return ("score", ti.dag_id, ti.run_id)
+
+    def watch(self) -> Watch:
+        cfg = config.load()
+        return Watch(poll_s=float(self.poll_seconds or cfg.inference.poll_seconds),
+                     stall_s=float(cfg.inference.timeout_seconds),
+                     queue_timeout_s=float(cfg.training.queue_timeout_seconds))
+
+    def result_without_job(self, context: Context) -> Any:
+        from training.inference import missing_shards
+
+        plan = load_plan(self.plan)
+        if missing_shards(plan):
+            return None
+        self.log.info("every shard of plan %s has its part: nothing to score", plan["plan_id"])
+        return self._summary(plan, [], None)
+
+    def prepare(self, context: Context, name: str) -> Submission:
+        from training.inference import missing_shards
 
         cfg = config.load()
         backend_name, engine = self._names(cfg)
         plan = load_plan(self.plan)
-        store: Any = context.get("task_state_store")
-        stored: Any = store.get(self.external_id_key) if store is not None else None
-        if isinstance(stored, dict):
-            status = get_backend(stored["backend"], cfg).status(stored["job_id"]).state
-            if not status.terminal:
-                self.log.info("reattaching to scoring job %s (submitted by an earlier try)", stored["job_id"])
-                return self._wait(context, dict(stored))
-            store.delete(self.external_id_key)  # ended: never reattached; what it left missing is scored anew
         missing = missing_shards(plan)
-        if not missing:
-            self.log.info("every shard of plan %s has its part: nothing to score", plan["plan_id"])
-            return self._summary(plan, [], None)
-        if not storage.exists(self.plan["plan_file"]):
-            write_plan(plan)  # the jobs read it
-        ti = context["ti"]
-        name = job_name("score", ti.dag_id, ti.run_id, f"try{ti.try_number}")
-        backend = get_backend(backend_name, cfg)
         spec = scoring_job_spec(self.plan, missing, name=name, engine=engine, backend=backend_name, cfg=cfg)
-        validate_for(spec, cfg.teams, backend=backend_name)
-        backend.dry_run(spec)  # the backend's own checks before anything is submitted
-        job_id = backend.submit(spec)  # idempotent per name: a job this try submitted already is reattached
-        self.log.info(
-            "scoring %d of %d shard(s) of plan %s (%d pins, %s) as %s job %s on %s: %s",
-            len(missing), plan["num_shards"], plan["plan_id"], plan["pins"], self.plan.get("sizing", ""),
-            engine, job_id, backend_name, backend.console_url(job_id),
-        )
-        job = {"backend": backend_name, "job_id": job_id, "shards": missing}
-        if store is not None:
-            store.set(self.external_id_key, job)
-        return self._wait(context, job)
+        summary = (f"{len(missing)} of {plan['num_shards']} shard(s) of plan {plan['plan_id']}, {plan['pins']} pins, "
+                   f"{engine} engine; {self.plan.get('sizing', '')}")
+        return Submission(backend_name, spec, shards=tuple(missing), summary=summary, settings=plan)
 
-    def _wait(self, context: Context, job: dict[str, Any]) -> Any:
-        self._job = job
-        cfg = config.load()
-        poll = float(self.poll_seconds or cfg.inference.poll_seconds)
-        if not self.deferrable:
-            from operators.backends import get_backend
-            from operators.jobs import wait_for_job
+    def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
+        from core import storage
+        from training.inference import write_plan
 
-            try:
-                wait_for_job(get_backend(job["backend"], cfg), job["job_id"], poll_seconds=poll,
-                             queue_timeout_seconds=cfg.training.queue_timeout_seconds, what="scoring job")
-            except PinflowError:
-                self._forget(context)
-                raise
-            return self._finish(context, job)
-        from operators.triggers import ComputeJobTrigger
+        if not storage.exists(self.plan["plan_file"]):
+            write_plan(submission.settings)  # the jobs read it
 
-        self.defer(
-            trigger=ComputeJobTrigger(backend=job["backend"], job_id=job["job_id"], poll_seconds=poll,
-                                      stall_seconds=float(cfg.inference.timeout_seconds),
-                                      queue_timeout_seconds=cfg.training.queue_timeout_seconds),
-            method_name="execute_complete",
-            kwargs={"job": job},
-        )
-        return None  # not reached: defer() raises
-
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
-                         job: dict[str, Any] | None = None) -> Any:
-        """Re-check the job through its backend (the event is a hint) and classify its outcome."""
-        from operators.backends import get_backend
-        from operators.jobs import WATCHER_STATES, raise_for_status
-
-        store: Any = context.get("task_state_store")
-        stored: Any = store.get(self.external_id_key) if store is not None else None
-        job = dict(job or (stored if isinstance(stored, dict) else None) or
-                   {k: (event or {})[k] for k in ("backend", "job_id")})
-        if isinstance(stored, dict) and stored.get("job_id") == job["job_id"]:
-            job = {**stored, **job}  # the shards it scores, if the resumption's kwargs lost them
-        self._job = job
-        try:
-            if event and event.get("state") in WATCHER_STATES:  # queued too long: the trigger cancelled it
-                raise InfraError(str(event.get("reason")))
-            backend = get_backend(job["backend"])
-            raise_for_status(backend, backend.status(job["job_id"]), what="scoring job")
-        except PinflowError:
-            self._forget(context)
-            raise
-        finally:
-            self._job = None
-        return self._finish(context, job)
-
-    def _finish(self, context: Context, job: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         from training.inference import missing_shards
 
         plan = load_plan(self.plan)
         missing = missing_shards(plan)
-        self._forget(context)
         if missing:
             raise InfraError(
-                f"scoring job {job['job_id']} succeeded but shard(s) {missing[:20]} of plan {plan['plan_id']} have no "
+                f"scoring job {job.job_id} succeeded but shard(s) {missing[:20]} of plan {plan['plan_id']} have no "
                 "part: retrying scores them"
             )
-        self.log.info("scoring job %s finished: every shard of plan %s has its part", job["job_id"], plan["plan_id"])
-        return self._summary(plan, list(job.get("shards", [])), job)
-
-    def _forget(self, context: Context) -> None:
-        store = context.get("task_state_store")
-        if store is not None:
-            store.delete(self.external_id_key)
-
-    def on_kill(self) -> None:
-        if self._job is not None:
-            from operators.backends import get_backend
-
-            self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
-            get_backend(self._job["backend"]).cancel(self._job["job_id"])
+        self.log.info("scoring job %s finished: every shard of plan %s has its part", job.job_id, plan["plan_id"])
+        return self._summary(plan, job.shards, job)
 
 
 def publish(plan: dict[str, Any]) -> dict[str, Any]:

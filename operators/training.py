@@ -6,10 +6,11 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, BaseOperatorLink, Context, ResumableJobMixin
+from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from core import config
-from core.failures import ConfigError, DataError, InfraError, PinflowError, UserError, as_typed
+from core.failures import ConfigError, DataError, InfraError, UserError, as_typed
+from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
@@ -168,21 +169,18 @@ class MlflowRunLink(BaseOperatorLink):
         return str(getattr(operator, "_links", {}).get("mlflow", ""))
 
 
-class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
+class DistributedTrainingOperator(ComputeJobOperator):
     """Train a model family (``training.sdk``) as a distributed job on a compute backend.
 
-    Preflight (the spec is valid for the platform config, the inputs exist, the backend answers; on the
-    nodes, ``training.preflight`` runs as the job's first step) → submit,
-    or reattach to the job recorded for this task in the task state store (a restarted worker or a rerun
-    while the job still runs never submits a second; a job that has ended is never reattached) → wait,
-    deferred to :class:`~operators.triggers.ComputeJobTrigger` (``deferrable=True``) or polling on the
-    worker (Airflow's ``ResumableJobMixin``) → classify the outcome into a typed error per failure class
-    (``operators.errors``), which the task's retry policy retries (INFRA) or fails now.
-
-    Job names are deterministic per (dag, run, task, try), and before submitting the operator looks up
-    the names of this task's earlier tries: a worker that died between submitting and recording the job
-    id cannot cause a duplicate either. Checkpoints live per DAG run, so an INFRA retry resumes where the
-    failed try stopped. ``on_kill`` cancels the job on both paths.
+    The job's lifecycle is :class:`~operators.compute_job.ComputeJobOperator`'s: preflight (the spec is valid for
+    the platform config, the inputs exist, the backend and the tracking server answer; on the nodes,
+    ``training.preflight`` runs as the job's first step) → submit, or reattach to the job recorded for this task in
+    the task state store, or to one an earlier try submitted and did not record (a restarted worker or a rerun while
+    the job still runs never submits a second; a job that has ended is never reattached) → wait, deferred to
+    :class:`~operators.triggers.ComputeJobTrigger` (``deferrable=True``) or polling on the worker → classify the
+    outcome into a typed error per failure class (``operators.errors``), which the task's retry policy retries
+    (INFRA) or fails now. Checkpoints live per DAG run, so an INFRA retry resumes where the failed try stopped.
+    ``on_kill`` cancels the job on both paths.
 
     :param plan: ``{"train_days": [...], "eval_ds": ...}`` (templated).
     :param model: the model family, a key of ``families:`` (templated; default: ``training.model``).
@@ -206,6 +204,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     ui_color = "#d6e4ff"
     operator_extra_links = (JobConsoleLink(), MlflowRunLink())
     external_id_key = "training_job"
+    what = "training job"
 
     def __init__(
         self,
@@ -218,8 +217,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         procs_per_node: int | str | None = None,
         team: str | None = None,
         instance_type: str | None = None,
-        deferrable: bool = True,
-        poll_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -231,38 +228,29 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         self.procs_per_node = procs_per_node
         self.team = team
         self.instance_type = instance_type
-        self.deferrable = deferrable
-        self.poll_seconds = poll_seconds
-        self._job: dict[str, Any] | None = None
         self._links: dict[str, str] = {}
-
-    # -- the job ---------------------------------------------------------------------------------------------
-    def _settings(self) -> dict[str, Any]:
-        cfg = config.load()
-        training = cfg.training
-        return {
-            "cfg": cfg,
-            "poll": float(self.poll_seconds or training.poll_seconds),
-            "stall": float(training.heartbeat_timeout_seconds),
-            "queue_timeout": float(training.queue_timeout_seconds),
-        }
 
     def job_key(self, context: Context) -> tuple[str, ...]:
         """What tells this task's jobs and checkpoints apart from other training tasks of the same DAG run
         (none: one training task per run; an HPO trial returns its trial number)."""
         return ()
 
-    def _job_name(self, context: Context, try_number: int) -> str:
-        from operators.jobs import job_name
-
+    # -- ComputeJobOperator --------------------------------------------------------------------------------------
+    def name_parts(self, context: Context) -> tuple[str, ...]:
         ti = context["ti"]
-        return job_name("train", ti.dag_id, ti.run_id, *self.job_key(context), f"try{try_number}")
+        return ("train", ti.dag_id, ti.run_id, *self.job_key(context))
 
-    def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
-        """The backend, the validated job spec, the run's RUN.json content and where it goes."""
+    def watch(self) -> Watch:
+        training = config.load().training
+        return Watch(poll_s=float(self.poll_seconds or training.poll_seconds),
+                     stall_s=float(training.heartbeat_timeout_seconds),
+                     queue_timeout_s=float(training.queue_timeout_seconds))
+
+    def prepare(self, context: Context, name: str) -> Submission:
+        """The job spec and the run's RUN.json content (``settings``), checked by the job's own models."""
         from core import storage
         from core.contracts import MODELS, RUNS
-        from operators.backends import JobSpec, get_backend, validate_for
+        from operators.backends import JobSpec
         from operators.jobs import job_name
         from training.config import RunConfig
 
@@ -270,7 +258,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         training = cfg.training
         backend_name = str(self.backend)
         ti = context["ti"]
-        name = self._job_name(context, ti.try_number)
         run_key = job_name("run", ti.dag_id, ti.run_id, *self.job_key(context))
         family_name = str(self.model or training.model)
         if family_name not in cfg.families:
@@ -328,7 +315,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         # The job's own models check RUN.json here, before anything is submitted (a bad value: USER, now).
         source = f"RUN.json of {name} (platform config and the run's params)"
         RunConfig.from_dict(run_config, source=source).family_instance()
-        backend = get_backend(backend_name, cfg)
         spec = JobSpec(
             name=name,
             command=["-m", "training.train", "--config", storage.join(output_dir, "RUN.json")],
@@ -343,9 +329,113 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             # The nodes' health check (devices, all-reduce, disk, inputs, MLflow) as the job's first step.
             preflight=training.preflight,
         )
-        validate_for(spec, cfg.teams, backend=backend_name)
-        backend.dry_run(spec)  # the backend's own checks (schema, resources) before anything is submitted
-        return backend, spec, run_config, output_dir
+        summary = (f"{spec.nodes} node(s) × {spec.procs_per_node} process(es), team {spec.team}, train "
+                   f"{', '.join(run_config['train_days'])}, evaluate {run_config['eval_ds']}; output in {output_dir}")
+        return Submission(backend_name, spec, output_dir=output_dir, summary=summary, settings=run_config)
+
+    def preflight(self, context: Context, backend: Any, submission: Submission) -> None:
+        self._preflight(backend, submission.settings.get("mlflow_tracking_uri") or "")
+
+    def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
+        """Wait (deferred, or polling) until the team's quota has room, recording the job in the history; pin the
+        inputs; write RUN.json; take the job's lease."""
+        from core import lease, storage  # a local folder or s3://... (the job reads it the same way)
+        from operators import quotas
+
+        run_config, output_dir = submission.settings, str(submission.output_dir)
+        quotas.admit_job(self, context, submission.spec, backend=backend.name, family=run_config["family"],
+                         output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
+        run_config["inputs"] = self._pin_inputs(run_config)
+        storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
+        lease.renew(output_dir, submission.spec.name)  # before the job exists: a runner killed after submitting leaves a lease
+
+    def submit(self, context: Context, backend: Any, submission: Submission) -> str:
+        from operators import job_history
+
+        spec = submission.spec
+        submitted_at = job_history.now()
+        try:
+            job_id = backend.submit(spec)
+        except Exception as err:
+            job_history.note(job_history.upsert, spec.name, state=job_history.FAILED, outcome=job_history.FAILED,
+                             ended_at=job_history.now(), reason=f"submission failed: {err}")
+            raise
+        job_history.note(job_history.mark_submitted, spec.name, job_id, submitted_at)
+        return job_id
+
+    def attached(self, context: Context, job: JobRef) -> None:
+        """Renew the job's lease; the extra links and the log."""
+        from core import lease
+        from operators import job_history, links
+        from operators.backends import get_backend
+
+        if job.output_dir:  # this try watches the job now (a reattaching one too): its lease is renewed at once
+            lease.renew(job.output_dir, job.job_id)
+        ti = context["ti"]
+        try:  # http(s) only (the UI shows no other link): a local job's folder is the plugin's job page
+            url = links.console_url(job.backend, job.job_id, get_backend(job.backend).console_url(job.job_id))
+        except Exception:  # noqa: BLE001 - a link is not worth failing a job for
+            url = ""
+        if url and self._links.get("job") != url:
+            self._links["job"] = url
+            ti.xcom_push(key=JobConsoleLink().xcom_key, value=url)
+            # Each URL last on its line or before a space: the log viewer makes a link of everything up to a space.
+            self.log.info("%s job %s: %s ; progress of this run: %s", job.backend, job.job_id, url,
+                          links.run_page_url(ti.dag_id, ti.run_id))
+            job_history.note(job_history.update_job, job.backend, job.job_id, console_url=url)
+        if "mlflow" not in self._links:  # resolves to the job's MLflow run as soon as the job has created it
+            self._links["mlflow"] = links.mlflow_run_url(ti.dag_id, ti.run_id)
+            ti.xcom_push(key=MlflowRunLink().xcom_key, value=self._links["mlflow"])
+
+    def ended(self, job: JobRef, event: dict[str, Any] | None, *, status: Any = None,
+              error: BaseException | None = None) -> None:
+        from operators import job_history
+
+        job_history.job_ended(job.to_dict(), event, error=error, status=status)
+
+    def cancelling(self, job: JobRef) -> None:
+        from operators import job_history
+
+        # CANCELLED first: the cancelled job exits as a killed process (INFRA), which is not what happened.
+        job_history.note(job_history.mark_ended, job.backend, job.job_id, job_history.CANCELLED,
+                         reason=job_history.STOPPED_BY_A_PERSON)
+
+    def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
+        """The job's result.json, recorded in the job history; the run's pinned input copies released."""
+        from core import storage
+
+        output_dir = str(job.output_dir)
+        try:
+            result: dict[str, Any] = storage.read_json(storage.join(output_dir, "result.json"))
+        except FileNotFoundError as err:
+            raise UserError(
+                f"training job {job.job_id} succeeded but wrote no result.json in {output_dir}: "
+                "the entry point must write it (training.train)"
+            ) from err
+        from operators import job_history
+
+        job_history.note(job_history.record_result, job.backend, job.job_id, result)
+        if result.get("mlflow_run_id"):
+            base = config.load().mlflow.ui_url.rstrip("/")
+            self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
+        self.log.info("training finished: model %s version %s, metrics %s",
+                      result.get("model_name"), result.get("model_version"), result.get("metrics"))
+        try:  # the run is over: its frozen input copies go (the manifest stays, with the versions)
+            run_config = storage.read_json(storage.join(output_dir, "RUN.json"))
+            release_pinned_copies(str(run_config["checkpoint_dir"]))
+        except Exception as err:  # noqa: BLE001 - a cleanup is not worth failing a finished run for
+            self.log.warning("could not remove the pinned input copies of %s: %s", output_dir, err)
+        for warning in result.get("warnings") or []:
+            self.log.warning("training summary: %s", warning)
+        self._result = result  # for get_openlineage_facets_on_complete
+        return result
+
+    def execute_after_quota(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+        """The team's quota has room (:class:`~operators.quotas.QuotaTrigger`): admit and submit, or wait again."""
+        if event:
+            self.log.info("team %s has room after %.0fs: admitting job %s", event.get("team"),
+                          float(event.get("waited_s") or 0), event.get("job_name"))
+        return self.execute(context)
 
     def _input_workers(self, cfg: config.PlatformConfig, backend: str, team: str, procs: int,
                        overrides: dict[str, Any]) -> tuple[int, int]:
@@ -371,81 +461,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
                                          None if threads is None else int(threads), where=where)
         return (0 if engine == "ray" else workers), threads
 
-    def _remember(self, context: Context, job: dict[str, Any]) -> None:
-        """Keep the job for on_kill, the extra links and the log."""
-        from operators.backends import get_backend
-
-        self._job = job
-        from core import lease
-        from operators import job_history, links
-
-        if job.get("output_dir"):  # this try watches the job now (a reattaching one too): its lease is renewed at once
-            lease.renew(job["output_dir"], job["job_id"])
-
-        ti = context["ti"]
-        try:  # http(s) only (the UI shows no other link): a local job's folder is the plugin's job page
-            url = links.console_url(job["backend"], job["job_id"], get_backend(job["backend"]).console_url(job["job_id"]))
-        except Exception:  # noqa: BLE001 - a link is not worth failing a job for
-            url = ""
-        if url and self._links.get("job") != url:
-            self._links["job"] = url
-            ti.xcom_push(key=JobConsoleLink().xcom_key, value=url)
-            # Each URL last on its line or before a space: the log viewer makes a link of everything up to a space.
-            self.log.info("%s job %s: %s ; progress of this run: %s", job["backend"], job["job_id"], url,
-                          links.run_page_url(ti.dag_id, ti.run_id))
-            job_history.note(job_history.update_job, job["backend"], job["job_id"], console_url=url)
-        if "mlflow" not in self._links:  # resolves to the job's MLflow run as soon as the job has created it
-            self._links["mlflow"] = links.mlflow_run_url(ti.dag_id, ti.run_id)
-            ti.xcom_push(key=MlflowRunLink().xcom_key, value=self._links["mlflow"])
-
-    # ResumableJobMixin: the stored external id is the job's record, a dict.
-    def submit_job(self, context: Context) -> dict[str, Any]:
-        """Reattach to a job an earlier try of this task left running, or submit this try's job."""
-        backend, spec, run_config, output_dir = self._prepare(context)
-        self._preflight(backend, run_config.get("mlflow_tracking_uri") or "")
-        ti = context["ti"]
-        # Closes the window between submitting and recording the id: names are deterministic per try.
-        for earlier in range(ti.try_number - 1, 0, -1):
-            name = self._job_name(context, earlier)
-            found = backend.find(name)
-            if found and not backend.status(found).state.terminal:
-                self.log.info("reattaching to job %s that try %d submitted and did not record", found, earlier)
-                job = {"backend": backend.name, "job_id": found, "name": name,
-                       "output_dir": output_dir.removesuffix(spec.name) + name}
-                self._remember(context, job)
-                return job
-        job_id = backend.find(spec.name)
-        if job_id:
-            self.log.info("reattaching to job %s submitted earlier for this task try", job_id)
-        else:
-            from core import storage  # a local folder or s3://... (the job reads it the same way)
-            from operators import job_history, quotas
-
-            # Waits (deferred, or polling) until the team's quota has room; records the job in the history.
-            quotas.admit_job(self, context, spec, backend=backend.name, family=run_config["family"],
-                             output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
-            run_config["inputs"] = self._pin_inputs(run_config)
-            storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
-            from core import lease
-
-            lease.renew(output_dir, spec.name)  # before the job exists: a runner killed after submitting leaves a lease
-            submitted_at = job_history.now()
-            try:
-                job_id = backend.submit(spec)
-            except Exception as err:
-                job_history.note(job_history.upsert, spec.name, state=job_history.FAILED, outcome=job_history.FAILED,
-                                 ended_at=job_history.now(), reason=f"submission failed: {err}")
-                raise
-            job_history.note(job_history.mark_submitted, spec.name, job_id, submitted_at)
-            self.log.info(
-                "submitted %s job %s: %d node(s) × %d process(es), team %s, train %s, evaluate %s; output in %s",
-                backend.name, job_id, spec.nodes, spec.procs_per_node, spec.team,
-                ", ".join(run_config["train_days"]), run_config["eval_ds"], output_dir,
-            )
-        job = {"backend": backend.name, "job_id": job_id, "name": spec.name, "output_dir": output_dir}
-        self._remember(context, job)
-        return job
-
     def _pin_inputs(self, run_config: dict[str, Any]) -> dict[str, Any]:
         """The run's input partitions, pinned by its first try and reused by the others (:func:`pin_inputs`)."""
         from core import storage
@@ -463,77 +478,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             for dataset, days in sorted(inputs.items())))
         return inputs
 
-    def _status(self, job: Any) -> Any:
-        from operators.backends import get_backend
-
-        return get_backend(str(job["backend"])).status(str(job["job_id"]))
-
-    def get_job_status(self, external_id: Any, context: Context) -> str:
-        try:
-            return str(self._status(external_id).state.value)
-        except LookupError:
-            return "MISSING"  # its record is gone: submit anew
-
-    def is_job_active(self, status: str) -> bool:
-        return status in ("PENDING", "RUNNING")
-
-    def is_job_succeeded(self, status: str) -> bool:
-        return status == "SUCCEEDED"
-
-    def poll_until_complete(self, external_id: Any, context: Context) -> Any:
-        from operators.backends import get_backend
-        from operators.jobs import wait_for_job
-
-        job = dict(external_id)  # type: ignore[arg-type]
-        self._remember(context, job)
-        settings = self._settings()
-        from operators import job_history
-
-        try:
-            status = wait_for_job(
-                get_backend(job["backend"]), job["job_id"], output_dir=job["output_dir"], what="training job",
-                poll_seconds=settings["poll"], stall_seconds=settings["stall"],
-                queue_timeout_seconds=settings["queue_timeout"],
-            )
-        except PinflowError as err:
-            job_history.job_ended(job, error=err)
-            self._forget(context)
-            raise
-        finally:
-            self._job = None
-        job_history.job_ended(job, status=status)
-        # The mixin returns this when it reattached; otherwise it calls get_job_result itself.
-        return self.get_job_result(job, context)
-
-    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
-        from core import storage
-
-        job = dict(external_id)  # type: ignore[arg-type]
-        try:
-            result: dict[str, Any] = storage.read_json(storage.join(job["output_dir"], "result.json"))
-        except FileNotFoundError as err:
-            raise UserError(
-                f"training job {job['job_id']} succeeded but wrote no result.json in {job['output_dir']}: "
-                "the entry point must write it (training.train)"
-            ) from err
-        from operators import job_history
-
-        job_history.note(job_history.record_result, job["backend"], job["job_id"], result)
-        if result.get("mlflow_run_id"):
-            base = config.load().mlflow.ui_url.rstrip("/")
-            self._links["mlflow"] = f"{base}/#/runs/{result['mlflow_run_id']}"
-        self.log.info("training finished: model %s version %s, metrics %s",
-                      result.get("model_name"), result.get("model_version"), result.get("metrics"))
-        try:  # the run is over: its frozen input copies go (the manifest stays, with the versions)
-            run_config = storage.read_json(storage.join(job["output_dir"], "RUN.json"))
-            release_pinned_copies(str(run_config["checkpoint_dir"]))
-        except Exception as err:  # noqa: BLE001 - a cleanup is not worth failing a finished run for
-            self.log.warning("could not remove the pinned input copies of %s: %s", job["output_dir"], err)
-        for warning in result.get("warnings") or []:
-            self.log.warning("training summary: %s", warning)
-        self._result = result  # for get_openlineage_facets_on_complete
-        return result
-
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions of the train and evaluation days in, the model
         version the job registered out (``operators.lineage``)."""
@@ -548,82 +492,6 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         cfg = config.load()
         plan = self.plan if isinstance(self.plan, dict) else {}
         return training_lineage(cfg.storage_root, cfg.mlflow.tracking_uri, plan, result if isinstance(result, dict) else None)
-
-    # -- the task --------------------------------------------------------------------------------------------
-    def execute(self, context: Context) -> Any:
-        if not self.deferrable:
-            return self.execute_resumable(context)
-        store = context.get("task_state_store")
-        stored = store.get(self.external_id_key) if store is not None else None
-        job: dict[str, Any] | None = dict(stored) if isinstance(stored, dict) else None
-        if job:
-            status = self.get_job_status(job, context)
-            if self.is_job_active(status):
-                self.log.info("reattaching to job %s (recorded by an earlier try)", job["job_id"])
-                self._remember(context, job)
-            elif self.is_job_succeeded(status):
-                return self.get_job_result(job, context)
-            else:
-                job = None  # ended: never reattached; this try submits a new job that resumes
-        if job is None:
-            job = self.submit_job(context)
-            if store is not None:
-                store.set(self.external_id_key, job)
-        self._defer(job)
-        return None  # not reached: defer() raises
-
-    def _defer(self, job: dict[str, Any]) -> None:
-        from operators.triggers import ComputeJobTrigger
-
-        settings = self._settings()
-        self.defer(
-            trigger=ComputeJobTrigger(
-                backend=job["backend"], job_id=job["job_id"], output_dir=job["output_dir"],
-                poll_seconds=settings["poll"], stall_seconds=settings["stall"],
-                queue_timeout_seconds=settings["queue_timeout"],
-            ),
-            method_name="execute_complete",
-        )
-
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
-        """Re-check the job through its backend (the event is only a hint) and classify the outcome."""
-        from operators.backends import get_backend
-        from operators.jobs import WATCHER_STATES, raise_for_status
-
-        if not event or not event.get("job_id"):
-            # Resumed without the trigger's event (its triggerer died with it): decide again from the store.
-            self.log.warning("resumed without a trigger event: reattaching through the task state store")
-            return self.execute(context)
-        job = {k: event[k] for k in ("backend", "job_id", "output_dir")}
-        backend = get_backend(job["backend"])
-        self._remember(context, job)
-        from operators import job_history
-
-        try:
-            if event.get("state") in WATCHER_STATES:  # stalled or queued too long: the trigger cancelled it
-                raise InfraError(str(event.get("reason")))
-            status = raise_for_status(backend, backend.status(job["job_id"]), what="training job")
-        except PinflowError as err:
-            job_history.job_ended(job, event, error=err)
-            self._forget(context)
-            raise
-        finally:
-            self._job = None
-        job_history.job_ended(job, event, status=status)
-        return self.get_job_result(job, context)
-
-    def execute_after_quota(self, context: Context, event: dict[str, Any] | None = None) -> Any:
-        """The team's quota has room (:class:`~operators.quotas.QuotaTrigger`): admit and submit, or wait again."""
-        if event:
-            self.log.info("team %s has room after %.0fs: admitting job %s", event.get("team"),
-                          float(event.get("waited_s") or 0), event.get("job_name"))
-        return self.execute(context)
-
-    def _forget(self, context: Context) -> None:
-        """The recorded job has ended badly: a retry must submit a new one, never reattach to it."""
-        store = context.get("task_state_store")
-        if store is not None:
-            store.delete(self.external_id_key)
 
     def _preflight(self, backend: Any, tracking_uri: str) -> None:
         """Cheap checks before anything is submitted: the inputs exist, the backend and the tracking server
@@ -642,14 +510,3 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
             # Missing credentials are a setting to fix (USER); a service that does not answer is INFRA.
             raise as_typed(err, f"preflight: the {backend.name} backend") from err
         tracking_server_answers(tracking_uri)
-
-    def on_kill(self) -> None:
-        if self._job is not None:
-            from operators import job_history
-            from operators.backends import get_backend
-
-            self.log.info("task killed: cancelling %s job %s", self._job["backend"], self._job["job_id"])
-            # CANCELLED first: the cancelled job exits as a killed process (INFRA), which is not what happened.
-            job_history.note(job_history.mark_ended, self._job["backend"], self._job["job_id"], job_history.CANCELLED,
-                             reason=job_history.STOPPED_BY_A_PERSON)
-            get_backend(self._job["backend"]).cancel(self._job["job_id"])

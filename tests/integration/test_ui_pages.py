@@ -105,13 +105,13 @@ def _run(tag: str, scratch: Path) -> dict[str, Any]:
         # once it exists (dag.test() runs the task in this process).
         from operators.training import DistributedTrainingOperator
 
-        submit = DistributedTrainingOperator.submit_job
+        before_submit = DistributedTrainingOperator.before_submit
 
-        def submit_once_mlflow_is_ready(self: Any, context: Any) -> Any:
+        def submit_once_mlflow_is_ready(self: Any, context: Any, *args: Any) -> Any:
             _wait_until("the MLflow store", (scratch / "mlflow-ready").exists, ADMISSION_TIMEOUT_S)
-            return submit(self, context)
+            return before_submit(self, context, *args)
 
-        DistributedTrainingOperator.submit_job = submit_once_mlflow_is_ready  # type: ignore[method-assign]
+        DistributedTrainingOperator.before_submit = submit_once_mlflow_is_ready  # type: ignore[method-assign]
         # What dag.test() imports while it serialises the DAG, imported before the thread starts: the thread's
         # first query configures the ORM mappers (importing every model under SQLAlchemy's configure lock)
         # while this thread, importing airflow.models.dagbag, held that module's import lock and waited for the
@@ -131,17 +131,17 @@ def _run(tag: str, scratch: Path) -> dict[str, Any]:
         from operators import job_history
         from operators.training import DistributedTrainingOperator
 
-        submit = DistributedTrainingOperator.submit_job
+        before_submit = DistributedTrainingOperator.before_submit
 
         def run_a_holds_the_quota() -> bool:
             rows = job_history.rows(dag_id="pin_ranker_training", team=TEAM)  # the team of this module's runs
             return any(r["state"] != job_history.WAITING for r in rows)
 
-        def submit_once_run_a_is_admitted(self: Any, context: Any) -> Any:
+        def submit_once_run_a_is_admitted(self: Any, context: Any, *args: Any) -> Any:
             _wait_until("run a's job to be admitted", run_a_holds_the_quota, ADMISSION_TIMEOUT_S)
-            return submit(self, context)
+            return before_submit(self, context, *args)
 
-        DistributedTrainingOperator.submit_job = submit_once_run_a_is_admitted  # type: ignore[method-assign]
+        DistributedTrainingOperator.before_submit = submit_once_run_a_is_admitted  # type: ignore[method-assign]
         # Once run a exists (two dag.test() writing the same new DAG version at once collide); its promotion is
         # not waited for (run a's is).
         _wait_until("run a", (scratch / "run-a-created").exists, ADMISSION_TIMEOUT_S)

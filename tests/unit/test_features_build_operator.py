@@ -114,8 +114,8 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> Non
                               deferrable=False)
     plan = op._plan(context())
     # The first try built shard 1 and then was lost.
-    build.main([*plan["command"][2:], "--run-shards", "1"])
-    built = Path(build.shard_folder(plan["staging"], contracts.USER_DAILY, 1), build.shard_file(1))
+    build.main([*plan.command[2:], "--run-shards", "1"])
+    built = Path(build.shard_folder(plan.staging, contracts.USER_DAILY, 1), build.shard_file(1))
     before = built.stat().st_mtime_ns
     op.execute(context(try_number=2))
     requests = [storage.read_json(str(p)) for p in (Path(platform.home) / "jobs").glob("*/request.json")]
@@ -137,11 +137,12 @@ def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones
         ctx["ti"].run_id = run_id
         plan = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=2,
                                     deferrable=False)._plan(ctx)
-        build.main([*plan["command"][2:], "--run-shards", "0"])
+        assert plan.staging is not None
+        build.main([*plan.command[2:], "--run-shards", "0"])
         stamp = time.time() - written_s_ago
-        for path in [Path(plan["staging"]), *Path(plan["staging"]).rglob("*")]:
+        for path in [Path(plan.staging), *Path(plan.staging).rglob("*")]:
             os.utime(path, (stamp, stamp))
-        return Path(plan["staging"])
+        return Path(plan.staging)
 
     timeout = platform.features.timeout_seconds
     abandoned, recent = staged_by("failed_run", 2.5 * timeout), staged_by("running_run", 0.5 * timeout)
@@ -159,7 +160,7 @@ def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: Platfor
     from operators.jobs import job_name
 
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
-    command = op._plan(context())["command"]
+    command = list(op._plan(context()).command)
     # Try 1 submitted its job (slowed down, so that it still runs when try 2 starts) and then its worker was lost.
     slow = ["-c", "import runpy, sys, time; time.sleep(2); sys.argv = ['features.build', *sys.argv[1:]]; "
             "runpy.run_module('features.build', run_name='__main__')", *command[2:]]

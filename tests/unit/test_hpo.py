@@ -254,8 +254,9 @@ def test_a_trials_tries_share_its_checkpoints_and_trials_do_not(study_storage):
         op = hpo.HpoTrialOperator(task_id="trial", trial=trial, model="pin_content", backend="local")
         op._bind()
         ti = SimpleNamespace(dag_id="pinflow_hpo", run_id="manual__7", try_number=try_number)
-        _, spec, run_config, _ = op._prepare({"ti": ti})  # type: ignore[arg-type]
-        return spec.name, run_config
+        context: Any = {"ti": ti}
+        submission = op.prepare(context, op.job_name(context, try_number))
+        return submission.spec.name, submission.settings
 
     (job1, run1), (job2, run2), (other_job, other) = prepared(first, 1), prepared(first, 2), prepared(second, 1)
     assert len({job1, job2, other_job}) == 3

@@ -385,7 +385,8 @@ def test_the_scoring_task_submits_one_job_for_the_missing_shards_defers_and_a_re
     assert job.array_size == 3 and job.array_parallelism == 2
     assert job.command == ["-m", "training.inference", "--plan", summary["plan_file"], "--shards", "0-1,3",
                            "--threads", "1"]
-    assert store.data["scoring_job"] == {"backend": "local", "job_id": job.name, "shards": [0, 1, 3]}
+    assert store.data["scoring_job"] == {"backend": "local", "job_id": job.name, "name": job.name, "output_dir": None,
+                                         "shards": [0, 1, 3]}
     trigger = deferred.value.trigger
     assert trigger.serialize()[1]["job_id"] == job.name and deferred.value.method_name == "execute_complete"
     # While the job runs, a restarted try reattaches instead of submitting a second job.

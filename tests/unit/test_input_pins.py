@@ -19,6 +19,7 @@ import pytest
 from core import storage
 from core.contracts import EXAMPLES, RAW_PINS, USER_SEQUENCE
 from core.failures import ConfigError, DataError
+from operators.compute_job import JobRef
 
 pytestmark = pytest.mark.unit
 
@@ -276,7 +277,7 @@ def test_the_operator_writes_the_pins_to_run_json_and_every_try_reuses_them(root
 
     op = DistributedTrainingOperator(task_id="train", plan={"train_days": DAYS[:2], "eval_ds": DAYS[2]}, backend="local")
     storage.write_json(storage.join(second.output_dir, "result.json"), {"metrics": {}})
-    op.get_job_result({"backend": "local", "job_id": "j", "output_dir": second.output_dir}, {"ti": TI(2)})
+    op.finish({"ti": TI(2)}, JobRef("local", "j", output_dir=second.output_dir))  # type: ignore[arg-type]
     assert sorted(os.listdir(run_folder / "inputs")) == [storage.PINS_FILE]  # the copies go, the versions stay
 
 

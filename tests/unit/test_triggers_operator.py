@@ -7,6 +7,7 @@ import pytest
 
 from core.failures import FailureClass, InfraError, UserError
 from operators.backends import JobState, JobStatus
+from operators.compute_job import JobRef
 from operators.training import DistributedTrainingOperator
 
 
@@ -96,7 +97,7 @@ def run(op, try_number, store):
 def test_first_try_submits_records_and_defers_with_ids_only(backend):
     store = Store()
     kwargs, context = run(operator(), 1, store)
-    assert backend.submitted == [kwargs["job_id"]] == [operator()._job_name(context, 1)]
+    assert backend.submitted == [kwargs["job_id"]] == [operator().job_name(context, 1)]
     assert store["training_job"]["job_id"] == kwargs["job_id"]
     assert set(kwargs) == {"backend", "job_id", "output_dir", "poll_seconds", "stall_seconds", "queue_timeout_seconds",
                            "home"}
@@ -167,7 +168,7 @@ def test_the_instance_type_param_reaches_the_job_spec(backend, monkeypatch):
 @pytest.mark.unit
 def test_on_kill_cancels_the_job_it_waits_for(backend):
     op = operator()
-    op._remember({"ti": TI(1)}, {"backend": "local", "job_id": "j1", "output_dir": "/o"})
+    op._attach({"ti": TI(1)}, JobRef("local", "j1", output_dir="/o"))  # type: ignore[arg-type]
     op.on_kill()
     assert backend.cancelled == ["j1"]
 
