@@ -40,7 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.inference import ScoringPlan
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -109,19 +112,19 @@ def register_model(family_name: str, root: Path, scratch: Path, tracking_uri: st
     return uri
 
 
-def measure_forward(plan: dict[str, Any], pins: int, threads: int) -> dict[str, Any]:
+def measure_forward(plan: ScoringPlan, pins: int, threads: int) -> dict[str, Any]:
     """The model's forward pass on in-memory tensors of the plan's first ``pins`` pins, in its batches."""
     import torch
 
     from training.inference import Scorer, shard_batches
 
     torch.set_num_threads(threads)
-    scorer = Scorer.load(plan["model_uri"], plan["tracking_uri"])
+    scorer = Scorer.load(plan.model_uri, plan.tracking_uri)
     names = scorer.spec["serving_inputs"]
     batches, rows = [], 0
-    for shard in range(plan["num_shards"]):
+    for shard in range(plan.num_shards):
         for table in shard_batches(plan, shard):
-            inputs = scorer.family.corpus_inputs(table, scorer.spec, plan["root"], plan["ds"])
+            inputs = scorer.family.corpus_inputs(table, scorer.spec, plan.root, plan.ds)
             batches.append([torch.from_numpy(inputs[name]) for name in names])
             rows += table.num_rows
             if rows >= pins:
@@ -163,7 +166,7 @@ def run_stage(args: argparse.Namespace, root: Path, home: Path, model_uri: str, 
     summary = {"plan_file": write_plan(plan)}
     planned = time.perf_counter()
     backend = LocalBackend(home)
-    spec = scoring_job_spec(summary, list(range(plan["num_shards"])), name="bench-stage", engine="processes",
+    spec = scoring_job_spec(summary, list(range(plan.num_shards)), name="bench-stage", engine="processes",
                             backend="local", cfg=cfg)
     status = wait_for(backend, backend.submit(spec))
     if status.state.name != "SUCCEEDED":
@@ -172,7 +175,7 @@ def run_stage(args: argparse.Namespace, root: Path, home: Path, model_uri: str, 
     manifest = publish_plan(plan)
     ended = time.perf_counter()
     seconds = ended - started
-    return {"pins": manifest["rows"], "shards": plan["num_shards"], "seconds": round(seconds, 3),
+    return {"pins": manifest["rows"], "shards": plan.num_shards, "seconds": round(seconds, 3),
             "pins_per_s": round(manifest["rows"] / seconds, 1), "plan_s": round(planned - started, 3),
             "job_s": round(scored - planned, 3), "publish_s": round(ended - scored, 3),
             "per_process_pins_per_s": (manifest.get("throughput") or {}).get("pins_per_s_per_process"),

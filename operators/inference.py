@@ -28,6 +28,7 @@ from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from core.config import PlatformConfig
+    from training.inference import ScoringPlan
 
 THROUGHPUT_FILE = "_THROUGHPUT.json"  # inference/<model>/: the last runs' measured pins/s per scoring process
 ENGINES = ("processes", "ray")
@@ -145,22 +146,22 @@ def plan_inference(
         "model": model,
         "model_name": name,
         "model_version": str(mv.version),
-        "model_uri": plan["model_uri"],
+        "model_uri": plan.model_uri,
         "ds": ds,
         "pins": pins,
         "shards": num_shards,
         "sizing": why,
-        "plan_id": plan["plan_id"],
+        "plan_id": plan.plan_id,
         "plan_file": location,
-        "batch_size": plan["batch_size"],
-        "threads": plan["threads"],
+        "batch_size": plan.batch_size,
+        "threads": plan.threads,
         "out_dir": out_dir,
         "engine": engine,
         "backend": backend,
     }
 
 
-def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
+def load_plan(summary: dict[str, Any]) -> ScoringPlan:
     """The plan a summary of :func:`plan_inference` names: its file, or (once a publish removed it) the same plan
     made again from the summary, which finds the parts already published under it."""
     from training.inference import MissingPartsError, make_plan, read_plan
@@ -172,10 +173,10 @@ def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
         plan = make_plan(model_uri=summary["model_uri"], tracking_uri=cfg.mlflow.tracking_uri, root=cfg.storage_root,
                          ds=summary["ds"], out_dir=summary["out_dir"], num_shards=int(summary["shards"]),
                          batch_size=int(summary["batch_size"]), threads=int(summary.get("threads", 1)))
-        if plan["plan_id"] != summary["plan_id"]:
+        if plan.plan_id != summary["plan_id"]:
             raise DataError(
                 f"plan {summary['plan_id']} cannot be made again (the snapshot or settings changed since; now "
-                f"{plan['plan_id']}): run the DAG again to plan anew"
+                f"{plan.plan_id}): run the DAG again to plan anew"
             ) from None
         return plan
 
@@ -258,9 +259,9 @@ class CorpusScoringOperator(ComputeJobOperator):
         engine = str(self.engine or self.plan.get("engine") or cfg.inference.engine)
         return backend, engine
 
-    def _summary(self, plan: dict[str, Any], scored: Sequence[int], job: JobRef | None) -> dict[str, Any]:
+    def _summary(self, plan: ScoringPlan, scored: Sequence[int], job: JobRef | None) -> dict[str, Any]:
         return {**self.plan, "scored_shards": len(scored), "job_id": job.job_id if job else None,
-                "backend": job.backend if job else self.plan.get("backend"), "num_shards": plan["num_shards"]}
+                "backend": job.backend if job else self.plan.get("backend"), "num_shards": plan.num_shards}
 
     # -- ComputeJobOperator --------------------------------------------------------------------------------------
     def name_parts(self, context: Context) -> tuple[str, ...]:
@@ -279,7 +280,7 @@ class CorpusScoringOperator(ComputeJobOperator):
         plan = load_plan(self.plan)
         if missing_shards(plan):
             return None
-        self.log.info("every shard of plan %s has its part: nothing to score", plan["plan_id"])
+        self.log.info("every shard of plan %s has its part: nothing to score", plan.plan_id)
         return self._summary(plan, [], None)
 
     def prepare(self, context: Context, name: str) -> Submission:
@@ -290,7 +291,7 @@ class CorpusScoringOperator(ComputeJobOperator):
         plan = load_plan(self.plan)
         missing = missing_shards(plan)
         spec = scoring_job_spec(self.plan, missing, name=name, engine=engine, backend=backend_name, cfg=cfg)
-        summary = (f"{len(missing)} of {plan['num_shards']} shard(s) of plan {plan['plan_id']}, {plan['pins']} pins, "
+        summary = (f"{len(missing)} of {plan.num_shards} shard(s) of plan {plan.plan_id}, {plan.pins} pins, "
                    f"{engine} engine; {self.plan.get('sizing', '')}")
         return Submission(backend_name, spec, shards=tuple(missing), summary=summary, settings=plan)
 
@@ -308,10 +309,10 @@ class CorpusScoringOperator(ComputeJobOperator):
         missing = missing_shards(plan)
         if missing:
             raise InfraError(
-                f"scoring job {job.job_id} succeeded but shard(s) {missing[:20]} of plan {plan['plan_id']} have no "
+                f"scoring job {job.job_id} succeeded but shard(s) {missing[:20]} of plan {plan.plan_id} have no "
                 "part: retrying scores them"
             )
-        self.log.info("scoring job %s finished: every shard of plan %s has its part", job.job_id, plan["plan_id"])
+        self.log.info("scoring job %s finished: every shard of plan %s has its part", job.job_id, plan.plan_id)
         return self._summary(plan, job.shards, job)
 
 

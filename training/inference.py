@@ -183,11 +183,52 @@ def snapshot(root: str, ds: str, views: str | None = None) -> dict[str, Any]:
     return {"ds": ds, "files": [view], "pins": sum(view["row_groups"]), "fingerprint": fingerprint, "days": days}
 
 
-def file_location(plan: dict[str, Any], entry: dict[str, Any]) -> str:
+def file_location(plan: ScoringPlan, entry: dict[str, Any]) -> str:
     """Where a file of the plan's snapshot is: a merged view's own path, else in the day's partition (its published
     version's folder on an object store, ``core.storage.partition_folder``)."""
-    return str(entry.get("path") or storage.join(storage.partition_folder(plan["root"], RAW_PINS, plan["ds"]),
+    return str(entry.get("path") or storage.join(storage.partition_folder(plan.root, RAW_PINS, plan.ds),
                                                  entry["file"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRows:
+    """Shard ``shard`` of a plan: the rows ``[start, stop)`` of the snapshot."""
+
+    shard: int
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringPlan:
+    """What one run scores (see the module doc): written by the operator beside its parts (``_PLAN.json``), read
+    by every scoring job, whichever the backend and engine. ``snapshot`` is :func:`snapshot`'s record."""
+
+    plan_id: str
+    model_uri: str
+    tracking_uri: str
+    root: str
+    ds: str
+    out_dir: str
+    parts_dir: str
+    num_shards: int
+    batch_size: int
+    threads: int
+    sharding: str
+    pins: int
+    snapshot: dict[str, Any]
+    shards: tuple[ShardRows, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "shards": [dataclasses.asdict(s) for s in self.shards]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScoringPlan:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["threads"] = int(data.get("threads", 1))
+        values["shards"] = tuple(ShardRows(int(s["shard"]), int(s["start"]), int(s["stop"])) for s in data["shards"])
+        return cls(**values)
 
 
 def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:
@@ -206,7 +247,7 @@ def make_plan(
     batch_size: int = 4096,
     threads: int = 1,
     snap: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> ScoringPlan:
     """The plan of scoring the snapshot of ``ds`` with ``model_uri`` in ``num_shards`` shards (see the module doc).
 
     Deterministic: the same model, snapshot, shard count and batch size give the same plan id. ``snap``: the
@@ -221,22 +262,12 @@ def make_plan(
     key = {"model_uri": model_uri, "ds": ds, "snapshot": snap["fingerprint"], "num_shards": num_shards,
            "sharding": SHARDING, "batch_size": batch_size}
     plan_id = _digest(key)
-    return {
-        "plan_id": plan_id,
-        "model_uri": model_uri,
-        "tracking_uri": tracking_uri,
-        "root": root,
-        "ds": ds,
-        "out_dir": out,
-        "parts_dir": storage.join(out, PLANS_DIR, plan_id),
-        "num_shards": num_shards,
-        "batch_size": batch_size,
-        "threads": threads,
-        "sharding": SHARDING,
-        "pins": snap["pins"],
-        "snapshot": snap,
-        "shards": [{"shard": i, "start": a, "stop": b} for i, (a, b) in enumerate(split_rows(snap["pins"], num_shards))],
-    }
+    return ScoringPlan(
+        plan_id=plan_id, model_uri=model_uri, tracking_uri=tracking_uri, root=root, ds=ds, out_dir=out,
+        parts_dir=storage.join(out, PLANS_DIR, plan_id), num_shards=num_shards, batch_size=batch_size, threads=threads,
+        sharding=SHARDING, pins=int(snap["pins"]), snapshot=snap,
+        shards=tuple(ShardRows(i, a, b) for i, (a, b) in enumerate(split_rows(snap["pins"], num_shards))),
+    )
 
 
 def views_dir(out_dir: str | os.PathLike[str]) -> str:
@@ -244,25 +275,25 @@ def views_dir(out_dir: str | os.PathLike[str]) -> str:
     return storage.join(os.fspath(out_dir), PLANS_DIR, VIEWS_DIR)
 
 
-def plan_location(plan: dict[str, Any]) -> str:
-    return storage.join(plan["parts_dir"], PLAN_FILE)
+def plan_location(plan: ScoringPlan) -> str:
+    return storage.join(plan.parts_dir, PLAN_FILE)
 
 
-def write_plan(plan: dict[str, Any]) -> str:
+def write_plan(plan: ScoringPlan) -> str:
     """Write the plan beside its parts (the jobs read it); return where."""
     location = plan_location(plan)
-    storage.write_json(location, plan)
+    storage.write_json(location, plan.to_dict())
     return location
 
 
-def read_plan(location: str) -> dict[str, Any]:
+def read_plan(location: str) -> ScoringPlan:
     try:
         plan = storage.read_json(location)
     except FileNotFoundError:
         raise MissingPartsError(
             f"scoring plan {location} is gone (published or removed by a later run): plan the run again"
         ) from None
-    return dict(plan)
+    return ScoringPlan.from_dict(plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,14 +307,13 @@ class Piece:
     stop: int
 
 
-def shard_pieces(plan: dict[str, Any], shard: int) -> list[Piece]:
+def shard_pieces(plan: ScoringPlan, shard: int) -> list[Piece]:
     """The pieces of the snapshot that make up ``shard``, in order."""
-    if not 0 <= shard < plan["num_shards"]:
-        raise UserError(f"shard {shard} is not in [0, {plan['num_shards']}) of plan {plan['plan_id']}")
-    rows = plan["shards"][shard]
-    start, stop = int(rows["start"]), int(rows["stop"])
+    if not 0 <= shard < plan.num_shards:
+        raise UserError(f"shard {shard} is not in [0, {plan.num_shards}) of plan {plan.plan_id}")
+    start, stop = plan.shards[shard].start, plan.shards[shard].stop
     pieces, offset = [], 0
-    for index, f in enumerate(plan["snapshot"]["files"]):
+    for index, f in enumerate(plan.snapshot["files"]):
         path = file_location(plan, f)
         for rg, n in enumerate(f["row_groups"]):
             lo, hi = max(start, offset), min(stop, offset + n)
@@ -299,16 +329,16 @@ def batch_bounds(piece: Piece, batch_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
 
 
-def read_piece(plan: dict[str, Any], piece: Piece, parquet: pq.ParquetFile | None = None) -> pa.Table:
+def read_piece(plan: ScoringPlan, piece: Piece, parquet: pq.ParquetFile | None = None) -> pa.Table:
     """The snapshot's rows of ``piece`` (the columns a family may read), checked against the plan's footer."""
-    entry = plan["snapshot"]["files"][piece.file_index]
+    entry = plan.snapshot["files"][piece.file_index]
 
     def read(pf: pq.ParquetFile) -> pa.Table:
         counts = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
         if counts != entry["row_groups"]:
             raise DataError(
-                f"{piece.path} changed since plan {plan['plan_id']} was made (row groups {counts}, planned "
-                f"{entry['row_groups']}): the snapshot ds={plan['ds']} was rewritten; plan the run again"
+                f"{piece.path} changed since plan {plan.plan_id} was made (row groups {counts}, planned "
+                f"{entry['row_groups']}): the snapshot ds={plan.ds} was rewritten; plan the run again"
             )
         table = pf.read_row_group(piece.row_group, columns=entry["columns"])
         return table.slice(piece.start, piece.stop - piece.start)
@@ -319,10 +349,10 @@ def read_piece(plan: dict[str, Any], piece: Piece, parquet: pq.ParquetFile | Non
         return read(pf)
 
 
-def shard_batches(plan: dict[str, Any], shard: int) -> Iterator[pa.Table]:
+def shard_batches(plan: ScoringPlan, shard: int) -> Iterator[pa.Table]:
     """The shard's pins in batches of at most ``batch_size``, in plan order (one open file at a time)."""
     pieces = shard_pieces(plan, shard)
-    batch_size = int(plan["batch_size"])
+    batch_size = plan.batch_size
     i = 0
     while i < len(pieces):
         path = pieces[i].path
@@ -429,7 +459,7 @@ class PartWriter:
     """One part file in memory: scored batches in order, row groups of ``ROW_GROUP_ROWS``, and the footer
     record (plan, shard, rows, pin-id checksum) that :func:`publish_plan` checks. The same bytes from every engine."""
 
-    def __init__(self, plan: dict[str, Any], shard: int, schema: pa.Schema) -> None:
+    def __init__(self, plan: ScoringPlan, shard: int, schema: pa.Schema) -> None:
         self.plan, self.shard, self.schema = plan, shard, schema
         self.sink = pa.BufferOutputStream()
         self.writer = pq.ParquetWriter(self.sink, schema)
@@ -456,19 +486,19 @@ class PartWriter:
     def finish(self, **extra: Any) -> tuple[bytes, dict[str, Any]]:
         """The part's bytes and its footer record (``extra``: how it was made, e.g. seconds and engine)."""
         self._flush()
-        record = {"plan_id": self.plan["plan_id"], "shard": self.shard, "num_shards": self.plan["num_shards"],
+        record = {"plan_id": self.plan.plan_id, "shard": self.shard, "num_shards": self.plan.num_shards,
                   "rows": self.rows, "ids_checksum": checksum_hex(self.checksum), **extra}
         self.writer.add_key_value_metadata({PART_METADATA_KEY: json.dumps(record, sort_keys=True)})
         self.writer.close()
         return self.sink.getvalue().to_pybytes(), record
 
 
-def staged_part(plan: dict[str, Any], shard: int) -> str:
-    return storage.join(plan["parts_dir"], part_name(shard))
+def staged_part(plan: ScoringPlan, shard: int) -> str:
+    return storage.join(plan.parts_dir, part_name(shard))
 
 
-def published_part(plan: dict[str, Any], shard: int) -> str:
-    return storage.join(plan["out_dir"], part_name(shard))
+def published_part(plan: ScoringPlan, shard: int) -> str:
+    return storage.join(plan.out_dir, part_name(shard))
 
 
 def part_record(location: str) -> dict[str, Any] | None:
@@ -481,7 +511,7 @@ def part_record(location: str) -> dict[str, Any] | None:
     return dict(json.loads(raw)) if raw else None
 
 
-def find_part(plan: dict[str, Any], shard: int, staged: set[str] | None = None) -> str | None:
+def find_part(plan: ScoringPlan, shard: int, staged: set[str] | None = None) -> str | None:
     """Where this plan's part of ``shard`` is: staged under the plan, or already published (its footer names
     the plan). None if it has not been scored. ``staged``: the names under ``parts_dir`` if already listed."""
     name = part_name(shard)
@@ -490,17 +520,17 @@ def find_part(plan: dict[str, Any], shard: int, staged: set[str] | None = None) 
         return location
     location = published_part(plan, shard)
     record = part_record(location)
-    if record is not None and record.get("plan_id") == plan["plan_id"] and record.get("shard") == shard:
+    if record is not None and record.get("plan_id") == plan.plan_id and record.get("shard") == shard:
         return location
     return None
 
 
-def missing_shards(plan: dict[str, Any]) -> list[int]:
+def missing_shards(plan: ScoringPlan) -> list[int]:
     """The shards of the plan that have no part yet (staged or published), in order."""
-    staged = set(storage.list_names(plan["parts_dir"]))
-    published = set(storage.list_names(plan["out_dir"]))
+    staged = set(storage.list_names(plan.parts_dir))
+    published = set(storage.list_names(plan.out_dir))
     missing = []
-    for shard in range(plan["num_shards"]):
+    for shard in range(plan.num_shards):
         name = part_name(shard)
         if name in staged:
             continue
@@ -510,29 +540,29 @@ def missing_shards(plan: dict[str, Any]) -> list[int]:
     return missing
 
 
-def score_plan_shard(plan: dict[str, Any], shard: int, scorer: Scorer | None = None) -> dict[str, Any]:
+def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None) -> dict[str, Any]:
     """Score one shard of the plan into its part (skipped if this plan's part exists); a summary."""
     started = time.monotonic()
-    summary: dict[str, Any] = {"plan_id": plan["plan_id"], "shard": shard, "num_shards": plan["num_shards"],
-                               "ds": plan["ds"], "path": staged_part(plan, shard)}
+    summary: dict[str, Any] = {"plan_id": plan.plan_id, "shard": shard, "num_shards": plan.num_shards,
+                               "ds": plan.ds, "path": staged_part(plan, shard)}
     found = find_part(plan, shard)
     if found is not None:
         record = part_record(found) or {}
         return {**summary, "path": found, "rows": record.get("rows"), "skipped": True, "seconds": 0.0}
     pieces = shard_pieces(plan, shard)  # checks the shard number before the model is loaded
-    scorer = scorer or Scorer.load(plan["model_uri"], plan["tracking_uri"])
+    scorer = scorer or Scorer.load(plan.model_uri, plan.tracking_uri)
     loaded, cpu_from = time.monotonic(), time.process_time()
     writer = PartWriter(plan, shard, scorer.schema)
     expected = sum(p.stop - p.start for p in pieces)
     sleep_s = float(os.environ.get(DEBUG_SLEEP_VARIABLE) or 0)
     log.info("scoring shard %d of plan %s: %d pins in %d piece(s) (model ready after %.1fs)",
-             shard, plan["plan_id"], expected, len(pieces), loaded - started)
-    for scored in scorer.scored_batches(shard_batches(plan, shard), plan["root"], plan["ds"]):
+             shard, plan.plan_id, expected, len(pieces), loaded - started)
+    for scored in scorer.scored_batches(shard_batches(plan, shard), plan.root, plan.ds):
         writer.add(scored)
         if sleep_s:
             time.sleep(sleep_s)
     if writer.rows != expected:
-        raise DataError(f"shard {shard} of plan {plan['plan_id']} scored {writer.rows} rows, its range has {expected}")
+        raise DataError(f"shard {shard} of plan {plan.plan_id} scored {writer.rows} rows, its range has {expected}")
     seconds = time.monotonic() - loaded
     # CPU seconds too: on a shared machine they measure the work when wall time measures the neighbours.
     data, record = writer.finish(seconds=round(seconds, 3), cpu_seconds=round(time.process_time() - cpu_from, 3),
@@ -566,13 +596,13 @@ def score_shard(
 # --- publishing ------------------------------------------------------------------------------------------------
 
 
-def expected_parts(plan: dict[str, Any]) -> list[dict[str, Any]]:
+def expected_parts(plan: ScoringPlan) -> list[dict[str, Any]]:
     """Rows and pin-id checksum of each shard's range, recomputed from the snapshot (its ``pin_id`` column only)."""
-    counts = [0] * plan["num_shards"]
-    sums = [0] * plan["num_shards"]
-    bounds = [(int(s["start"]), int(s["stop"])) for s in plan["shards"]]
+    counts = [0] * plan.num_shards
+    sums = [0] * plan.num_shards
+    bounds = [(s.start, s.stop) for s in plan.shards]
     offset = 0
-    for f in plan["snapshot"]["files"]:
+    for f in plan.snapshot["files"]:
         with storage.parquet_file(file_location(plan, f)) as parquet:
             for rg, n in enumerate(f["row_groups"]):
                 ids = None
@@ -585,7 +615,7 @@ def expected_parts(plan: dict[str, Any]) -> list[dict[str, Any]]:
                     counts[shard] += hi - lo
                     sums[shard] = ids_checksum(ids[lo - offset:hi - offset], sums[shard])
                 offset += n
-    return [{"shard": i, "rows": counts[i], "ids_checksum": checksum_hex(sums[i])} for i in range(plan["num_shards"])]
+    return [{"shard": i, "rows": counts[i], "ids_checksum": checksum_hex(sums[i])} for i in range(plan.num_shards)]
 
 
 def _move(source: str, target: str) -> None:
@@ -610,7 +640,7 @@ def _throughput(records: list[dict[str, Any]]) -> dict[str, Any] | None:
             **({"pins_per_cpu_s": round(rows / cpu, 1)} if all(r.get("cpu_seconds") for r in timed) else {})}
 
 
-def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
+def publish_plan(plan: ScoringPlan) -> dict[str, Any]:
     """Check every part, move them into ``out_dir`` and write ``_MANIFEST.json`` last; return the manifest.
 
     Every pin of the snapshot must be in exactly one part: each part must carry this plan's id and hold the
@@ -620,15 +650,15 @@ def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
     are moved in (replacing the earlier output's, whatever its shard count), parts of no shard of this
     plan are removed, the manifest is written last, and the staging folders of every plan are removed.
     """
-    out_dir = plan["out_dir"]
-    current = snapshot(plan["root"], plan["ds"], views_dir(out_dir))
-    if current["fingerprint"] != plan["snapshot"]["fingerprint"]:
+    out_dir = plan.out_dir
+    current = snapshot(plan.root, plan.ds, views_dir(out_dir))
+    if current["fingerprint"] != plan.snapshot["fingerprint"]:
         raise DataError(
-            f"the {RAW_PINS} snapshot ds={plan['ds']} changed since plan {plan['plan_id']} was made: plan and "
+            f"the {RAW_PINS} snapshot ds={plan.ds} changed since plan {plan.plan_id} was made: plan and "
             "score the run again"
         )
     expected = expected_parts(plan)
-    staged = set(storage.list_names(plan["parts_dir"]))
+    staged = set(storage.list_names(plan.parts_dir))
     missing, wrong, parts = [], [], []
     schema: pa.Schema | None = None
     for want in expected:
@@ -644,7 +674,7 @@ def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
             part_schema = parquet.schema_arrow.remove_metadata()
         got = {"rows": len(ids), "ids_checksum": checksum_hex(ids_checksum(ids))}
         problems = []
-        if record.get("plan_id") != plan["plan_id"] or record.get("shard") != shard:
+        if record.get("plan_id") != plan.plan_id or record.get("shard") != shard:
             problems.append(f"made for plan {record.get('plan_id')} shard {record.get('shard')}")
         if got["rows"] != want["rows"]:
             problems.append(f"{got['rows']} rows, its range has {want['rows']}")
@@ -657,15 +687,15 @@ def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
             wrong.append(f"{part_name(shard)} ({'; '.join(problems)})")
             storage.remove(location)
             continue
-        parts.append({"file": part_name(shard), "shard": shard, **got, "start": plan["shards"][shard]["start"],
+        parts.append({"file": part_name(shard), "shard": shard, **got, "start": plan.shards[shard].start,
                       "_location": location, "_record": record})
     if missing or wrong:
         detail = "; ".join(filter(None, [
-            f"{len(missing)} of {plan['num_shards']} part(s) missing ({', '.join(missing[:10])})" if missing else "",
+            f"{len(missing)} of {plan.num_shards} part(s) missing ({', '.join(missing[:10])})" if missing else "",
             f"wrong part(s) removed: {', '.join(wrong[:10])}" if wrong else "",
         ]))
         raise MissingPartsError(
-            f"cannot publish {out_dir} (plan {plan['plan_id']}): {detail}; score those shards (again) first"
+            f"cannot publish {out_dir} (plan {plan.plan_id}): {detail}; score those shards (again) first"
         )
 
     storage.remove(storage.join(out_dir, MANIFEST))  # from here on readers see no output until the new manifest
@@ -684,17 +714,17 @@ def publish_plan(plan: dict[str, Any]) -> dict[str, Any]:
     for part in parts:
         total = (total + int(part["ids_checksum"], 16)) & 0xFFFFFFFFFFFFFFFF
     manifest = {
-        "ds": plan["ds"],
-        "model_uri": plan["model_uri"],
-        "plan_id": plan["plan_id"],
-        "num_shards": plan["num_shards"],
-        "sharding": plan["sharding"],
-        "batch_size": plan["batch_size"],
-        "snapshot": {"fingerprint": plan["snapshot"]["fingerprint"], "pins": plan["pins"],
-                     "files": len(plan["snapshot"]["files"])},
+        "ds": plan.ds,
+        "model_uri": plan.model_uri,
+        "plan_id": plan.plan_id,
+        "num_shards": plan.num_shards,
+        "sharding": plan.sharding,
+        "batch_size": plan.batch_size,
+        "snapshot": {"fingerprint": plan.snapshot["fingerprint"], "pins": plan.pins,
+                     "files": len(plan.snapshot["files"])},
         "parts": parts,
         "rows": sum(p["rows"] for p in parts),
-        "pins": plan["pins"],
+        "pins": plan.pins,
         "ids_checksum": checksum_hex(total),
         "columns": schema.names if schema is not None else [],
         "throughput": _throughput(records),
@@ -797,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
             shards = [args.shard]
         else:
             parser.error("--shards or --shard: which shards to score")
-        threads = args.threads if args.threads is not None else int(plan.get("threads", 1))
+        threads = args.threads if args.threads is not None else plan.threads
         if threads:
             import torch
 
@@ -806,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         for shard in shards:
             if scorer is None and find_part(plan, shard) is None:
                 shard_pieces(plan, shard)  # a shard outside the plan fails before the model is loaded
-                scorer = Scorer.load(plan["model_uri"], plan["tracking_uri"])
+                scorer = Scorer.load(plan.model_uri, plan.tracking_uri)
             print(json.dumps(score_plan_shard(plan, shard, scorer)), flush=True)
         return int(ExitCode.OK)
     except Exception as exc:

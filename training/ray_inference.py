@@ -43,6 +43,7 @@ from core.failures import ExitCode, UserError, exit_code_for
 from training.inference import (
     PartWriter,
     Piece,
+    ScoringPlan,
     batch_bounds,
     find_part,
     read_piece,
@@ -68,7 +69,7 @@ def _family(spec: dict[str, Any]) -> Any:
     return _FAMILIES[key]
 
 
-def work_items(plan: dict[str, Any], shards: list[int]) -> list[dict[str, Any]]:
+def work_items(plan: ScoringPlan, shards: list[int]) -> list[dict[str, Any]]:
     """One item per piece of each shard, in plan order, with the global number of its first batch."""
     items: list[dict[str, Any]] = []
     batch = 0
@@ -76,11 +77,11 @@ def work_items(plan: dict[str, Any], shards: list[int]) -> list[dict[str, Any]]:
         for piece in shard_pieces(plan, shard):
             items.append({"shard": shard, "path": piece.path, "file_index": piece.file_index,
                           "row_group": piece.row_group, "start": piece.start, "stop": piece.stop, "first_batch": batch})
-            batch += len(batch_bounds(piece, int(plan["batch_size"])))
+            batch += len(batch_bounds(piece, plan.batch_size))
     return items
 
 
-def read_and_preprocess(items: dict[str, np.ndarray], plan: dict[str, Any], spec: dict[str, Any]) -> Iterator[dict[str, np.ndarray]]:
+def read_and_preprocess(items: dict[str, np.ndarray], plan: ScoringPlan, spec: dict[str, Any]) -> Iterator[dict[str, np.ndarray]]:
     """A reader task: each piece → the plan's batches → the family's ``corpus_inputs``, tagged with the shard,
     the batch's number and its size (so that the scorer can check it got whole batches)."""
     family = _family(spec)
@@ -88,8 +89,8 @@ def read_and_preprocess(items: dict[str, np.ndarray], plan: dict[str, Any], spec
         piece = Piece(str(items["path"][i]), int(items["file_index"][i]), int(items["row_group"][i]),
                       int(items["start"][i]), int(items["stop"][i]))
         table = read_piece(plan, piece)
-        for j, (a, b) in enumerate(batch_bounds(piece, int(plan["batch_size"]))):
-            inputs = family.corpus_inputs(table.slice(a, b - a), spec, plan["root"], plan["ds"])
+        for j, (a, b) in enumerate(batch_bounds(piece, plan.batch_size)):
+            inputs = family.corpus_inputs(table.slice(a, b - a), spec, plan.root, plan.ds)
             n = b - a
             yield {**{k: np.asarray(v) for k, v in inputs.items()},
                    SHARD: np.full(n, int(items["shard"][i]), dtype=np.int32),
@@ -171,7 +172,7 @@ def start_ray(cpus: int, temp_dir: str, object_store_mb: int = 0) -> bool:
 
 
 def score_with_ray(
-    plan: dict[str, Any],
+    plan: ScoringPlan,
     shards: list[int],
     *,
     actors: int = 0,
@@ -188,13 +189,13 @@ def score_with_ray(
 
     started = time.monotonic()
     todo = [s for s in shards if find_part(plan, s) is None]
-    summary: dict[str, Any] = {"plan_id": plan["plan_id"], "engine": "ray", "shards": len(todo),
+    summary: dict[str, Any] = {"plan_id": plan.plan_id, "engine": "ray", "shards": len(todo),
                                "skipped": len(shards) - len(todo)}
     if not todo:
         return {**summary, "rows": 0, "seconds": 0.0}
     for shard in todo:
         shard_pieces(plan, shard)  # a shard outside the plan fails here
-    _, spec = load_model(plan["model_uri"], plan["tracking_uri"])  # the feature spec; each actor loads the model
+    _, spec = load_model(plan.model_uri, plan.tracking_uri)  # the feature spec; each actor loads the model
     family = _family(spec)
     if not family.splits_corpus_scoring:
         raise UserError(f"model family {family.name} has no corpus_inputs/score_inputs: score it with engine processes")
@@ -213,11 +214,11 @@ def score_with_ray(
         .map_batches(BatchScorer, batch_size=None, batch_format="numpy",
                      compute=ray.data.ActorPoolStrategy(size=size),
                      num_cpus=actor_cpus, num_gpus=actor_gpus or None,
-                     fn_constructor_kwargs={"model_uri": plan["model_uri"], "tracking_uri": plan["tracking_uri"],
+                     fn_constructor_kwargs={"model_uri": plan.model_uri, "tracking_uri": plan.tracking_uri,
                                             "threads": threads})
     )
     log.info("scoring %d shard(s) of plan %s with Ray: %d actor(s) of %s CPU, readers of %s CPU, %g CPUs",
-             len(todo), plan["plan_id"], size, actor_cpus, reader_cpus, cpus)
+             len(todo), plan.plan_id, size, actor_cpus, reader_cpus, cpus)
     writer: PartWriter | None = None
     rows = 0
     written = []
@@ -226,7 +227,7 @@ def score_with_ray(
         data, record = w.finish(seconds=0.0, engine="ray")
         storage.write_bytes(staged_part(plan, w.shard), data)
         written.append(w.shard)
-        print(json.dumps({"plan_id": plan["plan_id"], "shard": w.shard, "rows": record["rows"],
+        print(json.dumps({"plan_id": plan.plan_id, "shard": w.shard, "rows": record["rows"],
                           "ids_checksum": record["ids_checksum"], "path": staged_part(plan, w.shard),
                           "engine": "ray", "skipped": False}), flush=True)
 
@@ -279,16 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     started_here = False
     try:
         plan = read_plan(args.plan)
-        shards = parse_shards(args.shards) if args.shards else list(range(plan["num_shards"]))
+        shards = parse_shards(args.shards) if args.shards else list(range(plan.num_shards))
         temp_dir = args.temp_dir or os.path.join(tempfile.gettempdir(), "pinflow-ray")
-        root = str(plan["root"])
+        root = plan.root
         if not storage.is_remote(root) and os.path.abspath(temp_dir).startswith(os.path.abspath(root) + os.sep):
             raise UserError(f"Ray's temporary folder {temp_dir} is under the storage root {root}: move it "
                             "(inference.ray_temp_dir)")
         started_here = start_ray(args.cpus, temp_dir, args.object_store_mb)
         summary = score_with_ray(plan, shards, actors=args.actors, actor_cpus=args.actor_cpus,
                                  actor_gpus=args.actor_gpus, reader_cpus=args.reader_cpus,
-                                 threads=args.threads if args.threads is not None else int(plan.get("threads", 1)))
+                                 threads=args.threads if args.threads is not None else plan.threads)
         print(json.dumps(summary), flush=True)
         return int(ExitCode.OK)
     except Exception as exc:

@@ -227,19 +227,19 @@ def test_the_ray_path_writes_the_parts_of_the_processes_path_row_for_row(world, 
 
     root = copy_root(world, tmp_path / "storage")
 
-    def plan_for(out: str) -> dict[str, Any]:
+    def plan_for(out: str) -> inference.ScoringPlan:
         return inference.make_plan(model_uri="models:/pin_content/1", tracking_uri=world.tracking_uri, root=str(root),
                                    ds=DAYS[-1], out_dir=tmp_path / out, num_shards=3, batch_size=50)
 
     ray_plan, plan = plan_for("ray"), plan_for("processes")
-    assert ray_plan["plan_id"] == plan["plan_id"]
+    assert ray_plan.plan_id == plan.plan_id
     # One actor of 1 CPU beside readers of 0.5 on 2 CPUs: never every CPU to the pool.
     summary = score_with_ray(ray_plan, [0, 1, 2], actors=1, actor_cpus=1.0, reader_cpus=0.5, threads=1)
     assert summary["rows"] == 630 and summary["actors"] == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        scorer = inference.Scorer.load(plan["model_uri"], plan["tracking_uri"])
+        scorer = inference.Scorer.load(plan.model_uri, plan.tracking_uri)
         for shard in range(3):
             inference.score_plan_shard(plan, shard, scorer)
     finally:
@@ -324,8 +324,8 @@ def test_the_ray_engine_starts_its_own_cluster_and_publishes_the_rows_of_the_pro
         plan = inference.make_plan(model_uri="models:/pin_ranker/1", tracking_uri=world.tracking_uri,
                                    root=str(tmp_path / "storage"), ds=DAYS[-1], out_dir=tmp_path / "processes",
                                    num_shards=3, batch_size=50)
-        assert plan["plan_id"] == manifest["plan_id"]
-        scorer = inference.Scorer.load(plan["model_uri"], plan["tracking_uri"])
+        assert plan.plan_id == manifest["plan_id"]
+        scorer = inference.Scorer.load(plan.model_uri, plan.tracking_uri)
         for shard in range(3):
             inference.score_plan_shard(plan, shard, scorer)
     finally:

@@ -67,7 +67,7 @@ def write_corpus(root: Path, pins: int = 630, seed: int = 0) -> np.ndarray:
     return ids
 
 
-def plan_of(root: Path, out: Path, shards: int, batch_size: int = 64, model: str = "models:/pin_ranker/3") -> dict[str, Any]:
+def plan_of(root: Path, out: Path, shards: int, batch_size: int = 64, model: str = "models:/pin_ranker/3") -> inference.ScoringPlan:
     plan = make_plan(model_uri=model, tracking_uri="sqlite:///unused.db", root=str(root), ds=DS, out_dir=out,
                      num_shards=shards, batch_size=batch_size)
     write_plan(plan)
@@ -86,7 +86,7 @@ def test_reruns_with_4_then_3_then_8_shards_each_publish_every_pin_exactly_once(
     plan_ids = set()
     for shards in (4, 3, 8):
         plan = plan_of(tmp_path / "root", out, shards)
-        plan_ids.add(plan["plan_id"])
+        plan_ids.add(plan.plan_id)
         # The last run's parts lie in the output folder under the same names: none counts for this plan.
         assert missing_shards(plan) == list(range(shards))
         scorer = StandIn()
@@ -113,15 +113,15 @@ def test_a_retry_scores_only_the_missing_shards_and_a_rerun_of_the_same_plan_not
     for shard in (0, 2):
         score_plan_shard(plan, shard, scorer)
     assert missing_shards(plan) == [1, 3]
-    before = (out / PLANS_DIR / plan["plan_id"] / "part-00000.parquet").stat().st_mtime_ns
+    before = (out / PLANS_DIR / plan.plan_id / "part-00000.parquet").stat().st_mtime_ns
     assert score_plan_shard(plan, 0, scorer)["skipped"] is True  # an existing part is never scored again
-    assert (out / PLANS_DIR / plan["plan_id"] / "part-00000.parquet").stat().st_mtime_ns == before
+    assert (out / PLANS_DIR / plan.plan_id / "part-00000.parquet").stat().st_mtime_ns == before
     for shard in (1, 3):
         score_plan_shard(plan, shard, scorer)
     first = publish_plan(plan)
     # The same plan again (a cleared task, a rerun): every part is found published, nothing scored.
     again = plan_of(tmp_path / "root", out, 4)
-    assert again["plan_id"] == plan["plan_id"] and missing_shards(again) == []
+    assert again.plan_id == plan.plan_id and missing_shards(again) == []
     assert all(score_plan_shard(again, s, scorer)["skipped"] for s in range(4))
     second = publish_plan(again)
     assert {k: v for k, v in first.items() if k != "created"} == {k: v for k, v in second.items() if k != "created"}
@@ -130,14 +130,14 @@ def test_a_retry_scores_only_the_missing_shards_and_a_rerun_of_the_same_plan_not
 def test_the_plan_id_keys_model_snapshot_shards_and_batch_size(tmp_path: Path):
     write_corpus(tmp_path / "root")
     base = plan_of(tmp_path / "root", tmp_path / "out", 4)
-    assert plan_of(tmp_path / "root", tmp_path / "out", 4)["plan_id"] == base["plan_id"]
+    assert plan_of(tmp_path / "root", tmp_path / "out", 4).plan_id == base.plan_id
     others = [plan_of(tmp_path / "root", tmp_path / "out", 5), plan_of(tmp_path / "root", tmp_path / "out", 4, 128),
               plan_of(tmp_path / "root", tmp_path / "out", 4, model="models:/pin_ranker/4")]
-    assert len({base["plan_id"], *(p["plan_id"] for p in others)}) == 4
+    assert len({base.plan_id, *(p.plan_id for p in others)}) == 4
     write_corpus(tmp_path / "root", seed=1)  # the day's snapshot landed again
-    assert plan_of(tmp_path / "root", tmp_path / "out", 4)["plan_id"] != base["plan_id"]
+    assert plan_of(tmp_path / "root", tmp_path / "out", 4).plan_id != base.plan_id
     # Contiguous row ranges: shard 1 of 4 starts in the first file and ends in the second.
-    assert [(s["start"], s["stop"]) for s in base["shards"]] == [(0, 157), (157, 315), (315, 472), (472, 630)]
+    assert [(s.start, s.stop) for s in base.shards] == [(0, 157), (157, 315), (315, 472), (472, 630)]
     pieces = inference.shard_pieces(base, 1)
     assert [(p.file_index, p.row_group, p.start, p.stop) for p in pieces] == [(0, 1, 57, 100), (0, 2, 0, 10),
                                                                                 (1, 0, 0, 100), (1, 1, 0, 5)]
@@ -154,7 +154,7 @@ def test_publish_refuses_a_missing_a_foreign_or_a_wrong_part_and_removes_the_wro
         publish_plan(plan)
     assert err.value.failure_class is FailureClass.DATA
     assert not (out / MANIFEST).exists()
-    staged = out / PLANS_DIR / plan["plan_id"]
+    staged = out / PLANS_DIR / plan.plan_id
     # A part of another shard copied in, and one with a pin swapped for another: both refused and removed.
     (staged / "part-00002.parquet").write_bytes((staged / "part-00000.parquet").read_bytes())
     part1 = pq.read_table(staged / "part-00001.parquet")
@@ -203,7 +203,7 @@ def test_an_incremental_snapshot_is_merged_once_and_every_pin_of_the_view_publis
     storage.write_table(root, RAW_PINS, DS, changed, metadata={"snapshot": "incremental"})
     out = tmp_path / "out"
     plan = plan_of(root, out, 3)
-    assert plan["pins"] == 632 and plan["snapshot"]["days"] == ["2026-11-01", DS]
+    assert plan.pins == 632 and plan.snapshot["days"] == ["2026-11-01", DS]
     seen: list[pa.Table] = []
 
     class Recording(StandIn):
@@ -218,9 +218,9 @@ def test_an_incremental_snapshot_is_merged_once_and_every_pin_of_the_view_publis
     manifest = publish_plan(plan)
     assert sorted(published_ids(out)) == [*range(1, 631), 700, 701] and manifest["rows"] == 632
     assert not (out / PLANS_DIR).exists()  # the merged view went with the staging
-    assert plan_of(root, out, 3)["plan_id"] == plan["plan_id"]  # merged again: the same plan
+    assert plan_of(root, out, 3).plan_id == plan.plan_id  # merged again: the same plan
     storage.write_table(root, RAW_PINS, DS, changed.slice(0, 3), metadata={"snapshot": "incremental"})
-    assert plan_of(root, out, 3)["plan_id"] != plan["plan_id"]  # the increment landed again
+    assert plan_of(root, out, 3).plan_id != plan.plan_id  # the increment landed again
 
 
 def test_checksums_do_not_depend_on_order_and_see_a_swapped_pin():
@@ -368,7 +368,7 @@ def test_the_scoring_task_submits_one_job_for_the_missing_shards_defers_and_a_re
     monkeypatch.setattr(operators.backends, "get_backend", lambda name, cfg=None, home=None: backend)
     out = tmp_path / "storage/inference/pin_ranker/3/ds=2026-11-02"
     plan = plan_of(tmp_path / "storage", out, 4)
-    summary = {"plan_file": inference.plan_location(plan), "plan_id": plan["plan_id"], "model_uri": plan["model_uri"],
+    summary = {"plan_file": inference.plan_location(plan), "plan_id": plan.plan_id, "model_uri": plan.model_uri,
                "model_name": "pin_ranker", "ds": DS, "out_dir": str(out), "shards": 4, "batch_size": 64, "threads": 1,
                "backend": "local", "engine": "processes"}
     store = Store()
