@@ -431,9 +431,13 @@ class Trainer:
                 "'.[cpu]' (or '.[cuda]') && pip install --no-deps torchrec==1.8.0"
             ) from e
         cfg = self.config
-        model = ts.to_torchrec(self.family.build_model(variant), self.family.sparse_features(variant))
+        # Built sharded: the tables on the meta device (no rank ever holds one whole), the dense part as the family
+        # builds it; shard() then gives each rank its rows of every table, initialised per global row.
+        names = self.family.sparse_features(variant)
+        model = ts.build_meta(lambda: self.family.build_model(variant), names)
+        model = ts.to_torchrec(model, names, seed=cfg.seed, init_std=self.family.sparse_init_std(variant))
         dmp = ts.shard(
-            model.to(self.device), sharding=cfg.sharding, device=self.device, lr=cfg.sparse_lr,
+            ts.to_device(model, self.device), sharding=cfg.sharding, device=self.device, lr=cfg.sparse_lr,
             weight_decay=cfg.weight_decay,
             memory_per_rank=int(cfg.embedding_memory_mb * 2**20) if cfg.embedding_memory_mb else None,
         )
