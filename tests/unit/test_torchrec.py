@@ -234,6 +234,43 @@ def test_a_meta_built_table_is_sharded_with_its_row_values_and_exports_whole(wor
     assert torch.equal(exported.seq.weight, ts.row_values("seq", ts.RowInit(11, 1.0), (0, 9), (0, 4), 4, True))
 
 
+# --- resumes: exact or not, and why; a checkpoint of another model ------------------------------------------
+def test_a_resume_is_exact_only_on_the_layout_it_was_saved_with():
+    from training.checkpoint_manager import resume_verdict
+
+    marker = {"world_size": 2, "sharding": "row_wise"}
+    exact, why = resume_verdict(marker, 2, "row_wise", has_position=True)
+    assert exact and "same layout as saved (2 rank(s), row_wise)" in why
+    exact, why = resume_verdict(marker, 3, "row_wise", has_position=True)
+    assert not exact and "saved by 2 rank(s), resumed on 3" in why and "bit for bit" in why
+    exact, why = resume_verdict(marker, 2, "table_wise", has_position=True)
+    assert not exact and "saved row_wise, resumed table_wise" in why
+    exact, why = resume_verdict(marker, 1, "table_wise", has_position=True)
+    assert not exact and "resumed on 1" in why and "resumed table_wise" in why
+    assert not resume_verdict(marker, 2, "row_wise", has_position=False)[0]
+    assert resume_verdict({"world_size": 2}, 2, None, has_position=True)[0]  # ddp: no sharding to compare
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_table_and_its_sizes(world_of_one, tmp_path):
+    from training import checkpoint
+
+    def part(rows: int):
+        torch.manual_seed(0)
+        model = ts.to_torchrec(ts.build_meta(lambda: Tiny(rows=rows), ["ids", "seq"]), ["ids", "seq"])
+        dmp = ts.shard(model, sharding="row_wise", device=torch.device("cpu"), lr=0.1, weight_decay=0.0)
+        opt = ts.make_optimizer(dmp, lr=0.01, weight_decay=0.0).optimizer
+        for _, child in opt.optimizers:  # the state a step makes, as a trained run's checkpoint has it
+            ts.init_optimizer_state(child)
+        return dmp, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    path = checkpoint.save(tmp_path / "ckpt", step=1, epoch=0, examples_seen=1, parts={"model": part(40)},
+                           is_main=True)
+    assert checkpoint.load(path, parts={"model": part(40)})["step"] == 1
+    with pytest.raises(ConfigError, match=r"not of this run's model .*model: ids is 40 x 4 in the checkpoint, "
+                                          r"50 x 4 in this model"):
+        checkpoint.load(path, parts={"model": part(50)})
+
+
 def test_a_plan_that_cannot_hold_the_tables_fails_on_every_rank_with_the_numbers(world_of_one):
     import torch.distributed as dist
 
