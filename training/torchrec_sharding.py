@@ -7,6 +7,11 @@ with a sharding plan (the tables model-parallel with all-to-all lookups and a sp
 backward pass; every other parameter data-parallel under DDP), and :func:`gather_full` turns the sharded model
 back into the family's plain module (the serving export, loadable without any process group).
 
+Built sharded: the trainer builds the model with :func:`build_meta` (the sparse features on the meta device, the
+dense part as the family builds it), so no process holds a whole table; :func:`shard` allocates each rank's shards
+and fills them with :func:`row_values`, a function of (seed, table, global row, column) alone: the same values at
+any world size and sharding. Checkpoints (``training.checkpoint``) save the shards and load them resharded.
+
 Sharding types: ``table_wise`` and ``column_wise`` come from TorchRec's planner (``EmbeddingShardingPlanner``
 with a ``Topology`` of this node: world size, device, memory per rank); ``row_wise`` is built by hand with
 ``construct_module_sharding_plan(..., row_wise())``, because on CPU the planner does not offer it (it does on
@@ -395,8 +400,10 @@ def shard(
 
     The tables get a fused row-wise Adagrad (``apply_optimizer_in_backward``: each looked-up row is updated
     during the backward pass, nothing dense is all-reduced for them; fbgemm's CPU kernels offer SGD, Adagrad
-    and row-wise Adagrad, not Adam); their initial weights are the model's (every rank
-    built it from the same seed), loaded shard by shard. The rest is wrapped in DDP by DMP.
+    and row-wise Adagrad, not Adam). A table with weights (every rank built it from the same seed) starts from
+    them, loaded shard by shard; a table on the meta device (:func:`build_meta`, strategy torchrec's build) is
+    allocated by DMP only as this rank's shards, which :func:`init_local_rows` fills per global row. The rest is
+    wrapped in DDP by DMP.
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
