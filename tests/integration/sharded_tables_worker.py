@@ -97,8 +97,10 @@ def build(out: str, sharding: str, rows: int | None, dim: int | None) -> dict[st
         assert dim is not None
         make, names, std = (lambda: Toy(rows, dim)), ["ids", "tags"], None
     probe = ts.build_meta(make, names)
-    # The largest table (larger than any dense tensor); a world of one holds every table whole: no guard there.
-    limit = max(probe.get_submodule(n).weight.numel() for n in names) if dist.get_world_size() > 1 else 2**62
+    # The largest table (larger than any dense tensor). Guarded row-wise over several ranks only: one rank, or the
+    # rank a table is placed on table-wise, holds it whole.
+    whole = sharding != "row_wise" or dist.get_world_size() == 1
+    limit = 2**62 if whole else max(probe.get_submodule(n).weight.numel() for n in names)
     del probe
     sharded(Toy, ["ids", "tags"], "row_wise")  # warm up: TorchRec's and fbgemm's libraries load on first use
     before = rss_peak()

@@ -54,9 +54,13 @@ def assemble(pieces: list[tuple[list[int], torch.Tensor]], like: torch.Tensor) -
 
 def test_each_rank_builds_only_its_rows_and_they_are_the_rows_one_rank_builds(tmp_path: Path):
     launch(2, "build", tmp_path / "two", "row_wise")
+    launch(2, "build", tmp_path / "tables", "table_wise")  # rank 0 plans, every rank gets the plan
     launch(1, "build", tmp_path / "one", "table_wise")
-    two, (one,) = ranks_of(tmp_path / "two"), ranks_of(tmp_path / "one")
-    assert len(two) == 2
+    two, tables, (one,) = ranks_of(tmp_path / "two"), ranks_of(tmp_path / "tables"), ranks_of(tmp_path / "one")
+    assert len(two) == len(tables) == 2
+    for key, [(_, whole)] in one["tables"].items():  # table-wise over two ranks: each table whole on one of them
+        assert [len(rank["tables"][key]) for rank in tables] in ([1, 0], [0, 1])
+        assert torch.equal(assemble([p for rank in tables for p in rank["tables"][key]], whole), whole), key
     for key, [(offsets, whole)] in one["tables"].items():
         assert offsets == [0, 0]
         rows = [sum(t.shape[0] for _, t in rank["tables"][key]) for rank in two]

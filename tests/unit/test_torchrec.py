@@ -222,11 +222,12 @@ def test_build_meta_puts_only_the_sparse_features_on_the_meta_device():
         ts.build_meta(Tiny, ["out"])
 
 
-def test_a_meta_built_table_is_sharded_with_its_row_values_and_exports_whole(world_of_one):
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise", "column_wise"])
+def test_a_meta_built_table_is_sharded_with_its_row_values_and_exports_whole(world_of_one, sharding):
     torch.manual_seed(0)
     model = ts.to_torchrec(ts.build_meta(Tiny, ["ids", "seq"]), ["ids", "seq"], seed=11, init_std={"ids": 0.5})
     assert model.ids.init == ts.RowInit(seed=11, std=0.5) and model.seq.init == ts.RowInit(seed=11, std=1.0)
-    dmp = ts.shard(ts.to_device(model, torch.device("cpu")), sharding="row_wise", device=torch.device("cpu"),
+    dmp = ts.shard(ts.to_device(model, torch.device("cpu")), sharding=sharding, device=torch.device("cpu"),
                    lr=0.1, weight_decay=0.0)
     exported = ts.gather_full(dmp, ["ids", "seq"], Tiny)
     assert exported is not None
