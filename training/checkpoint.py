@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from core import storage
-from core.failures import DataError, ExitCode, InfraError, exit_code_for
+from core.failures import ConfigError, DataError, ExitCode, InfraError, exit_code_for
 from training.runtime import now_iso
 
 log = logging.getLogger("training.checkpoint")
@@ -362,6 +362,43 @@ def save(
     return path
 
 
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """The global shape of a state value (a tensor, a ShardedTensor, a DTensor), None for anything else."""
+    if hasattr(value, "local_shards") and callable(getattr(value, "metadata", None)):  # a ShardedTensor
+        return tuple(int(n) for n in value.metadata().size)
+    if isinstance(value, torch.Tensor):
+        return tuple(int(n) for n in value.size())
+    return None
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return " x ".join(str(n) for n in shape) or "a scalar"
+
+
+def model_mismatches(metadata: Any, state: dict[str, Any], parts: dict[str, Part]) -> list[str]:
+    """What differs between the models of ``parts`` (their state in ``state``) and those a checkpoint holds
+    (its DCP ``metadata``): a tensor with another shape (a table's rows x width), or one only one side has.
+    Reads the metadata alone (no tensor), so a checkpoint of another model is refused before it is loaded."""
+    saved = metadata.state_dict_metadata
+    problems: list[str] = []
+    for name in parts:
+        key = f"{_prefix(name)}model"
+        here = {f"{key}.{k}": _shape(v) for k, v in state.get(key, {}).items()}
+        there = {k: tuple(int(n) for n in m.size) for k, m in saved.items() if k.startswith(f"{key}.") and
+                 hasattr(m, "size") and hasattr(m, "chunks")}
+        for k in sorted(set(here) | set(there)):
+            what = k.split(".", 1)[1].removesuffix(".weight")
+            what = what.split(".ebc.embedding_bags.")[0]  # a TorchRec table by its module's name
+            a, b = here.get(k), there.get(k)
+            if k not in there and a is not None:
+                problems.append(f"{name}: {what} ({_dims(a)}) is not in the checkpoint")
+            elif k not in here:
+                problems.append(f"{name}: the checkpoint's {what} ({_dims(b or ())}) is not in this model")
+            elif a is not None and a != b:
+                problems.append(f"{name}: {what} is {_dims(b or ())} in the checkpoint, {_dims(a)} in this model")
+    return problems
+
+
 def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: bool = True) -> dict[str, Any]:
     """Load a checkpoint into every part (on every rank); return its loop position.
 
@@ -370,7 +407,9 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
 
     First every file is checked against the checksums in the marker (by rank 0, which tells the others):
     a checkpoint whose files are not the ones its save wrote raises DataError on every rank, before DCP
-    unpickles anything.
+    unpickles anything. Then its models' tensors are compared with the parts' by name and shape
+    (:func:`model_mismatches`): a checkpoint of another model raises ConfigError (USER) naming the tables and
+    their sizes, before any tensor is read. A checkpoint of another world size or sharding loads resharded.
     """
     path = os.fspath(path)
     _verified_on_every_rank(path)
@@ -379,6 +418,13 @@ def load(path: str | os.PathLike[str], *, parts: dict[str, Part], restore_rng: b
     if restore_rng:
         state["rng"] = {_rank_key(): rng_state()}
     metadata = _reader(path).read_metadata()
+    problems = model_mismatches(metadata, state, parts)
+    if problems:
+        raise ConfigError(
+            f"checkpoint {path} is not of this run's model ({len(problems)} difference(s)): {'; '.join(problems[:6])}"
+            f"{'; ...' if len(problems) > 6 else ''}. Train with the params it was saved with, or use a new "
+            "checkpoint_dir"
+        )
     has_data = any(key.startswith("data.") or key == "data" for key in metadata.state_dict_metadata)
     if has_data:
         state["data"] = {k.split(".", 1)[1]: 0 for k in metadata.state_dict_metadata if k.startswith("data.")}

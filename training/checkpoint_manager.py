@@ -37,8 +37,50 @@ class Resumed:
     step: int
     epoch: int
     examples_seen: int  # by all ranks, over every earlier try
-    exact: bool  # same world size and a saved input position: the data order continues exactly
+    exact: bool  # the run continues bit for bit as the uninterrupted run would (same layout, input position saved)
     saved_world_size: int | None
+    data_restored: bool = False  # the input position and the ranks' RNG states were restored (same world size)
+    reason: str = ""  # why it is exact, or why not
+    saved_sharding: str | None = None
+    world_size: int | None = None
+    sharding: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """What result.json says of the resume."""
+        return {
+            "from": self.path, "step": self.step, "exact": self.exact, "reason": self.reason,
+            "data_restored": self.data_restored,
+            "saved": {"world_size": self.saved_world_size, "sharding": self.saved_sharding},
+            "now": {"world_size": self.world_size, "sharding": self.sharding},
+        }
+
+
+def resume_verdict(
+    marker: dict[str, Any], world_size: int, sharding: str | None, has_position: bool
+) -> tuple[bool, str]:
+    """Whether resuming the checkpoint of ``marker`` on ``world_size`` ranks with ``sharding`` (None: not
+    sharded) is exact, and why. Every resume restores the model, the optimizers (their sharded state resharded
+    by DCP, bit for bit), the LR schedule and the step; only one with the same world size and sharding and a
+    saved input position continues exactly as the uninterrupted run would."""
+    saved_ws, saved_sh = marker.get("world_size"), marker.get("sharding")
+    why: list[str] = []
+    if saved_ws != world_size:
+        why.append(
+            f"saved by {saved_ws} rank(s), resumed on {world_size}: the model and optimizer state are resharded "
+            "bit for bit and training continues from the same step, but each rank's batches, its random numbers "
+            "(dropout) and the reduced gradients are not the uninterrupted run's"
+        )
+    if saved_sh is not None and sharding is not None and saved_sh != sharding:
+        why.append(
+            f"saved {saved_sh}, resumed {sharding}: the tables are resharded bit for bit, but their gradients are "
+            "summed in another order across the new shards"
+        )
+    if not why and not has_position:
+        why.append("the checkpoint has no input position: the epoch restarts its data order")
+    if why:
+        return False, "; ".join(why)
+    layout = f"{world_size} rank(s)" + (f", {sharding}" if sharding else "")
+    return True, f"same layout as saved ({layout}): model, optimizers, input position and every rank's RNG restored"
 
 
 class CheckpointManager:
@@ -104,16 +146,18 @@ class CheckpointManager:
         if marker is None:
             return None
         names = sorted(self.parts)
-        same_layout = marker.get("world_size") == self.env.world_size and names == marker.get("parts")
         if names != marker.get("parts", ["model"]):
             raise ConfigError(
                 f"checkpoint {marker['path']} holds {marker.get('parts')} but this run trains {names}: "
                 "keep `ablation` as it was, or use a new checkpoint_dir"
             )
-        position = checkpoint.load(marker["path"], parts=self.parts, restore_rng=same_layout)
-        exact = bool(same_layout and position["data"])
-        if exact:
+        same_world = marker.get("world_size") == self.env.world_size
+        position = checkpoint.load(marker["path"], parts=self.parts, restore_rng=same_world)
+        data_restored = bool(same_world and position["data"])
+        if data_restored:
             self.stream.load_position(position["data"])
+        sharding = self.extra.get("sharding")
+        exact, reason = resume_verdict(marker, self.env.world_size, sharding, bool(position["data"]))
         self.last_saved = position["step"]
         return Resumed(
             path=marker["path"],
@@ -122,4 +166,9 @@ class CheckpointManager:
             examples_seen=position["examples_seen"],
             exact=exact,
             saved_world_size=marker.get("world_size"),
+            data_restored=data_restored,
+            reason=reason,
+            saved_sharding=marker.get("sharding"),
+            world_size=self.env.world_size,
+            sharding=sharding,
         )

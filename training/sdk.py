@@ -108,6 +108,17 @@ class ModelFamily:
         """
         return ()
 
+    def sparse_init_std(self, variant: str = "model") -> dict[str, float]:
+        """The standard deviation each sparse feature's rows start with under strategy ``torchrec`` (default 1.0,
+        ``nn.Embedding``'s own N(0, 1)).
+
+        Under ``torchrec`` the tables are built on the meta device and each rank initialises only its own rows,
+        from a hash of (seed, table, global row, column) (``training.torchrec_sharding.row_values``): the same values
+        at any world size and sharding. The family's own init of those tables is not run, so a family that draws
+        its tables with another scale says it here. Row 0 of a table with ``padding_idx=0`` stays zero.
+        """
+        return {}
+
     # --- evaluation -----------------------------------------------------------------------------
     def evaluate(
         self,

@@ -7,6 +7,11 @@ with a sharding plan (the tables model-parallel with all-to-all lookups and a sp
 backward pass; every other parameter data-parallel under DDP), and :func:`gather_full` turns the sharded model
 back into the family's plain module (the serving export, loadable without any process group).
 
+Built sharded: the trainer builds the model with :func:`build_meta` (the sparse features on the meta device, the
+dense part as the family builds it), so no process holds a whole table; :func:`shard` allocates each rank's shards
+and fills them with :func:`row_values`, a function of (seed, table, global row, column) alone: the same values at
+any world size and sharding. Checkpoints (``training.checkpoint``) save the shards and load them resharded.
+
 Sharding types: ``table_wise`` and ``column_wise`` come from TorchRec's planner (``EmbeddingShardingPlanner``
 with a ``Topology`` of this node: world size, device, memory per rank); ``row_wise`` is built by hand with
 ``construct_module_sharding_plan(..., row_wise())``, because on CPU the planner does not offer it (it does on
@@ -19,12 +24,16 @@ backward as ``nn.Embedding(padding_idx=0)`` with row 0 zero. The export sets row
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import warnings
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,6 +67,145 @@ def quiet_library_logs() -> None:
     warnings.filterwarnings("ignore", message=".*dense_tensor_estimate.*")
 
 
+# --- built sharded: the tables on the meta device, each rank initialising its own rows -----------------------
+@dataclasses.dataclass(frozen=True)
+class RowInit:
+    """How a table built on the meta device gets its values: :func:`row_values` with this seed and scale."""
+
+    seed: int
+    std: float = 1.0
+
+
+_M64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_CHUNK = 1 << 18  # values hashed at a time: bounds the temporaries (a few MiB) whatever the shard's size
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic): a bijective, well-mixed hash."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def table_key(seed: int, table: str) -> int:
+    """The 64-bit key of ``table``'s values under ``seed`` (stable across processes, unlike ``hash``)."""
+    mixed = _splitmix64(np.array([(seed * 0x100000001B3 + zlib.crc32(table.encode())) & _M64], dtype=np.uint64))
+    return int(mixed[0])
+
+
+def row_values(
+    table: str, init: RowInit, rows: tuple[int, int], cols: tuple[int, int], dim: int, padded: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The initial values of ``table``'s global rows ``rows`` [start, stop) and columns ``cols`` (float32).
+
+    Counter-based: value (r, c) is a function of (seed, table, r, c) alone (``dim`` is the table's full width,
+    so a column-wise shard gets the columns the whole table has), so any shard of any sharding at any world size
+    holds the same values for the same rows, bit for bit, and no rank needs anything but its own rows. Each value
+    is the sum of four 32-bit uniforms of one 128-bit hash, centred and scaled to ``init.std`` (Irwin-Hall: close
+    to normal, bounded by 3.5 std): integer arithmetic and exact float sums, so no libm and no vector width can
+    change a bit. Row 0 of a ``padded`` table is zero (absent). ``out``: written in place (a contiguous float32
+    CPU tensor of that shape, e.g. a rank's shard), else a new tensor."""
+    (r0, r1), (c0, c1) = rows, cols
+    shape = (max(r1 - r0, 0), max(c1 - c0, 0))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"row_values: out is {out.dtype} {tuple(out.shape)} on {out.device}, not float32 {shape}")
+    if out.numel() == 0:
+        return out
+    key = np.uint64(table_key(init.seed, table))
+    width = c1 - c0
+    scale = np.float64(3.0) ** 0.5 * init.std / 2.0**32
+    step = max(1, _CHUNK // width)
+    flat = out.numpy()
+    for start in range(r0, r1, step):
+        stop = min(r1, start + step)
+        r = np.arange(start, stop, dtype=np.uint64)[:, None]
+        c = np.arange(c0, c1, dtype=np.uint64)[None, :]
+        counter = (r * np.uint64(dim) + c) * np.uint64(2) + key
+        a, b = _splitmix64(counter), _splitmix64(counter + np.uint64(1))
+        lo = np.uint64(0xFFFFFFFF)
+        total = ((a & lo).astype(np.float64) + (a >> np.uint64(32)).astype(np.float64)
+                 + (b & lo).astype(np.float64) + (b >> np.uint64(32)).astype(np.float64))
+        # Each uniform is (k + 0.5) / 2^32 in (0, 1); four of them sum to (total + 2) / 2^32, mean 2, var 1/3.
+        flat[start - r0:stop - r0] = ((total + 2.0 - 2.0**33) * scale).astype(np.float32)
+    if padded and r0 == 0:
+        out[0].zero_()
+    return out
+
+
+@contextlib.contextmanager
+def _embeddings_on_meta(which: Callable[[int], bool], made: list[nn.Module]) -> Iterator[None]:
+    """While open, the ``i``-th ``nn.Embedding`` constructed (``made`` collects them) is built on the meta device
+    where ``which(i)``: no storage, no values (and no draw from the RNG: a meta tensor's init draws nothing)."""
+    original = nn.Embedding.__init__
+
+    def init(self: nn.Embedding, *args: Any, **kwargs: Any) -> None:
+        ordinal = len(made)
+        made.append(self)
+        if which(ordinal):
+            if kwargs.get("_weight") is not None:
+                raise ConfigError(
+                    "strategy torchrec: a sparse feature is built from given weights (nn.Embedding(_weight=...), "
+                    "from_pretrained): the tables must be built empty so that each rank makes only its own rows"
+                )
+            kwargs["device"] = torch.device("meta")
+        original(self, *args, **kwargs)
+
+    nn.Embedding.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Embedding.__init__ = original  # type: ignore[method-assign]
+
+
+def build_meta(build: Callable[[], nn.Module], names: tuple[str, ...] | list[str]) -> nn.Module:
+    """``build()`` with the ``nn.Embedding`` tables named in ``names`` on the meta device, the rest as usual.
+
+    No process ever allocates those tables: a first build puts every ``nn.Embedding`` on the meta device to learn
+    which construction makes which named table (the family's code is not changed; the RNG state is put back),
+    the second builds only those on the meta device. The dense part is the family's own, drawn from the RNG as
+    its code draws it (the same on every rank from the same seed; the tables draw nothing from it)."""
+    if not names:
+        raise ConfigError(
+            "strategy torchrec: the model family declares no sparse_features (its nn.Embedding tables to shard)"
+        )
+    rng = torch.get_rng_state()
+    probed: list[nn.Module] = []
+    with _embeddings_on_meta(lambda _: True, probed):
+        probe = build()
+    torch.set_rng_state(rng)
+    ordinal = {id(m): i for i, m in enumerate(probed)}
+    wanted: set[int] = set()
+    for name in names:
+        table = probe.get_submodule(name)
+        if not isinstance(table, nn.Embedding) or id(table) not in ordinal:
+            raise ConfigError(f"sparse feature {name!r} is a {type(table).__name__}, not an nn.Embedding")
+        wanted.add(ordinal[id(table)])
+    del probe, probed
+    made: list[nn.Module] = []
+    with _embeddings_on_meta(wanted.__contains__, made):
+        model = build()
+    meta = {name for name, p in model.named_parameters() if p.is_meta}
+    expected = {f"{name}.weight" for name in names}
+    if meta != expected:  # a build that does not make its modules in the same order twice
+        raise ConfigError(
+            f"strategy torchrec: building the sparse features on the meta device put {sorted(meta)} there, not "
+            f"{sorted(expected)}: the family's build_model must construct its modules in the same order every time"
+        )
+    return model
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to(device)`` for everything not on the meta device (the tables there are sharded, not moved)."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 class TableLookup(nn.Module):
     """One embedding table as a TorchRec ``EmbeddingBagCollection``, called like ``nn.Embedding``.
 
@@ -67,7 +215,8 @@ class TableLookup(nn.Module):
     """
 
     def __init__(
-        self, name: str, num_embeddings: int, embedding_dim: int, device: Any = None, padded: bool = True
+        self, name: str, num_embeddings: int, embedding_dim: int, device: Any = None, padded: bool = True,
+        init: RowInit | None = None,
     ) -> None:
         super().__init__()
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
@@ -76,6 +225,7 @@ class TableLookup(nn.Module):
         self.padded = padded
         self.embedding_dim = embedding_dim
         self.num_embeddings = num_embeddings
+        self.init = init  # a table on the meta device: how shard() initialises each rank's rows of it
         config = EmbeddingBagConfig(
             name=name, embedding_dim=embedding_dim, num_embeddings=num_embeddings, feature_names=[name],
             pooling=PoolingType.SUM,
@@ -115,8 +265,14 @@ def _table_name(path: str) -> str:
     return path.replace(".", "__")
 
 
-def to_torchrec(model: nn.Module, names: tuple[str, ...] | list[str]) -> nn.Module:
-    """Replace each ``nn.Embedding`` named in ``names`` by a :class:`TableLookup` with its weights (in place)."""
+def to_torchrec(
+    model: nn.Module, names: tuple[str, ...] | list[str], *, seed: int = 0, init_std: dict[str, float] | None = None
+) -> nn.Module:
+    """Replace each ``nn.Embedding`` named in ``names`` by a :class:`TableLookup` (in place).
+
+    A table with weights keeps them; a table on the meta device (:func:`build_meta`) becomes a lookup on the
+    meta device whose rows :func:`shard` initialises on each rank, its own rows only (:func:`row_values` with
+    ``seed`` and the table's ``init_std``, default 1.0)."""
     if not names:
         raise ConfigError(
             "strategy torchrec: the model family declares no sparse_features (its nn.Embedding tables to shard)"
@@ -125,9 +281,14 @@ def to_torchrec(model: nn.Module, names: tuple[str, ...] | list[str]) -> nn.Modu
         config = table_config(model, name)
         table = model.get_submodule(name)
         padded = bool(table.padding_idx == 0)
-        lookup = TableLookup(config.name, config.num_embeddings, config.embedding_dim, padded=padded)
-        with torch.no_grad():
-            lookup.ebc.embedding_bags[config.name].weight.copy_(table.weight)
+        if table.weight.is_meta:
+            std = (init_std or {}).get(name, 1.0)
+            lookup = TableLookup(config.name, config.num_embeddings, config.embedding_dim, padded=padded,
+                                 device=torch.device("meta"), init=RowInit(seed=seed, std=std))
+        else:
+            lookup = TableLookup(config.name, config.num_embeddings, config.embedding_dim, padded=padded)
+            with torch.no_grad():
+                lookup.ebc.embedding_bags[config.name].weight.copy_(table.weight)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, lookup)
     return model
@@ -164,7 +325,7 @@ def build_plan(
     ``world_size`` ranks of ``device_type`` and ``memory_per_rank`` bytes (``hbm_cap`` on CUDA, ``ddr_cap`` on
     CPU; None: TorchRec's default); a plan that does not fit raises ConfigError naming the tables and budget.
     ``row_wise`` on CPU: by hand (``construct_module_sharding_plan``), checked against ``memory_per_rank``.
-    With ``process_group``, rank 0 plans and every rank gets its plan (``collective_plan``).
+    With ``process_group``, rank 0 plans and every rank gets its plan, or the same ConfigError.
     """
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
@@ -200,17 +361,24 @@ def build_plan(
     # a budget the planner's default reservation for dense tensors and batches stays.
     reservation = FixedPercentageStorageReservation(0.0) if memory_per_rank is not None else None
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, storage_reservation=reservation)
-    try:
-        if process_group is not None:
-            return planner.collective_plan(model, sharders(), process_group)
-        return planner.plan(model, sharders())
-    except PlannerError as e:
+    # Rank 0 plans and every rank gets its plan, or its error (TorchRec's collective_plan would leave the other
+    # ranks waiting for a plan that never comes when rank 0's planning fails).
+    outcome: list[Any] = [None]
+    if process_group is None or dist.get_rank(process_group) == 0:
+        try:
+            outcome[0] = planner.plan(model, sharders())
+        except PlannerError as e:
+            outcome[0] = str(e).splitlines()[0]
+    if process_group is not None:
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(process_group, 0), group=process_group)
+    if isinstance(outcome[0], str):
         sizes = ", ".join(f"{t.name} {t.num_embeddings}x{t.embedding_dim}" for t in tables.values())
         budget = f"{memory_per_rank / 2**20:.0f} MiB" if memory_per_rank else "the default"
         raise ConfigError(
             f"TorchRec's planner found no {sharding} plan for the tables ({sizes}) on {world_size} {device_type} "
-            f"rank(s) with {budget} per rank: use row_wise (or more ranks). Planner: {str(e).splitlines()[0]}"
-        ) from e
+            f"rank(s) with {budget} per rank: use row_wise (or more ranks). Planner: {outcome[0]}"
+        )
+    return outcome[0]
 
 
 def rows_bytes(rows: int, dim: int) -> int:
@@ -232,8 +400,10 @@ def shard(
 
     The tables get a fused row-wise Adagrad (``apply_optimizer_in_backward``: each looked-up row is updated
     during the backward pass, nothing dense is all-reduced for them; fbgemm's CPU kernels offer SGD, Adagrad
-    and row-wise Adagrad, not Adam); their initial weights are the model's (every rank
-    built it from the same seed), loaded shard by shard. The rest is wrapped in DDP by DMP.
+    and row-wise Adagrad, not Adam). A table with weights (every rank built it from the same seed) starts from
+    them, loaded shard by shard; a table on the meta device (:func:`build_meta`, strategy torchrec's build) is
+    allocated by DMP only as this rank's shards, which :func:`init_local_rows` fills per global row. The rest is
+    wrapped in DDP by DMP.
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -258,14 +428,52 @@ def shard(
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(pg), device=device, plan=plan, sharders=sharders()
     )
-    # The sharded tables start from the model's weights (DMP leaves CPU tables as they are).
+    # The sharded tables start from the model's weights (DMP leaves CPU tables as they are); those built on the
+    # meta device from their rows' values, each rank its own rows.
     dmp.load_state_dict(full, strict=len(full) == len(model.state_dict()))
     del full
+    init_local_rows(dmp)
     # TorchRec keeps references to the unsharded tables (its sharding infos, the in-backward optimizer's hook):
     # free their storage, or every rank would hold each whole table next to its shard for the whole run.
     for param in unsharded:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     return dmp
+
+
+def local_shards(value: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """This rank's pieces of a (sharded) table: ((first row, first column), tensor) each, views of its storage."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        return [((s.metadata.shard_offsets[0], s.metadata.shard_offsets[1]), s.tensor) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = value.to_local()
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return [((int(offset[0]), int(offset[1])), local)] if local.numel() else []
+    return [((0, 0), value)]
+
+
+def init_local_rows(dmp: Any) -> None:
+    """Give every table built on the meta device its initial values, on each rank only for the rows it holds."""
+    tables = {m.name: m for m in dmp.modules() if isinstance(m, TableLookup) and m.init is not None}
+    if not tables:
+        return
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            _, sep, tail = key.rpartition(".ebc.embedding_bags.")
+            lookup = tables.get(tail.removesuffix(".weight")) if sep and tail.endswith(".weight") else None
+            if lookup is None or lookup.init is None:
+                continue
+            for (row, col), tensor in local_shards(value):
+                rows, cols = tensor.shape
+                span = (row, row + rows), (col, col + cols)
+                if tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
+                    row_values(lookup.name, lookup.init, *span, lookup.embedding_dim, lookup.padded, out=tensor)
+                else:  # e.g. on CUDA: made on the CPU (one shard's size), then copied
+                    tensor.copy_(row_values(lookup.name, lookup.init, *span, lookup.embedding_dim, lookup.padded))
 
 
 @dataclasses.dataclass

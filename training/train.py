@@ -58,7 +58,7 @@ from training.runtime import (
 
 if TYPE_CHECKING:  # torch is imported only when training starts
     from training.checkpoint import Part
-    from training.checkpoint_manager import CheckpointManager
+    from training.checkpoint_manager import CheckpointManager, Resumed
     from training.data import ExampleStream
     from training.sdk import ModelFamily
 
@@ -222,6 +222,7 @@ class Trainer:
         self.total_steps = 0
         self.parts: dict[str, Part] = {}
         self.checkpoints: CheckpointManager | None = None
+        self.resumed: Resumed | None = None  # the checkpoint this try resumed from (result.json says how)
         # Advanced by train():
         self.step = 0
         self.epoch = 0
@@ -431,13 +432,37 @@ class Trainer:
                 "'.[cpu]' (or '.[cuda]') && pip install --no-deps torchrec==1.8.0"
             ) from e
         cfg = self.config
-        model = ts.to_torchrec(self.family.build_model(variant), self.family.sparse_features(variant))
-        dmp = ts.shard(
-            model.to(self.device), sharding=cfg.sharding, device=self.device, lr=cfg.sparse_lr,
-            weight_decay=cfg.weight_decay,
-            memory_per_rank=int(cfg.embedding_memory_mb * 2**20) if cfg.embedding_memory_mb else None,
-        )
+        # Built sharded: the tables on the meta device (no rank ever holds one whole), the dense part as the family
+        # builds it; shard() then gives each rank its rows of every table, initialised per global row.
+        names = self.family.sparse_features(variant)
+        model = ts.build_meta(lambda: self.family.build_model(variant), names)
+        model = ts.to_torchrec(model, names, seed=cfg.seed, init_std=self.family.sparse_init_std(variant))
+        marker = self.latest_checkpoint()  # every rank, before the plan: a plan that fails names it
+        try:
+            dmp = ts.shard(
+                ts.to_device(model, self.device), sharding=cfg.sharding, device=self.device, lr=cfg.sparse_lr,
+                weight_decay=cfg.weight_decay,
+                memory_per_rank=int(cfg.embedding_memory_mb * 2**20) if cfg.embedding_memory_mb else None,
+            )
+        except ConfigError as e:  # no plan fits: say so of the checkpoint it was to resume, if it is another layout
+            if marker is None or (marker.get("world_size"), marker.get("sharding")) == (self.env.world_size,
+                                                                                         cfg.sharding):
+                raise
+            raise ConfigError(
+                f"cannot reshard checkpoint {marker['path']} (saved by {marker.get('world_size')} rank(s), "
+                f"{marker.get('sharding')}) onto {self.env.world_size} rank(s) {cfg.sharding}: {e}"
+            ) from e
         return dmp, ts.make_optimizer(dmp, lr=cfg.lr, weight_decay=cfg.weight_decay).optimizer
+
+    def latest_checkpoint(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint's marker (rank 0 looks, every rank gets it; a collective)."""
+        import torch.distributed as dist
+
+        from training.checkpoint import latest_checkpoint
+
+        found = [latest_checkpoint(self.config.checkpoint_dir) if self.env.is_main else None]
+        dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     def seed_rank_stream(self) -> None:
         """From here each rank draws its own random numbers (dropout); every checkpoint saves them."""
@@ -487,21 +512,22 @@ class Trainer:
             parts=self.parts,
             stream=self.stream,
             examples_seen=self.examples_seen,
-            extra={"total_steps": self.total_steps, "strategy": self.config.strategy},
+            extra={
+                "total_steps": self.total_steps, "strategy": self.config.strategy,
+                **({"sharding": self.config.sharding} if self.config.strategy == "torchrec" else {}),
+            },
         )
         resumed = self.checkpoints.resume()
         if resumed is None:
             return
+        self.resumed = resumed
         self.step, self.resumed_seen = resumed.step, resumed.examples_seen
-        if resumed.exact:
+        if resumed.data_restored:
             self.resume_skip = self.stream.skip
-        else:  # another world size: the model and optimizer are resharded, the data order is not exact
-            log.warning(
-                "resuming %s with world size %d (saved with %s): not an exact resume",
-                resumed.path,
-                self.env.world_size,
-                resumed.saved_world_size,
-            )
+        if resumed.exact:
+            log.info("exact resume of %s at step %d: %s", resumed.path, resumed.step, resumed.reason)
+        else:  # another world size or sharding: the model and optimizer are resharded, the continuation differs
+            log.warning("resuming %s at step %d: not an exact resume: %s", resumed.path, resumed.step, resumed.reason)
         self.heartbeat.update(progress=0, epoch=resumed.epoch)
         log.info("resumed from %s at step %d", resumed.path, self.step)
 
@@ -795,6 +821,8 @@ class Trainer:
             "train_days_requested": cfg.train_days_requested or len(cfg.train_days),
             "champion": champion,  # the registered champion evaluated on eval_ds (training.champion), or None
             "examples_seen": examples_seen,
+            # The checkpoint this try resumed from, and whether the resume was exact and why (None: from scratch).
+            "resume": self.resumed.summary() if self.resumed is not None else None,
             "seconds": round(seconds, 3),
             "warnings": self.budget_warnings() + ([input_summary["advice"]] if input_summary["advice"] else []),
             "input": input_summary,  # the data-bound verdict (training.runtime.input_verdict)

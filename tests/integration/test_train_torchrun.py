@@ -323,6 +323,9 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stderr
     assert "not an exact resume" not in proc.stderr
+    resume = json.loads((killed / "job" / "result.json").read_text())["resume"]
+    assert resume["exact"] is True and resume["data_restored"] is True, resume
+    assert resume["reason"].startswith("same layout as saved (2 rank(s)")
     if engine == "ray":
         assert "input ray" in proc.stderr
 
@@ -343,3 +346,67 @@ def test_sigkill_of_one_rank_then_restart_is_bitwise_equal_to_an_uninterrupted_r
     result_b = json.loads((killed / "job" / "result.json").read_text())
     assert result_a["metrics"]["auc"] == result_b["metrics"]["auc"]
     assert result_a["examples_seen"] == result_b["examples_seen"]
+
+
+@pytest.mark.slow  # about 90 s on 2 cores: three ranks
+def test_torchrec_resumes_on_three_ranks_what_two_saved_and_says_why_it_is_not_exact(tmp_path: Path, world):
+    """A 2-rank row-wise job's checkpoint continued by a 3-rank one from the same step (the tables' bitwise reshard
+    at 3 ranks and at 1 rank table-wise: ``test_sharded_tables.py``)."""
+    common = {
+        "strategy": "torchrec", "sharding": "row_wise", "register": False, "batch_size": 16, "checkpoint_every": 0,
+        "min_steps": 0, "params": {"ablation": False}, "root": str(tmp_path / "storage"),
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+    }
+    launch = ["-m", "training.launch", "--nproc-per-node"]
+    first, second = tmp_path / "two", tmp_path / "three"
+    first.mkdir()
+    second.mkdir()
+    proc = run([*launch, "2", "--", "-m", "training.train", "--config", str(run_config(first, **common, epochs=1))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = json.loads((first / "job" / "result.json").read_text())
+    assert saved["resume"] is None and saved["steps"] > 0
+
+    # Three epochs: 3 ranks take fewer steps an epoch (each reads whole row groups), the first epoch is past.
+    proc = run([*launch, "3", "--", "-m", "training.train", "--config", str(run_config(second, **common, epochs=3))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "not an exact resume: saved by 2 rank(s), resumed on 3" in proc.stderr
+    result = json.loads((second / "job" / "result.json").read_text())
+    resume = result["resume"]
+    assert resume["step"] == saved["steps"] and resume["exact"] is False and not resume["data_restored"]
+    assert resume["saved"] == {"world_size": 2, "sharding": "row_wise"}
+    assert resume["now"] == {"world_size": 3, "sharding": "row_wise"}
+    assert "resharded bit for bit" in resume["reason"]
+    assert result["steps"] > saved["steps"]  # continued from the saved step to the last epoch's end
+    assert f"resumed from {resume['from']} at step {saved['steps']}" in proc.stderr
+
+
+def test_torchrec_refuses_a_checkpoint_of_another_model_or_a_world_too_small_before_training(tmp_path: Path, world):
+    """Both USER errors name the table and the numbers, and come before a step is trained. Worlds of one rank."""
+    common = {
+        "strategy": "torchrec", "register": False, "batch_size": 16, "checkpoint_every": 0, "min_steps": 0,
+        "params": {"ablation": False}, "root": str(tmp_path / "storage"), "checkpoint_dir": str(tmp_path / "ckpt"),
+    }
+    jobs = {name: tmp_path / name for name in ("saved", "small", "other")}
+    for folder in jobs.values():
+        folder.mkdir()
+    proc = run(["-m", "training.train", "--config", str(run_config(jobs["saved"], **common, epochs=1))])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    # Table-wise on one rank with a budget smaller than the largest table: no plan, named with the checkpoint.
+    config = run_config(jobs["small"], **common, epochs=2, sharding="table_wise", embedding_memory_mb=0.01)
+    proc = run(["-m", "training.train", "--config", str(config)])
+    assert proc.returncode == ExitCode.USER, proc.stderr[-4000:]
+    failure = json.loads((jobs["small"] / "job" / "failure-rank0.json").read_text())
+    assert failure["failure_class"] == "USER"
+    assert "cannot reshard checkpoint" in failure["message"] and "(saved by 1 rank(s), row_wise)" in failure["message"]
+    assert "onto 1 rank(s) table_wise" in failure["message"] and "pin_emb 503x16" in failure["message"]
+    assert "resumed from" not in proc.stderr and "step 1/" not in proc.stderr
+
+    # The same run with another number of pin buckets: the checkpoint is of another model.
+    config = run_config(jobs["other"], **{**common, "params": {"ablation": False, "pin_buckets": 1009}}, epochs=2)
+    proc = run(["-m", "training.train", "--config", str(config)])
+    assert proc.returncode == ExitCode.USER, proc.stderr[-4000:]
+    failure = json.loads((jobs["other"] / "job" / "failure-rank0.json").read_text())
+    assert failure["failure_class"] == "USER"
+    assert "pin_emb is 503 x 16 in the checkpoint, 1009 x 16 in this model" in failure["message"], failure["message"]
+    assert "resumed from" not in proc.stderr

@@ -187,3 +187,95 @@ def test_shard_trains_only_the_rows_looked_up_and_exports_a_plain_module(world_o
     moved = (trained.ids.weight != start["ids.weight"]).any(dim=1).nonzero().flatten().tolist()
     assert moved == [3, 5] and not trained.ids.weight[0].any()
     assert not torch.equal(trained.out.weight, start["out.weight"])  # the dense part trained (AdamW)
+
+
+# --- built sharded: tables on the meta device, rows initialised per global row ------------------------------
+def test_row_values_depend_on_the_global_row_alone():
+    init = ts.RowInit(seed=5, std=0.05)
+    whole = ts.row_values("pins", init, (0, 2000), (0, 8), 8, padded=True)
+    assert not whole[0].any() and abs(float(whole[1:].std()) - 0.05) < 0.002 and abs(float(whole.mean())) < 0.002
+    assert float(whole.abs().max()) <= 0.05 * 3**0.5 * 2  # four uniforms: bounded
+    # Any piece (a row-wise shard, a column-wise one, an uneven split) is the same rows of the whole, bit for bit.
+    for rows, cols in [((0, 667), (0, 8)), ((667, 1334), (0, 8)), ((1999, 2000), (3, 8)), ((13, 14), (0, 4))]:
+        assert torch.equal(ts.row_values("pins", init, rows, cols, 8, padded=True), whole[slice(*rows), slice(*cols)])
+    out = torch.empty(10, 8)
+    ts.row_values("pins", init, (100, 110), (0, 8), 8, out=out)
+    assert torch.equal(out, whole[100:110])
+    assert not torch.equal(ts.row_values("users", init, (1, 50), (0, 8), 8), whole[1:50])  # per table
+    assert not torch.equal(ts.row_values("pins", ts.RowInit(seed=6, std=0.05), (1, 50), (0, 8), 8), whole[1:50])
+
+
+def test_build_meta_puts_only_the_sparse_features_on_the_meta_device():
+    family = load_family("pin_ranker", params=SMALL_RANKER)
+    names = family.sparse_features()
+    torch.manual_seed(3)
+    model = ts.build_meta(family.build_model, names)
+    after = torch.get_rng_state()
+    assert {n for n, p in model.named_parameters() if p.is_meta} == {f"{n}.weight" for n in names}
+    torch.manual_seed(3)
+    again = ts.build_meta(family.build_model, names)
+    assert torch.equal(after, torch.get_rng_state())  # the probe build drew nothing: the same RNG after each
+    dense = {k: v for k, v in model.state_dict().items() if not v.is_meta}
+    assert dense and all(torch.equal(v, again.state_dict()[k]) for k, v in dense.items())
+    assert not model.action_emb.weight.is_meta  # a table not declared sparse is built as the family builds it
+    with pytest.raises(ConfigError, match="'out' is a Linear"):
+        ts.build_meta(Tiny, ["out"])
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise", "column_wise"])
+def test_a_meta_built_table_is_sharded_with_its_row_values_and_exports_whole(world_of_one, sharding):
+    torch.manual_seed(0)
+    model = ts.to_torchrec(ts.build_meta(Tiny, ["ids", "seq"]), ["ids", "seq"], seed=11, init_std={"ids": 0.5})
+    assert model.ids.init == ts.RowInit(seed=11, std=0.5) and model.seq.init == ts.RowInit(seed=11, std=1.0)
+    dmp = ts.shard(ts.to_device(model, torch.device("cpu")), sharding=sharding, device=torch.device("cpu"),
+                   lr=0.1, weight_decay=0.0)
+    exported = ts.gather_full(dmp, ["ids", "seq"], Tiny)
+    assert exported is not None
+    assert torch.equal(exported.ids.weight, ts.row_values("ids", ts.RowInit(11, 0.5), (0, 40), (0, 4), 4, True))
+    assert torch.equal(exported.seq.weight, ts.row_values("seq", ts.RowInit(11, 1.0), (0, 9), (0, 4), 4, True))
+
+
+# --- resumes: exact or not, and why; a checkpoint of another model ------------------------------------------
+def test_a_resume_is_exact_only_on_the_layout_it_was_saved_with():
+    from training.checkpoint_manager import resume_verdict
+
+    marker = {"world_size": 2, "sharding": "row_wise"}
+    exact, why = resume_verdict(marker, 2, "row_wise", has_position=True)
+    assert exact and "same layout as saved (2 rank(s), row_wise)" in why
+    exact, why = resume_verdict(marker, 3, "row_wise", has_position=True)
+    assert not exact and "saved by 2 rank(s), resumed on 3" in why and "bit for bit" in why
+    exact, why = resume_verdict(marker, 2, "table_wise", has_position=True)
+    assert not exact and "saved row_wise, resumed table_wise" in why
+    exact, why = resume_verdict(marker, 1, "table_wise", has_position=True)
+    assert not exact and "resumed on 1" in why and "resumed table_wise" in why
+    assert not resume_verdict(marker, 2, "row_wise", has_position=False)[0]
+    assert resume_verdict({"world_size": 2}, 2, None, has_position=True)[0]  # ddp: no sharding to compare
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_table_and_its_sizes(world_of_one, tmp_path):
+    from training import checkpoint
+
+    def part(rows: int):
+        torch.manual_seed(0)
+        model = ts.to_torchrec(ts.build_meta(lambda: Tiny(rows=rows), ["ids", "seq"]), ["ids", "seq"])
+        dmp = ts.shard(model, sharding="row_wise", device=torch.device("cpu"), lr=0.1, weight_decay=0.0)
+        opt = ts.make_optimizer(dmp, lr=0.01, weight_decay=0.0).optimizer
+        for _, child in opt.optimizers:  # the state a step makes, as a trained run's checkpoint has it
+            ts.init_optimizer_state(child)
+        return dmp, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+
+    path = checkpoint.save(tmp_path / "ckpt", step=1, epoch=0, examples_seen=1, parts={"model": part(40)},
+                           is_main=True)
+    assert checkpoint.load(path, parts={"model": part(40)})["step"] == 1
+    with pytest.raises(ConfigError, match=r"not of this run's model .*model: ids is 40 x 4 in the checkpoint, "
+                                          r"50 x 4 in this model"):
+        checkpoint.load(path, parts={"model": part(50)})
+
+
+def test_a_plan_that_cannot_hold_the_tables_fails_on_every_rank_with_the_numbers(world_of_one):
+    import torch.distributed as dist
+
+    model = ts.to_torchrec(ts.build_meta(lambda: Tiny(rows=100_000, dim=16), ["ids"]), ["ids"])
+    with pytest.raises(ConfigError, match=r"no table_wise plan for the tables \(ids 100000x16\) on 1 cpu rank\(s\)"):
+        ts.build_plan(model, "table_wise", world_size=1, device_type="cpu", memory_per_rank=2**20,
+                      process_group=dist.group.WORLD)

@@ -86,6 +86,8 @@ COUNT_FEATURES: tuple[str, ...] = tuple(
 
 # Scalars per action type of PinRanker.match_features (count, mean/max similarity, same category, decayed).
 MATCH_FEATURES = 5 * len(ACTIONS)
+TABLE_STD = 0.05  # the id tables' initial scale (normal)
+TASTE_STD = 0.01  # user_taste's
 
 # A universal hash h(x) = ((x mod P) * A + C) mod P, then mod (buckets - 1) + 1. P = 2^31 - 1 keeps every
 # product below 2^62, so nothing overflows int64 (in eager mode, under torch.export and on CUDA alike).
@@ -190,10 +192,10 @@ class PinRanker(nn.Module):
             self.creator_emb,
             self.surface_emb,
         ):
-            nn.init.normal_(emb.weight, std=0.05)
+            nn.init.normal_(emb.weight, std=TABLE_STD)
             with torch.no_grad():
                 emb.weight[0].zero_()
-        nn.init.normal_(self.user_taste.weight, std=0.01)
+        nn.init.normal_(self.user_taste.weight, std=TASTE_STD)
         with torch.no_grad():
             self.user_taste.weight[0].zero_()
         if config.use_sequence:
@@ -495,6 +497,10 @@ class PinRankerFamily(ModelFamily):
         action and surface vocabularies stay dense."""
         tables = ("pin_emb", "user_emb", "category_emb", "creator_emb", "user_taste")
         return tables if variant == "ablation" else (*tables, "seq_category_emb")
+
+    def sparse_init_std(self, variant: str = "model") -> dict[str, float]:
+        """The scales PinRanker draws its tables with (TABLE_STD, TASTE_STD), for the tables' sharded build."""
+        return {name: TASTE_STD if name == "user_taste" else TABLE_STD for name in self.sparse_features(variant)}
 
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         weights = {label: float(self.params.loss_weights.get(label, 1.0)) for label in LABELS}
