@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
-from core import config
 from core.failures import ConfigError, InfraError
 
 if TYPE_CHECKING:
@@ -148,12 +147,16 @@ class FeatureBuildOperator(BaseOperator):
         self._job: dict[str, Any] | None = None
 
     def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
+        from core import config
+
         overrides = {**self.overrides, "shards": self.shards if self.shards not in ("", None) else None}
         return config.with_overrides(cfg.features, overrides, "the run's params")
 
     def _plan(self, context: Context) -> dict[str, Any]:
         """What this task builds: settings, command, shard count, backend, staging folder (the same for every try of a
         run)."""
+        from core import config
+
         cfg = config.load()
         features = self._features(cfg)
         command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
@@ -168,6 +171,7 @@ class FeatureBuildOperator(BaseOperator):
         return plan
 
     def execute(self, context: Context) -> Any:
+        from core import config
         from features.build import missing_shards
         from operators.backends import get_backend, validate_for
         from operators.jobs import job_name
@@ -236,7 +240,7 @@ class FeatureBuildOperator(BaseOperator):
 
     def _finish(self, plan: dict[str, Any]) -> dict[str, Any]:
         """Publish the shards (a sharded step) or read what the job published; log gaps; the summaries."""
-        from core import storage
+        from core import config, storage
         from features.build import merge_shards
 
         root = config.load().storage_root
@@ -287,7 +291,7 @@ class FeatureBuildOperator(BaseOperator):
         """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and
         wrote (``operators.lineage``); read back from the outputs' ``_metadata.json`` if this instance did not
         build them."""
-        from core import storage
+        from core import config, storage
         from operators.lineage import feature_lineage
 
         root = config.load().storage_root
@@ -313,7 +317,7 @@ def announce_examples(ds: str, run_type: str) -> dict[str, str]:
     """
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from core import contracts, storage
+    from core import config, contracts, storage
 
     if run_type == "backfill":
         raise AirflowSkipException(f"examples of ds={ds} are published; a backfill does not trigger training "

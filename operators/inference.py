@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
-from core import config
 from core.failures import ConfigError, DataError, InfraError, PinflowError
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ def plan_inference(
     goes beside the output; the returned summary (XCom) names it. An unknown family, version or alias is a USER
     error; a registry that does not answer is INFRA (retried); a missing snapshot is DATA.
     """
-    from core import storage
+    from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
     from operators import registry
     from training.inference import make_plan, snapshot, views_dir, write_plan
@@ -162,6 +161,7 @@ def plan_inference(
 def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
     """The plan a summary of :func:`plan_inference` names: its file, or (once a publish removed it) the same plan
     made again from the summary, which finds the parts already published under it."""
+    from core import config
     from training.inference import MissingPartsError, make_plan, read_plan
 
     try:
@@ -266,7 +266,7 @@ class CorpusScoringOperator(BaseOperator):
                 "backend": job["backend"] if job else self.plan.get("backend"), "num_shards": plan["num_shards"]}
 
     def execute(self, context: Context) -> Any:
-        from core import storage
+        from core import config, storage
         from operators.backends import get_backend, validate_for
         from operators.jobs import job_name
         from training.inference import missing_shards, write_plan
@@ -306,6 +306,8 @@ class CorpusScoringOperator(BaseOperator):
         return self._wait(context, job)
 
     def _wait(self, context: Context, job: dict[str, Any]) -> Any:
+        from core import config
+
         self._job = job
         cfg = config.load()
         poll = float(self.poll_seconds or cfg.inference.poll_seconds)
@@ -386,6 +388,7 @@ class CorpusScoringOperator(BaseOperator):
 def publish(plan: dict[str, Any]) -> dict[str, Any]:
     """Check every part and write the manifest last (only then do readers see the output); record the measured
     throughput for the next plan of this model."""
+    from core import config
     from core.storage import join
     from training.inference import MANIFEST, publish_plan
 

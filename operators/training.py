@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context, ResumableJobMixin
 
-from core import config
 from core.failures import ConfigError, DataError, InfraError, PinflowError, UserError, as_typed
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
+
+    from core import config
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
@@ -29,6 +30,7 @@ def plan_training_days(model: str, end_ds: str | None, train_days: int, accept_f
     ``accept_fewer_days``: the run then trains on those it has and the promotion gate does not promote its model.
     An unknown family is a USER error.
     """
+    from core import config
     from core.storage import complete_days  # a local root or s3://...
 
     cfg = config.load()
@@ -142,6 +144,7 @@ def tracking_server_answers(uri: str, timeout_s: float = 10.0) -> None:
 
 def family_dataset(model: str) -> str:
     """The dataset whose rows a family trains on (imports the family's module: not at DAG parse time)."""
+    from core import config
     from training.sdk import load_family
 
     cfg = config.load()
@@ -238,6 +241,8 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     # -- the job ---------------------------------------------------------------------------------------------
     def _settings(self) -> dict[str, Any]:
+        from core import config
+
         cfg = config.load()
         training = cfg.training
         return {
@@ -260,7 +265,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
 
     def _prepare(self, context: Context) -> tuple[Any, Any, dict[str, Any], str]:
         """The backend, the validated job spec, the run's RUN.json content and where it goes."""
-        from core import storage
+        from core import config, storage
         from core.contracts import MODELS, RUNS
         from operators.backends import JobSpec, get_backend, validate_for
         from operators.jobs import job_name
@@ -506,7 +511,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
         return self.get_job_result(job, context)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
-        from core import storage
+        from core import config, storage
 
         job = dict(external_id)  # type: ignore[arg-type]
         try:
@@ -537,6 +542,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions of the train and evaluation days in, the model
         version the job registered out (``operators.lineage``)."""
+        from core import config
         from operators.lineage import training_lineage
 
         result = getattr(self, "_result", None)
@@ -628,6 +634,7 @@ class DistributedTrainingOperator(ResumableJobMixin, BaseOperator):
     def _preflight(self, backend: Any, tracking_uri: str) -> None:
         """Cheap checks before anything is submitted: the inputs exist, the backend and the tracking server
         answer (a job submitted while MLflow is down would only fail its own preflight, after its queue wait)."""
+        from core import config
         from core.contracts import EXAMPLES
         from core.storage import is_complete
 
