@@ -3,6 +3,9 @@ and an invalid configuration still stops the DAG files with the message that nam
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ from core.failures import ConfigError
 
 pytestmark = pytest.mark.unit
 
+REPO = Path(__file__).resolve().parents[2]
+DAGS = REPO / "dags"
 
 
 def assert_same(view: Any, model: Any, where: str = "config") -> None:
@@ -71,3 +76,47 @@ def test_an_invalid_configuration_stops_the_view_as_it_stops_load(home: Path, mo
         config_view.load()
     assert str(view_err.value) == str(err.value)
     assert "training.epocs: unknown key in environment variable PINFLOW_TRAINING__EPOCS" in str(err.value)
+
+
+def test_a_dag_file_with_an_invalid_configuration_is_an_import_error_naming_the_key(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from airflow.dag_processing.dagbag import DagBag
+
+    config_view.load()
+    monkeypatch.setenv("PINFLOW_TRAINING__EPOCS", "3")
+    config.load.cache_clear()  # as the DAG processor's parsing process, which has read none before
+    bag = DagBag(dag_folder=str(DAGS / "pinflow_rollback.py"))
+    assert not bag.dags
+    (message,) = bag.import_errors.values()
+    assert "did you mean 'training.epochs'?" in message
+
+
+def test_parsing_with_the_cache_builds_no_typed_configuration(home: Path):
+    """A DAG file parsed with a filled cache does not import core.config (the pydantic models)."""
+    config_view.load()
+    code = (
+        "import json, runpy, sys;"
+        f"[runpy.run_path(str(p)) for p in sorted(__import__('pathlib').Path({str(DAGS)!r}).glob('*.py'))];"
+        "print(json.dumps('core.config' in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+
+
+def test_the_dags_are_the_same_built_from_the_view_or_from_the_typed_configuration(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    def serialized() -> dict[str, str]:
+        bag = DagBag(dag_folder=str(DAGS))
+        assert bag.import_errors == {}
+        return {dag_id: json.dumps(DagSerialization.to_dict(dag), sort_keys=True, default=str)
+                for dag_id, dag in bag.dags.items()}
+
+    config_view.load()
+    from_view = serialized()
+    monkeypatch.setattr(config_view, "load", config.load)
+    assert serialized() == from_view
