@@ -23,6 +23,9 @@ COPY dags ./dags
 COPY plugins ./plugins
 COPY config ./config
 COPY scripts ./scripts
+# The services run as AIRFLOW_UID and cannot write __pycache__ here: compiled now, or the DAG processor would
+# compile every module a DAG file imports at every parse.
+RUN python -m compileall -q /opt/pinflow/src
 # Folders the named volumes are mounted on: a new volume takes their owner, so the services can write there.
 ARG AIRFLOW_UID=50000
 RUN useradd --uid ${AIRFLOW_UID} --gid 0 --home-dir /opt/airflow --create-home airflow \

@@ -7,13 +7,13 @@ from typing import Any
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from core import config
+from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET, CORPUS_SCORES_ASSET
 from operators.backends import BACKENDS
 from operators.errors import default_args
 from operators.inference import ENGINES, CorpusScoringOperator
 
-_cfg = config.load()
+_cfg = config_view.load()
 
 with DAG(
     dag_id="pin_corpus_inference",

@@ -9,7 +9,7 @@ import pendulum
 from airflow.sdk import Param, task
 from airflow.timetables.interval import CronDataIntervalTimetable
 
-from core import config
+from core import config_view
 from operators import deadlines
 from operators.assets import EXAMPLES_ASSET
 from operators.errors import default_args
@@ -21,7 +21,7 @@ from operators.validation import ValidatePartitionOperator, WindowGapCheckOperat
 # builds each run's own day: the Backfill dialog offers the DAG's params too, and a `ds` given there would
 # otherwise make every backfilled run rebuild that one day.
 DS = "{{ ds if dag_run.run_type == 'backfill' else (params.ds or ds) }}"
-_cfg = config.load()
+_cfg = config_view.load()
 
 with deadlines.DAG(  # Airflow's DAG; its test() runs without the deadline alerts (operators/deadlines.py)
     dag_id="pin_daily_features",

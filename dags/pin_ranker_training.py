@@ -8,18 +8,18 @@ from typing import Any
 import pendulum
 from airflow.sdk import Param, task
 
-from core import config
+from core import config_view
 from operators import deadlines
 from operators.approval import ChampionApprovalOperator
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import BACKENDS
 from operators.errors import default_args
-from operators.quotas import team_param
+from operators.params import team_param
 from operators.training import DistributedTrainingOperator
 
 # The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*); epochs,
 # batch size and lr left empty take the chosen family's defaults (families:), else the training: section's.
-_cfg = config.load()
+_cfg = config_view.load()
 _training = _cfg.training
 
 

@@ -8,13 +8,13 @@ from typing import Any
 import pendulum
 from airflow.sdk import DAG, Param, TaskGroup, task
 
-from core import config
+from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.backends import BACKENDS
 from operators.errors import default_args
 from operators.hpo import HpoTrialOperator
 
-_cfg = config.load()
+_cfg = config_view.load()
 _training, _hpo = _cfg.training, _cfg.hpo
 
 EXAMPLE_SPACE = {

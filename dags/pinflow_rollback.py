@@ -7,11 +7,11 @@ from typing import Any
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from core import config
+from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.errors import default_args
 
-_cfg = config.load()
+_cfg = config_view.load()
 
 with DAG(
     dag_id="pinflow_rollback",

@@ -21,11 +21,11 @@ from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator, HITLOperator
 
-from operators.promotion import auc_text as _auc
-
 
 def review_body(result: dict[str, Any], decision: dict[str, Any], run_url: str, mlflow_url: str) -> str:
     """What a reviewer reads before answering (Markdown): the candidate against the champion and the baseline."""
+    from operators.promotion import auc_text as _auc
+
     champion = decision.get("champion_version")
     rows = "\n".join(
         f"| {head} | {_auc(v.get('new'))} | {_auc(v.get('champion'))} | {_auc(v.get('baseline'))} |"

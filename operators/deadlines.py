@@ -23,12 +23,13 @@ import asyncio
 import datetime as dt
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.listeners import hookimpl
 from airflow.sdk import DAG as _SdkDAG
 
-from core.config import PlatformConfig
+if TYPE_CHECKING:
+    from core.config import PlatformConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Context
 
-from core import config
 from core.failures import ConfigError, InfraError
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
@@ -160,11 +159,13 @@ class FeatureBuildOperator(ComputeJobOperator):
         self._built: dict[str, Any] | None = None
 
     def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
+        from core import config
         overrides = {**self.overrides, "shards": self.shards if self.shards not in ("", None) else None}
         return config.with_overrides(cfg.features, overrides, "the run's params")
 
     def _plan(self, context: Context) -> FeaturePlan:
         """What this task builds (the same for every try of a run)."""
+        from core import config
         cfg = config.load()
         features = self._features(cfg)
         command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
@@ -184,6 +185,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         return ("features", ti.dag_id, ti.run_id, ti.task_id)
 
     def watch(self) -> Watch:
+        from core import config
         cfg = config.load()
         features = self._features(cfg)
         return Watch(poll_s=float(self.poll_seconds or features.poll_seconds), stall_s=float(features.timeout_seconds),
@@ -202,6 +204,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         return self._publish(plan)
 
     def prepare(self, context: Context, name: str) -> Submission:
+        from core import config
         cfg = config.load()
         plan = self._plan(context)
         if self.skip_validation:
@@ -217,7 +220,7 @@ class FeatureBuildOperator(ComputeJobOperator):
 
     def _publish(self, plan: FeaturePlan) -> dict[str, Any]:
         """Publish the shards (a sharded step) or read what the job published; log gaps; the summaries."""
-        from core import storage
+        from core import config, storage
         from features.build import merge_shards
 
         root = config.load().storage_root
@@ -262,7 +265,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and
         wrote (``operators.lineage``); read back from the outputs' ``_metadata.json`` if this instance did not
         build them."""
-        from core import storage
+        from core import config, storage
         from operators.lineage import feature_lineage
 
         root = config.load().storage_root
@@ -288,7 +291,7 @@ def announce_examples(ds: str, run_type: str) -> dict[str, str]:
     """
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from core import contracts, storage
+    from core import config, contracts, storage
 
     if run_type == "backfill":
         raise AirflowSkipException(f"examples of ds={ds} are published; a backfill does not trigger training "

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import Context
 from airflow.triggers.base import TriggerEvent
 
-from core import config
 from core.failures import ConfigError, PinflowError, UserError, as_typed
 from operators.compute_job import JobRef, Submission, Watch
 from operators.training import TUNABLE, DistributedTrainingOperator
@@ -308,6 +307,7 @@ def _check_run(fields: dict[str, Any], family: str, where: str) -> None:
 
 def build_spec(form: dict[str, Any], cfg: PlatformConfig, plan: dict[str, Any] | None = None) -> StudySpec:
     """The study's definition from the form (``params`` of the DAG run); a ConfigError names the bad value."""
+    from core import config
     from training.sdk import load_family
 
     family_name = str(form.get("model") or cfg.training.model)
@@ -439,6 +439,7 @@ def redacted(url: str) -> str:
 
 def open_storage(cfg: PlatformConfig | None = None) -> Any:
     """The study storage (``hpo.storage_url``; SQLite under PINFLOW_HOME on the embedded default), one per process."""
+    from core import config
     return _storage(storage_url(cfg or config.load()))
 
 
@@ -522,6 +523,7 @@ def create_study(dag_id: str, run_id: str, form: dict[str, Any], *, team: str = 
     """Create the study of this DAG run, or continue it: its definition is the first run's."""
     import optuna
 
+    from core import config
     from operators.training import plan_training_days
 
     cfg = config.load()
@@ -746,6 +748,8 @@ def _log_parent(study: optuna.Study, spec: StudySpec) -> None:
     """The parent run's view of the study: each trial's value and state counts, the best so far."""
     from optuna.trial import TrialState
 
+    from core import config
+
     run_id = study.user_attrs.get(PARENT_RUN_ATTR)
     if not run_id:
         return
@@ -802,6 +806,8 @@ def register_trial_model(spec: StudySpec, number: int, result: dict[str, Any]) -
     """The registered version of a trial's logged model (registered once: a re-run finds the version by run id)."""
     import mlflow
 
+    from core import config
+
     cfg = config.load()
     client = _mlflow(cfg)
     name = result["model_name"]
@@ -845,6 +851,7 @@ def importance(study: optuna.Study) -> dict[str, float] | None:
 def summarize(name: str, run: tuple[str, str] | None = None) -> dict[str, Any]:
     """The study's summary: best trial and params, the baseline's value, trials by state, importance, promotion,
     and what its trials cost (the jobs of DAG run ``run``: (dag_id, run_id)) next to the gain over the baseline."""
+    from core import config
     study, spec = load(name)
     trials = _trials(study)
     best = _best(study)
@@ -951,6 +958,8 @@ class TrialMonitor:
     def report(self) -> int | None:
         """Report the steps not reported yet; return the last step reported (None: nothing logged yet)."""
         import optuna
+
+        from core import config
 
         study, spec, trial_id = self._load()
         run_id = self.mlflow_run_id()
@@ -1093,6 +1102,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
         self.overrides = {**{k: v for k, v in trial["run"].items() if k in TUNABLE}, "params": trial["family_params"]}
 
     def prepare(self, context: Context, name: str) -> Submission:
+        from core import config
         from training.config import RunConfig
 
         submission = super().prepare(context, name)
@@ -1170,6 +1180,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
 
     def _pruned(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The trigger pruned the trial and cancelled its job: the task succeeds with the trial recorded as pruned."""
+        from core import config
         self._forget(context)
         self._job = None
         outcome = {"state": PRUNED, "trial": self.trial["number"], "study": self.trial["study"],
@@ -1199,6 +1210,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
         return outcome
 
     def _record(self, study: Any, outcome: dict[str, Any]) -> None:
+        from core import config
         study._storage.set_trial_user_attr(self._trial_id(study), RESULT_ATTR, outcome)
         if outcome.get("mlflow_run_id"):
             try:

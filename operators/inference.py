@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Context
 
-from core import config
 from core.failures import ConfigError, DataError, InfraError
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
@@ -106,7 +105,7 @@ def plan_inference(
     goes beside the output; the returned summary (XCom) names it. An unknown family, version or alias is a USER
     error; a registry that does not answer is INFRA (retried); a missing snapshot is DATA.
     """
-    from core import storage
+    from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
     from operators import registry
     from training.inference import make_plan, snapshot, views_dir, write_plan
@@ -164,6 +163,7 @@ def plan_inference(
 def load_plan(summary: dict[str, Any]) -> ScoringPlan:
     """The plan a summary of :func:`plan_inference` names: its file, or (once a publish removed it) the same plan
     made again from the summary, which finds the parts already published under it."""
+    from core import config
     from training.inference import MissingPartsError, make_plan, read_plan
 
     try:
@@ -269,6 +269,7 @@ class CorpusScoringOperator(ComputeJobOperator):
         return ("score", ti.dag_id, ti.run_id)
 
     def watch(self) -> Watch:
+        from core import config
         cfg = config.load()
         return Watch(poll_s=float(self.poll_seconds or cfg.inference.poll_seconds),
                      stall_s=float(cfg.inference.timeout_seconds),
@@ -284,6 +285,7 @@ class CorpusScoringOperator(ComputeJobOperator):
         return self._summary(plan, [], None)
 
     def prepare(self, context: Context, name: str) -> Submission:
+        from core import config
         from training.inference import missing_shards
 
         cfg = config.load()
@@ -319,6 +321,7 @@ class CorpusScoringOperator(ComputeJobOperator):
 def publish(plan: dict[str, Any]) -> dict[str, Any]:
     """Check every part and write the manifest last (only then do readers see the output); record the measured
     throughput for the next plan of this model."""
+    from core import config
     from core.storage import join
     from training.inference import MANIFEST, publish_plan
 

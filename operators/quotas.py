@@ -37,6 +37,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from core.config import PlatformConfig, QuotaConfig, TeamConfig
 from core.failures import ConfigError
 from operators import job_history as history
+from operators.params import team_param as team_param  # the forms' team param, also here for its callers
 from operators.triggers import not_before
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,6 @@ ABANDON_AFTER_S = 600.0
 def team_pool(team: str) -> str:
     """The Airflow pool of a team."""
     return f"{POOL_PREFIX}{team}"
-
-
-def team_param(cfg: PlatformConfig) -> Any:
-    """The trigger forms' ``team`` param: an enum of the configured teams, the default team first."""
-    from airflow.sdk import Param
-
-    return Param(
-        cfg.training.team, enum=sorted(cfg.teams),
-        description="The team whose quota, Airflow pool, Batch fair share / Kueue queue and default instance type "
-                    "the job uses (teams: in the platform configuration).",
-    )
 
 
 @dataclasses.dataclass(frozen=True)

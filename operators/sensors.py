@@ -19,13 +19,14 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator, Context
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from core import config, storage
 from core.failures import DataError
 from operators.triggers import not_before
 
 
 def missing_partitions(root: str, datasets: Sequence[str], ds: str) -> dict[str, str]:
     """Dataset -> what is missing, for every partition of ``ds`` without its completion marker."""
+    from core import storage
+
     missing: dict[str, str] = {}
     for dataset in datasets:
         if storage.is_complete(root, dataset, ds):
@@ -112,6 +113,8 @@ class RawPartitionSensor(BaseSensorOperator):
 
     def __init__(self, *, datasets: Sequence[str], ds: str, deferrable: bool = False, **kwargs: Any) -> None:
         if "poke_interval" not in kwargs or "timeout" not in kwargs:
+            from core import config
+
             section = config.load().validation
             kwargs.setdefault("poke_interval", section.sensor_poke_seconds)
             kwargs.setdefault("timeout", section.sensor_timeout_seconds)
@@ -141,12 +144,15 @@ class RawPartitionSensor(BaseSensorOperator):
                 self.ds, named, named, float(self.timeout) / 3600, self.ds, self.ds)
 
     def poke(self, context: Context) -> bool:
+        from core import config
+
         missing = missing_partitions(config.load().storage_root, self.datasets, self.ds)
         for dataset, what in missing.items():
             self.log.info("waiting for %s ds=%s: %s", dataset, self.ds, what)
         return not missing
 
     def execute(self, context: Context) -> Any:
+        from core import config
         from operators.run_conf import check_run_conf
 
         check_run_conf(context)  # a typo in the trigger's conf fails here, not after hours of waiting for a default

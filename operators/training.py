@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
-from core import config
 from core.failures import ConfigError, DataError, InfraError, UserError, as_typed
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
+
+    from core.config import PlatformConfig
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
@@ -30,6 +31,7 @@ def plan_training_days(model: str, end_ds: str | None, train_days: int, accept_f
     ``accept_fewer_days``: the run then trains on those it has and the promotion gate does not promote its model.
     An unknown family is a USER error.
     """
+    from core import config
     from core.storage import complete_days  # a local root or s3://...
 
     cfg = config.load()
@@ -143,6 +145,7 @@ def tracking_server_answers(uri: str, timeout_s: float = 10.0) -> None:
 
 def family_dataset(model: str) -> str:
     """The dataset whose rows a family trains on (imports the family's module: not at DAG parse time)."""
+    from core import config
     from training.sdk import load_family
 
     cfg = config.load()
@@ -241,6 +244,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
         return ("train", ti.dag_id, ti.run_id, *self.job_key(context))
 
     def watch(self) -> Watch:
+        from core import config
         training = config.load().training
         return Watch(poll_s=float(self.poll_seconds or training.poll_seconds),
                      stall_s=float(training.heartbeat_timeout_seconds),
@@ -248,7 +252,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
 
     def prepare(self, context: Context, name: str) -> Submission:
         """The job spec and the run's RUN.json content (``settings``), checked by the job's own models."""
-        from core import storage
+        from core import config, storage
         from core.contracts import MODELS, RUNS
         from operators.backends import JobSpec
         from operators.jobs import job_name
@@ -402,7 +406,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
 
     def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         """The job's result.json, recorded in the job history; the run's pinned input copies released."""
-        from core import storage
+        from core import config, storage
 
         output_dir = str(job.output_dir)
         try:
@@ -437,7 +441,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
                           float(event.get("waited_s") or 0), event.get("job_name"))
         return self.execute(context)
 
-    def _input_workers(self, cfg: config.PlatformConfig, backend: str, team: str, procs: int,
+    def _input_workers(self, cfg: PlatformConfig, backend: str, team: str, procs: int,
                        overrides: dict[str, Any]) -> tuple[int, int]:
         """Input workers and torch threads per process (``resources.input_workers``): the form's, else
         ``training:``'s, else derived from the node (the local backend: this machine's CPUs, no GPU; otherwise the
@@ -481,6 +485,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions of the train and evaluation days in, the model
         version the job registered out (``operators.lineage``)."""
+        from core import config
         from operators.lineage import training_lineage
 
         result = getattr(self, "_result", None)
@@ -496,6 +501,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
     def _preflight(self, backend: Any, tracking_uri: str) -> None:
         """Cheap checks before anything is submitted: the inputs exist, the backend and the tracking server
         answer (a job submitted while MLflow is down would only fail its own preflight, after its queue wait)."""
+        from core import config
         from core.contracts import EXAMPLES
         from core.storage import is_complete
 

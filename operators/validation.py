@@ -15,7 +15,6 @@ from typing import Any
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 from airflow.sdk.types import TaskInstanceKey
 
-from core import config
 from core.failures import DataError
 from operators.sensors import RawPartitionSensor, RawPartitionTrigger
 
@@ -46,6 +45,8 @@ class DataDocsLink(BaseOperatorLink):
         # XCom, which the API server reads (the link is an XComOperatorLink there: no ``operators`` list, or the
         # API server would call this on the serialized operator, which has none of these attributes); the
         # execute() of this try has set the URL of the page it wrote.
+        from core import config
+
         url = getattr(operator, "data_docs_url", None)
         if url:
             return str(url)
@@ -79,6 +80,7 @@ class ValidatePartitionOperator(BaseOperator):
         self._checks: list[tuple[str, bool]] = []
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from core import config
         from features.validate import validate_partition
 
         cfg = config.load()
@@ -106,6 +108,7 @@ class ValidatePartitionOperator(BaseOperator):
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the raw partition in, with the checks' outcomes as data-quality
         assertions; its validation report out (``operators.lineage``)."""
+        from core import config
         from operators.lineage import validation_lineage
 
         return validation_lineage(config.load().storage_root, self.dataset, self.ds, self._checks)
@@ -130,6 +133,7 @@ class WindowGapCheckOperator(BaseOperator):
         self.ds = ds
 
     def execute(self, context: Context) -> dict[str, Any]:
+        from core import config
         from features.validation.window import window_gaps
 
         cfg = config.load()

@@ -1,21 +1,32 @@
 """Compute backends: each turns a backend-agnostic ``JobSpec`` into its native request (a pure dry run),
 then submits, reports status, fetches logs and cancels.
 
-The backend modules import their provider hooks and clients, so they are imported here lazily: a DAG
-file that names ``BACKENDS`` stays cheap to parse.
+The backend modules import their provider hooks and clients, so they are imported here lazily, and so is
+``operators.backends.base`` (its names are this package's all the same): a DAG file that names ``BACKENDS``
+stays cheap to parse.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.failures import ConfigError
-from operators.backends.base import Backend, JobSpec, JobState, JobStatus, launch_command, validate_for
 
 if TYPE_CHECKING:
     from core.config import PlatformConfig
+    from operators.backends.base import Backend, JobSpec, JobState, JobStatus, launch_command, validate_for
 
 BACKENDS = ("local", "batch", "kubernetes")
+_FROM_BASE = frozenset({"Backend", "JobSpec", "JobState", "JobStatus", "launch_command", "validate_for"})
+
+
+def __getattr__(name: str) -> Any:
+    """``operators.backends.JobSpec`` and the other names of ``operators.backends.base``, imported at first use."""
+    if name in _FROM_BASE:
+        from operators.backends import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_backend(name: str, cfg: PlatformConfig | None = None, home: str | None = None) -> Backend:

@@ -6,10 +6,12 @@ import enum
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from core.config import TeamConfig
 from core.failures import ConfigError, FailureClass
+
+if TYPE_CHECKING:
+    from core.config import TeamConfig
 
 # The variable each backend tells an array child its index by (``training.inference`` reads any of them).
 ARRAY_INDEX_ENV = {"local": "PINFLOW_ARRAY_INDEX", "batch": "AWS_BATCH_JOB_ARRAY_INDEX", "kubernetes": "JOB_COMPLETION_INDEX"}
