@@ -8,8 +8,11 @@ from collections.abc import Sequence
 
 from core.failures import UserError
 
-# The array index of this process in an array job: the local backend's, AWS Batch's, a Kubernetes Indexed Job's.
-ARRAY_INDEX_VARIABLES = ("PINFLOW_ARRAY_INDEX", "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX")
+# The platform's own array index variable: the local backend sets it, and so does any backend (``core.registry``)
+# whose service has no index variable of its own.
+ARRAY_INDEX_VARIABLE = "PINFLOW_ARRAY_INDEX"
+# The array index of this process in an array job: the platform's, AWS Batch's, a Kubernetes Indexed Job's.
+ARRAY_INDEX_VARIABLES = (ARRAY_INDEX_VARIABLE, "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX")
 
 
 def array_index(environ: dict[str, str] | None = None) -> int | None:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import datetime as dt
 import difflib
+import functools
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.failures import ConfigError
 
@@ -48,6 +49,19 @@ class Section(BaseModel):
 S = TypeVar("S", bound=Section)
 
 
+def _backend_name(value: Any, *, empty: bool = False) -> str:
+    """A compute backend's name: one of those ``core.registry`` discovers (the built-in ones and any installed)."""
+    from pydantic_core import PydanticCustomError
+
+    from core import registry
+
+    choices = ([""] if empty else []) + list(registry.names(registry.BACKENDS))
+    if value not in choices:
+        expected = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return str(value)
+
+
 class MlflowConfig(Section):
     """Experiment tracking and the model registry."""
 
@@ -67,7 +81,7 @@ class FeaturesConfig(Section):
     duckdb_threads: int = Field(2, ge=1, description="DuckDB threads per build step")
     duckdb_memory_limit: str = Field("4GB", description="beyond it DuckDB spills to disk instead of failing")
     duckdb_temp_directory: str = Field("", description="parent folder of spill files; empty: the system temporary folder")
-    backend: Literal["", "local", "batch", "kubernetes"] = Field(
+    backend: Annotated[str, BeforeValidator(functools.partial(_backend_name, empty=True))] = Field(
         "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"
     )
     shards: int = Field(1, ge=1, le=10000, description="split each build step into this many jobs by user / pin id hash")
@@ -163,7 +177,7 @@ class ValidationConfig(Section):
 class TrainingConfig(Section):
     """Training runs: the defaults of the training DAG's form and of every job."""
 
-    backend: Literal["local", "batch", "kubernetes"] = Field("local", description="where training and scoring jobs run")
+    backend: Annotated[str, BeforeValidator(_backend_name)] = Field("local", description="where training and scoring jobs run")
     model: str = Field("pin_ranker", description="the model family a scheduled training run trains (a key of families:)")
     team: str = Field("ranking", description="team whose queue, fair share and priority jobs use (a key of teams:)")
     nodes: int = Field(1, ge=1, le=64, description="nodes of a training job")

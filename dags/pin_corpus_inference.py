@@ -9,7 +9,7 @@ from airflow.sdk import DAG, Param, task
 
 from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET, CORPUS_SCORES_ASSET
-from operators.backends import BACKENDS
+from operators.backends import backend_names
 from operators.errors import default_args
 from operators.inference import ENGINES, CorpusScoringOperator
 
@@ -51,7 +51,7 @@ version.
                         description="Shards of the corpus; empty: sized by the work (pins, measured throughput, inference.target_shard_seconds)."),
         "engine": Param(_cfg.inference.engine, enum=list(ENGINES),
                         description="processes: one scoring process per shard (an array job); ray: one Ray Data job."),
-        "backend": Param(_cfg.training.backend, enum=list(BACKENDS), description="Where the scoring job runs."),
+        "backend": Param(_cfg.training.backend, enum=list(backend_names()), description="Where the scoring job runs."),
     },
     render_template_as_native_obj=True,
 ) as dag:

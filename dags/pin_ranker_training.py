@@ -12,7 +12,7 @@ from core import config_view
 from operators import deadlines
 from operators.approval import ChampionApprovalOperator
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
-from operators.backends import BACKENDS
+from operators.backends import backend_names
 from operators.errors import default_args
 from operators.params import team_param
 from operators.training import DistributedTrainingOperator
@@ -78,7 +78,7 @@ extra links open the job's console page and the MLflow run.
     params={
         "model": Param(_training.model, enum=sorted(_cfg.families), description="The model family to train (families: in the platform configuration)."),
         "team": team_param(_cfg),
-        "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow TrainJob, or PyTorchJob per kubernetes.api)."),
+        "backend": Param(_training.backend, enum=list(backend_names()), description="Where the job runs: local (torchrun on this machine), batch (AWS Batch multi-node job) or kubernetes (Kubeflow TrainJob, or PyTorchJob per kubernetes.api)."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day (default: newest examples day)."),
         "train_days": Param(_training.train_days, type="integer", minimum=1, maximum=30, description="Days of the family's data before the evaluation day to train on; fewer complete days fail the run unless accept_fewer_days."),
         "accept_fewer_days": Param(False, type="boolean", description="Train on the complete days there are when fewer than train_days exist (the model is registered, not promoted)."),

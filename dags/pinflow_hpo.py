@@ -10,7 +10,7 @@ from airflow.sdk import DAG, Param, TaskGroup, task
 
 from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
-from operators.backends import BACKENDS
+from operators.backends import backend_names
 from operators.errors import default_args
 from operators.hpo import HpoTrialOperator
 
@@ -76,7 +76,7 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
         "direction": Param(_hpo.direction, enum=["maximize", "minimize"], description="Of the metric."),
         "time_budget_minutes": Param(_hpo.time_budget_minutes, type="number", minimum=0, description="No new round starts once the rounds have taken this long; 0: no limit."),
         "team": Param(_training.team, enum=sorted(_cfg.teams), description="The team whose queue, fair share and quota the trials use."),
-        "backend": Param(_training.backend, enum=list(BACKENDS), description="Where the trials run: local, batch or kubernetes."),
+        "backend": Param(_training.backend, enum=list(backend_names()), description="Where the trials run: local, batch or kubernetes."),
         "end_ds": Param(None, type=["null", "string"], format="date", description="Evaluation day of every trial (default: the newest complete day)."),
         "train_days": Param(_hpo.train_days, type="integer", minimum=1, maximum=30, description="Days before the evaluation day every trial trains on."),
         "fixed": Param({}, type="object", description='RUN.json fields every trial gets, e.g. {"epochs": 3, "max_steps": 500, "params": {"width": 32}}.'),

@@ -31,7 +31,7 @@ registration (one registered model per family), the promotion gate, the backends
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -43,11 +43,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# The families that ship with the platform; others are named by their module in the configuration.
-BUILTIN: dict[str, str] = {
-    "pin_ranker": "training.models.pin_ranker",
-    "pin_content": "training.models.pin_content",
-}
 
 
 class ModelFamily:
@@ -201,18 +196,18 @@ def load_family(name: str, module: str = "", params: dict[str, Any] | None = Non
 
     Raises ConfigError (USER) naming what is wrong: an unknown family, a module without it, a bad param.
     """
-    path = module or BUILTIN.get(name)
-    if not path:
-        raise ConfigError(
-            f"unknown model family {name!r}: built in are {', '.join(sorted(BUILTIN))}; add others under families: "
-            "in the platform configuration with the module that defines them"
-        )
+    from core import registry
+
+    path = module or registry.target(
+        registry.FAMILIES, name, hint=" (built in, or registered by an installed package under the entry-point group "
+        "pinflow.families); or give families.<name>.module in the platform configuration"
+    )
     try:
-        loaded = importlib.import_module(path)
-    except ImportError as err:
-        raise ConfigError(f"model family {name!r}: cannot import its module {path!r}: {err}") from err
+        loaded = registry.load(path)  # a module, or module:Class
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model family {name!r}: cannot import {path!r}: {err}") from err
     found = [
-        value for value in vars(loaded).values()
+        value for value in (vars(loaded).values() if isinstance(loaded, types.ModuleType) else [loaded])
         if isinstance(value, type) and issubclass(value, ModelFamily) and getattr(value, "name", None) == name
     ]
     if not found:

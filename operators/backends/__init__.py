@@ -1,8 +1,10 @@
 """Compute backends: each turns a backend-agnostic ``JobSpec`` into its native request (a pure dry run),
 then submits, reports status, fetches logs and cancels.
 
-The backend modules import their provider hooks and clients, so they are imported here lazily, and so is
-``operators.backends.base`` (its names are this package's all the same): a DAG file that names ``BACKENDS``
+The backends are an extension point (``core.registry``: the built-in ``local``, ``batch`` and ``kubernetes``, and
+any an installed package registers); each is a class with the :class:`Backend` protocol, made by its
+``from_config``. Their modules import their provider hooks and clients, so they are imported only when used, and so
+is ``operators.backends.base`` (its names are this package's all the same): a DAG file that lists the backends
 stays cheap to parse.
 """
 
@@ -10,13 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from core.failures import ConfigError
+from core import registry
 
 if TYPE_CHECKING:
     from core.config import PlatformConfig
     from operators.backends.base import Backend, JobSpec, JobState, JobStatus, launch_command, validate_for
 
-BACKENDS = ("local", "batch", "kubernetes")
 _FROM_BASE = frozenset({"Backend", "JobSpec", "JobState", "JobStatus", "launch_command", "validate_for"})
 
 
@@ -29,30 +30,23 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def backend_names() -> tuple[str, ...]:
+    """The backends a job may name: the built-in ones and those installed packages register (``core.registry``)."""
+    return registry.names(registry.BACKENDS)
+
+
 def get_backend(name: str, cfg: PlatformConfig | None = None, home: str | None = None) -> Backend:
     """The backend called ``name``, set up from the platform configuration (default: this process's).
 
     ``home`` is where the local backend keeps its job folders (default: the configuration's home).
     """
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown compute backend {name!r}: choose one of {', '.join(BACKENDS)} (param backend)")
+    backend_class = registry.load(registry.target(registry.BACKENDS, name, hint=" (param backend)"))
     if cfg is None:
         from core import config
 
         cfg = config.load()
-    if name == "local":
-        from operators.backends.local import LocalBackend
-
-        return LocalBackend(home or cfg.home)
-    from operators.backends.resources import Catalog
-
-    if name == "batch":
-        from operators.backends.batch import BatchBackend
-
-        return BatchBackend(cfg.batch, cfg.teams, Catalog.from_config(cfg))
-    from operators.backends.kubernetes import KubernetesBackend
-
-    return KubernetesBackend(cfg.kubernetes, cfg.teams, Catalog.from_config(cfg), ray_version=cfg.inference.ray_version)
+    return backend_class.from_config(cfg, home=home)  # type: ignore[no-any-return]
 
 
-__all__ = ["BACKENDS", "Backend", "JobSpec", "JobState", "JobStatus", "get_backend", "launch_command", "validate_for"]
+__all__ = ["Backend", "JobSpec", "JobState", "JobStatus", "backend_names", "get_backend", "launch_command",
+           "validate_for"]

@@ -11,10 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from core.failures import ConfigError, FailureClass
 
 if TYPE_CHECKING:
-    from core.config import TeamConfig
+    from core.config import PlatformConfig, TeamConfig
 
-# The variable each backend tells an array child its index by (``training.inference`` reads any of them).
-ARRAY_INDEX_ENV = {"local": "PINFLOW_ARRAY_INDEX", "batch": "AWS_BATCH_JOB_ARRAY_INDEX", "kubernetes": "JOB_COMPLETION_INDEX"}
 MAX_ARRAY_SIZE = 10000  # AWS Batch's limit on an array job's children
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -54,7 +52,7 @@ class JobSpec:
     # Distributed jobs: run ``training.preflight`` in the same world first (``training.launch --preflight``).
     preflight: bool = False
     # An array job: ``array_size`` independent runs of ``command`` (one node each), each told its index in
-    # [0, array_size) by its backend's variable (``ARRAY_INDEX_ENV``). A failed child does not stop the others;
+    # [0, array_size) by its backend's variable (``core.arrays.ARRAY_INDEX_VARIABLES``). A failed child does not stop the others;
     # the job has failed once every child has ended and one of them failed. 0: not an array.
     array_size: int = 0
     # Children running at once: the local backend's processes, a Kubernetes Indexed Job's ``parallelism``
@@ -162,7 +160,14 @@ class JobStatus:
 
 
 class Backend(Protocol):
+    """A compute backend (an extension point, ``core.registry``). A job's array children learn their index from
+    ``PINFLOW_ARRAY_INDEX``, or from the backend's own variable listed in ``core.arrays.ARRAY_INDEX_VARIABLES``."""
+
     name: str
+
+    @classmethod
+    def from_config(cls, cfg: PlatformConfig, home: str | None = None) -> Backend:
+        """The backend set up from the platform configuration (``home``: where a local backend keeps its jobs)."""
 
     def dry_run(self, spec: JobSpec) -> dict[str, Any]:
         """The native request for ``spec``; pure, so a test can assert the whole thing."""

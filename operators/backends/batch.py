@@ -33,9 +33,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from core.config import BatchConfig, TeamConfig
+from core.arrays import ARRAY_INDEX_VARIABLE
+from core.config import BatchConfig, PlatformConfig, TeamConfig
 from core.failures import ConfigError, ExitCode, FailureClass, Finding, classify_exit_code, decide
-from operators.backends.base import ARRAY_INDEX_ENV, JobSpec, JobState, JobStatus, launch_command, validate_for
+from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
 from operators.backends.resources import Catalog, NodeResources, efa_environment, resolve
 
 PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNABLE", "STARTING")
@@ -67,6 +68,10 @@ def _digest(obj: Any) -> str:
 
 class BatchBackend:
     name = "batch"
+
+    @classmethod
+    def from_config(cls, cfg: PlatformConfig, home: str | None = None) -> BatchBackend:
+        return cls(cfg.batch, cfg.teams, Catalog.from_config(cfg))
 
     def __init__(
         self, options: BatchConfig | None = None, teams: Mapping[str, TeamConfig] | None = None,
@@ -146,7 +151,7 @@ class BatchBackend:
         if spec.checkpoint_dir:
             env.setdefault("PINFLOW_CHECKPOINT_DIR", spec.checkpoint_dir)
         if spec.array_size == 1:  # Batch has no array of one (2 to 10,000 children): a plain job, index 0
-            env.setdefault(ARRAY_INDEX_ENV["local"], "0")
+            env.setdefault(ARRAY_INDEX_VARIABLE, "0")
         return [{"name": k, "value": v} for k, v in sorted(env.items())]
 
     def configured_fair_share(self, team: str) -> bool | None:

@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from core.config import KubernetesConfig, TeamConfig
+from core.config import KubernetesConfig, PlatformConfig, TeamConfig
 from core.failures import ConfigError, FailureClass, Finding, classify_exit_code, decide
 from operators.backends.base import JobSpec, JobState, JobStatus, launch_command, validate_for
 from operators.backends.resources import (
@@ -366,6 +366,10 @@ def render_jobset(trainjob: dict[str, Any], runtime: dict[str, Any]) -> dict[str
 # -- the backend ---------------------------------------------------------------------------------------------
 class KubernetesBackend:
     name = "kubernetes"
+
+    @classmethod
+    def from_config(cls, cfg: PlatformConfig, home: str | None = None) -> KubernetesBackend:
+        return cls(cfg.kubernetes, cfg.teams, Catalog.from_config(cfg), ray_version=cfg.inference.ray_version)
 
     def __init__(
         self, options: KubernetesConfig | None = None, teams: Mapping[str, TeamConfig] | None = None,

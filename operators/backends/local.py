@@ -29,18 +29,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core import storage
+from core.arrays import ARRAY_INDEX_VARIABLE
 from core.failures import FailureClass, Finding, classify_exit_code, decide, signal_name
-from operators.backends.base import ARRAY_INDEX_ENV, JobSpec, JobState, JobStatus, launch_command
+from operators.backends.base import JobSpec, JobState, JobStatus, launch_command
+
+if TYPE_CHECKING:
+    from core.config import PlatformConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The node supervisor: runs the command, records how it ended even if the worker that started it is gone.
 NODE_SUPERVISOR = Path(__file__).with_name("local_node.py")
 # The array runner: starts an array job's children (each under the node supervisor), a few at a time.
 ARRAY_RUNNER = Path(__file__).with_name("local_array.py")
-ARRAY_INDEX_VARIABLE = ARRAY_INDEX_ENV["local"]
 RENDEZVOUS_PORT_AT_SUBMIT = "<a free port, chosen at submit>"
 
 
@@ -56,6 +59,10 @@ CHECKPOINT_KEY_VARIABLE = "PINFLOW_CHECKPOINT_KEY"  # training.checkpoint.KEY_EN
 
 class LocalBackend:
     name = "local"
+
+    @classmethod
+    def from_config(cls, cfg: PlatformConfig, home: str | None = None) -> LocalBackend:
+        return cls(home or cfg.home)
 
     def __init__(self, home: str | os.PathLike[str]) -> None:
         self.jobs_dir = Path(home) / "jobs"
