@@ -62,6 +62,11 @@ def _home() -> Path:
     return Path(os.environ.get("PINFLOW_HOME") or REPO_ROOT / ".pinflow").resolve()
 
 
+def cache_dir() -> Path:
+    """Where what a DAG file's parse reads is cached (this configuration, ``core.registry``'s extensions)."""
+    return _home() / "cache"
+
+
 def cache_key() -> str | None:
     """A digest of everything ``core.config.read()`` reads; None when the file cannot be read here (then
     ``core.config.load()`` decides, and says what is wrong)."""
@@ -127,7 +132,7 @@ def _read(path: Path, key: str) -> Any | None:
     return cached.get("config") if isinstance(cached, dict) and cached.get("key") == key else None
 
 
-def _write(path: Path, key: str, encoded: Any) -> None:
+def write_cache(path: Path, key: str, encoded: Any) -> None:
     """Atomically, as another DAG file's parse may write it at the same time; a home not writable: no cache."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -142,7 +147,7 @@ def load() -> PlatformConfig:
     """The configuration ``core.config.load()`` returns, as a read-only view (typed as the model so that mypy
     checks the names a DAG file reads). Raises ConfigError for an invalid configuration."""
     key = cache_key()
-    path = _home() / "cache" / CACHE_NAME
+    path = cache_dir() / CACHE_NAME
     encoded = _read(path, key) if key else None
     if encoded is None:
         from core import config
@@ -159,5 +164,5 @@ def load() -> PlatformConfig:
         if fresh != cfg:
             return cfg
         if key and cache_key() == key:  # nothing changed while it was read
-            _write(path, key, encoded)
+            write_cache(path, key, encoded)
     return cast("PlatformConfig", _decode(encoded))

@@ -11,13 +11,18 @@ installed package adds its own by declaring them in its ``pyproject.toml``::
 
 An installed entry point with a built-in's name replaces it (installing it says so). A family can also be named by
 its module in the configuration (``families.<name>.module``), which wins over both. Nothing is imported until it is
-used: :func:`names` reads only the installed packages' metadata, once per process.
+used: :func:`names` reads the installed packages' metadata once (a DAG file's parse lists the backends): kept in
+``PINFLOW_HOME/cache/extensions.json`` until a folder on ``sys.path`` changes (a package installed or removed).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import json
+import os
+import sys
 from typing import Any
 
 from core.failures import ConfigError
@@ -38,12 +43,44 @@ BUILTIN: dict[str, dict[str, str]] = {
 _WHAT = {BACKENDS: "compute backend", FAMILIES: "model family"}
 
 
+CACHE_NAME = "extensions.json"
+
+
+def _installed_key() -> str:
+    """What installing or removing a package changes: the folders on ``sys.path`` (its metadata folder comes or
+    goes)."""
+    digest = hashlib.sha256(sys.version.encode())
+    for entry in sys.path:
+        try:
+            stamp = os.stat(entry or ".").st_mtime_ns
+        except OSError:
+            stamp = -1
+        digest.update(f"\0{entry}\0{stamp}".encode())
+    return digest.hexdigest()
+
+
 @functools.cache
-def entries(group: str) -> dict[str, str]:
-    """Name -> ``module[:attribute]`` of every extension of ``group``: the built-in ones, then the installed ones."""
+def _installed() -> dict[str, dict[str, str]]:
+    """Every group's entry points of the installed packages (the scan of their metadata takes tens of ms: cached)."""
+    from core.config_view import cache_dir, write_cache
+
+    key, path = _installed_key(), cache_dir() / CACHE_NAME
+    try:
+        cached = json.loads(path.read_text())
+        if isinstance(cached, dict) and cached.get("key") == key:
+            return dict(cached["config"])
+    except (OSError, ValueError, KeyError):
+        pass
     from importlib.metadata import entry_points
 
-    return {**BUILTIN[group], **{ep.name: ep.value for ep in entry_points(group=group)}}
+    found = {group: {ep.name: ep.value for ep in entry_points(group=group)} for group in BUILTIN}
+    write_cache(path, key, found)
+    return found
+
+
+def entries(group: str) -> dict[str, str]:
+    """Name -> ``module[:attribute]`` of every extension of ``group``: the built-in ones, then the installed ones."""
+    return {**BUILTIN[group], **_installed().get(group, {})}
 
 
 def names(group: str) -> tuple[str, ...]:

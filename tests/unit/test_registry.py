@@ -51,13 +51,13 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         toy = pinflow_toy_plugin:ToyFamily
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    registry.entries.cache_clear()
+    registry._installed.cache_clear()
     yield
-    registry.entries.cache_clear()
+    registry._installed.cache_clear()
 
 
 def test_the_built_in_extensions_are_there_without_any_plugin() -> None:
-    registry.entries.cache_clear()
+    registry._installed.cache_clear()
     assert registry.names(registry.BACKENDS)[:3] == ("local", "batch", "kubernetes")
     assert {"pin_ranker", "pin_content"} <= set(registry.names(registry.FAMILIES))
 
@@ -86,3 +86,26 @@ def test_an_unknown_backend_or_family_names_the_choices(plugin: None) -> None:
         load_family("nope")
     with pytest.raises(ValidationError, match="Input should be 'local', 'batch', 'kubernetes' or 'fake'"):
         PlatformConfig.model_validate({"training": {"backend": "slurm"}})
+
+
+def test_the_scan_is_kept_until_a_package_is_installed_or_removed(plugin: None, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+    import os
+    import shutil
+
+    assert "fake" in registry.names(registry.BACKENDS)  # scanned, and kept in the cache
+    registry._installed.cache_clear()
+
+    def no_scan(**_: object) -> object:
+        raise AssertionError("scanned again although nothing was installed")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", no_scan)
+    assert "fake" in registry.names(registry.BACKENDS)  # a new process: read from the cache
+    registry._installed.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shutil.rmtree(tmp_path / "pinflow_toy_plugin-0.1.dist-info")  # uninstalled: the folder on sys.path changed
+    later = tmp_path.stat().st_mtime_ns + 10**9  # (file times are coarse: as if it happened a second later)
+    os.utime(tmp_path, ns=(later, later))
+    assert "fake" not in registry.names(registry.BACKENDS)
