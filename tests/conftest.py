@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -27,6 +28,17 @@ os.environ.update(
     }
 )
 (_HOME / "airflow").mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def no_logging_to_closed_streams() -> None:
+    """A command's main() run in a test (training.inference, training.train: ``logging.basicConfig(force=True)``)
+    points the root logger at that test's captured stderr, closed once the test ends: a later test's warning would
+    then print a logging error (with a traceback) into its own output. Such handlers go before each test."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if getattr(getattr(handler, "stream", None), "closed", False):
+            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")
