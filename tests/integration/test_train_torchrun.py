@@ -412,15 +412,17 @@ def test_torchrec_refuses_a_checkpoint_of_another_model_or_a_world_too_small_bef
     assert "resumed from" not in proc.stderr
 
 
-def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(tmp_path: Path, world):
-    """id_tables managed through the whole job (2 ranks, ddp, MLflow): the registered program carries the mapping the
-    job chose, and corpus inference scores every pin with it."""
+@pytest.mark.parametrize("strategy", ["ddp", "torchrec"])
+def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(tmp_path: Path, world, strategy):
+    """id_tables managed through the whole job (2 ranks, MLflow): the registered program carries the mapping the job
+    chose (under torchrec: gathered beside the sharded tables), and corpus inference scores every pin with it."""
     import torch
     from mlflow import MlflowClient
 
     from training.inference import load_model, score_shard
 
-    config = run_config(tmp_path, epochs=1, params={"id_tables": "managed", "pin_buckets": 31, "ablation": False})
+    config = run_config(tmp_path, epochs=1, strategy=strategy,
+                        params={"id_tables": "managed", "pin_buckets": 31, "ablation": False})
     launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config", str(config)]
     proc = run(launch)
     assert proc.returncode == 0, proc.stderr[-4000:]
