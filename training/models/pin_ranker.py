@@ -15,7 +15,9 @@ Per example the model reads (names are the keys of a batch, see :meth:`PinRanker
 - ``dense`` [B, len(DENSE_FEATURES)]: the counts and rates of ``DENSE_FEATURES``, untransformed.
 
 Raw ids go in and are hashed inside the model (a fixed universal hash into ``buckets - 1`` rows; row 0 is
-reserved for "absent", i.e. negative ids, and stays zero), so a serving caller needs no hashing code.
+reserved for "absent", i.e. negative ids, and stays zero), so a serving caller needs no hashing code. With
+``id_tables: managed`` the training days' most frequent ids get a row each instead and the others share a hashed
+tail of the rows (:func:`managed_rows`; the mapping is a buffer of the model, so serving still needs no code).
 
 Sequence tower (TransAct): every step is the sum of an action-type embedding, a projection of the engaged
 pin's content embedding, a projection of the *candidate's* content embedding (early fusion: every step sees
@@ -104,8 +106,9 @@ def hash_ids(ids: torch.Tensor, buckets: int) -> torch.Tensor:
 
 
 # --- managed id tables (``id_tables: managed``) ------------------------------------------------------------
-# Which raw id feature each id table reads (user_taste shares user_emb's rows, seq_category_emb category_emb's).
-ID_TABLES: tuple[str, ...] = ("hashed", "managed")
+ID_TABLES: tuple[str, ...] = ("hashed", "managed")  # the values of RankerParams.id_tables
+# The raw id features whose tables a managed model manages (user_taste shares user_emb's rows, seq_category_emb
+# category_emb's).
 MANAGED_FEATURES: tuple[str, ...] = ("pin_id", "user_id", "creator_id", "category")
 _MANAGED_EMPTY = torch.iinfo(torch.int64).max  # an unused slot of a managed-id buffer (sorts last, never an id)
 
