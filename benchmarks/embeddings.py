@@ -31,6 +31,21 @@ rank ever holds it whole: each allocates and initialises only its shard (its ``p
 
 The last line printed is one JSON object. Ratios are against ``fsdp2`` (these machines are noisy: only ratios
 of one run mean something).
+
+``--collisions``: what ids colliding in tables smaller than the id space cost the ranker (issue 32 item 4), instead
+of the above. The demo's synthetic world (``core.config.DemoConfig``: 300 users, 3000 pins, seed 7; ``--days`` of it,
+the last one evaluated) with its features built as the demo builds them; then the pin_ranker trained in one process
+(AdamW, the training job's learning-rate schedule, batch size and minimum steps, seed 0, no ablation) once per
+``id_tables`` (``hashed``, ``managed``) with the pin, user and creator tables each ``--table-share`` of their id
+space (distinct ids in the world), and evaluated on the last day. Per table and mode the JSON reports the collision
+rates among the ids of the training and evaluation days: ``distinct`` (share of the evaluation day's distinct ids
+whose row holds another id too) and ``lookups`` (share of the evaluation day's lookups that read such a row); and
+each head's AUC::
+
+    .venv/bin/python benchmarks/embeddings.py --collisions                # 5 days: about 3 minutes on 2 busy cores
+    .venv/bin/python benchmarks/embeddings.py --collisions --days 8       # 7 training days: about 13 minutes there
+
+(figures in docs/training.md, "Managed id tables").
 """
 
 from __future__ import annotations
@@ -215,6 +230,136 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# --- --collisions: hashed against managed id tables on the demo world ------------------------------------------
+
+COLLISION_TABLES = {"pin_id": "pin_buckets", "user_id": "user_buckets", "creator_id": "creator_buckets"}
+
+
+def build_demo_world(root: str, days: int) -> list[str]:
+    """The demo's synthetic world (its first ``days`` days) with every day's features built; its days."""
+    from core.config import DemoConfig, FeaturesConfig
+    from features import build
+    from features.synthetic import WorldConfig, generate_world
+
+    demo, features = DemoConfig(), FeaturesConfig()
+    world = WorldConfig(start=demo.start, days=days, users=demo.users, pins=demo.pins, seed=demo.seed,
+                        impressions_per_user=demo.impressions_per_user)
+    summary = generate_world(root, world)
+    logging.getLogger("features.build").setLevel(logging.ERROR)  # a world's first days have no earlier window: expected
+    for ds in summary["days"]:
+        build.build_day(root, ds, window_days=features.window_days, sequence_length=features.sequence_length,
+                        prior_impressions=features.pin_prior_impressions,
+                        negative_downsample=features.negative_downsample, seed=features.negative_downsample_seed,
+                        require_validation=False)
+    return list(summary["days"])
+
+
+def collision_rates(model: Any, universe: dict[str, Any], evaluated: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per id table: the share of the evaluated distinct ids (``distinct``) and lookups (``lookups``) whose row holds
+    another id of ``universe`` (the ids of the training and evaluation days) too."""
+    import numpy as np
+    import torch
+
+    out = {}
+    for feature in COLLISION_TABLES:
+        ids = universe[feature]
+        rows = model.rows(feature, torch.from_numpy(ids)).numpy()
+        _, inverse, per_row = np.unique(rows, return_inverse=True, return_counts=True)
+        shared = per_row[inverse] > 1
+        eval_ids, eval_counts = evaluated[feature]
+        hit = shared[np.searchsorted(ids, eval_ids)]
+        out[feature] = {
+            "distinct": round(float(hit.mean()), 4),
+            "lookups": round(float((eval_counts * hit).sum() / eval_counts.sum()), 4),
+        }
+    return out
+
+
+def train_and_evaluate(root: str, days: list[str], mode: str, buckets: dict[str, int]) -> dict[str, Any]:
+    """The ranker with ``id_tables: mode`` trained on ``days[:-1]`` and evaluated on the last day."""
+    import math as _math
+
+    import numpy as np
+    import torch
+
+    from core.config import TrainingConfig
+    from training.data import ExampleStream
+    from training.models.pin_ranker import id_counts
+    from training.sdk import load_family
+    from training.train import lr_lambda
+
+    cfg = TrainingConfig()
+    train, eval_ds = days[:-1], days[-1]
+    family = load_family("pin_ranker", params={**buckets, "id_tables": mode, "ablation": False})
+    context = family.prepare(root, train, eval_ds)
+    torch.manual_seed(0)
+    model = family.build_model()
+    stream = ExampleStream(root, train, lambda t: family.encode(t, context), batch_size=cfg.batch_size,
+                           dataset=family.dataset, columns=family.columns, seed=0)
+    per_epoch = stream.steps_per_epoch(0)
+    epochs = max(cfg.epochs, _math.ceil(cfg.min_steps / max(per_epoch, 1)))
+    total = epochs * per_epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, 20, 0.1))
+    started = time.perf_counter()
+    model.train()
+    for epoch in range(epochs):
+        stream.set_epoch(epoch)
+        for batch in stream:
+            batch = family.finish(batch, context)
+            loss, _ = family.loss(model(batch), batch)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+    train_s = time.perf_counter() - started
+    metrics = family.evaluate({"model": model}, root, eval_ds, context, device="cpu", batch_size=1024)
+    seen, evaluated = id_counts(root, train), id_counts(root, [eval_ds])
+    universe = {f: np.union1d(seen[f][0], evaluated[f][0]) for f in COLLISION_TABLES}
+    return {
+        "auc": {label: None if v is None else round(v, 4) for label, v in metrics["auc"].items()},
+        "mean_auc": None if metrics["mean_auc"] is None else round(metrics["mean_auc"], 4),
+        "collisions": collision_rates(model, universe, evaluated),
+        "steps": total,
+        "train_s": round(train_s, 1),
+    }
+
+
+def collisions_main(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from training.models.pin_ranker import id_counts
+
+    torch.set_num_threads(max(1, args.threads))
+    logging.basicConfig(level=logging.WARNING)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        days = build_demo_world(root, args.days)
+        counts = id_counts(root, days)
+        space = {feature: int((counts[feature][0] >= 0).sum()) for feature in COLLISION_TABLES}
+        buckets = {param: max(3, round(args.table_share * space[f])) + 1 for f, param in COLLISION_TABLES.items()}
+        results = {mode: train_and_evaluate(root, days, mode, buckets) for mode in ("hashed", "managed")}
+        examples = {"train": int(np.sum(id_counts(root, days[:-1], ("pin_id",))["pin_id"][1])),
+                    "eval": int(np.sum(id_counts(root, days[-1:], ("pin_id",))["pin_id"][1]))}
+    summary = {
+        "mode": "collisions",
+        "world": {"days": len(days), "train_days": len(days) - 1, "eval_day": days[-1], "examples": examples},
+        "table_share": args.table_share,
+        "id_space": space,
+        "table_rows": {f: buckets[p] for f, p in COLLISION_TABLES.items()},
+        "collision_rate": {mode: r["collisions"] for mode, r in results.items()},
+        "auc": {mode: r["auc"] for mode, r in results.items()},
+        "mean_auc": {mode: r["mean_auc"] for mode, r in results.items()},
+        "steps": {mode: r["steps"] for mode, r in results.items()},
+        "train_s": {mode: r["train_s"] for mode, r in results.items()},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -224,7 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-mb", type=float, default=96.0, help="table + optimizer state a rank may hold")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--collisions", action="store_true",
+                        help="instead: hashed against managed id tables on the demo world (collision rate, AUC per head)")
+    parser.add_argument("--days", type=int, default=5, help="--collisions: days of the demo world (the last evaluated)")
+    parser.add_argument("--table-share", type=float, default=0.1,
+                        help="--collisions: rows of the pin, user and creator tables, as a share of their distinct ids")
+    parser.add_argument("--threads", type=int, default=2, help="--collisions: torch threads")
     args = parser.parse_args(argv)
+    if args.collisions:
+        return collisions_main(args)
 
     from training.torchrec_sharding import rows_bytes
 

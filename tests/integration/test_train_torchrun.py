@@ -410,3 +410,33 @@ def test_torchrec_refuses_a_checkpoint_of_another_model_or_a_world_too_small_bef
     assert failure["failure_class"] == "USER"
     assert "pin_emb is 503 x 16 in the checkpoint, 1009 x 16 in this model" in failure["message"], failure["message"]
     assert "resumed from" not in proc.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "torchrec"])
+def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(tmp_path: Path, world, strategy):
+    """id_tables managed through the whole job (2 ranks, MLflow): the registered program carries the mapping the job
+    chose (under torchrec: gathered beside the sharded tables), and corpus inference scores every pin with it."""
+    import torch
+    from mlflow import MlflowClient
+
+    from training.inference import load_model, score_shard
+
+    config = run_config(tmp_path, epochs=1, strategy=strategy,
+                        params={"id_tables": "managed", "pin_buckets": 31, "ablation": False})
+    launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config", str(config)]
+    proc = run(launch)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "job" / "result.json").read_text())
+    assert result["metrics"]["examples"] == 160 and result["metrics"]["mean_auc"] is not None
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    version = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version("pin_ranker_test", "1")
+    assert version.run_id == result["mlflow_run_id"]
+
+    module, spec = load_model(result["model_uri"], uri)
+    assert spec["params"]["id_tables"] == "managed" and spec["model_config"]["id_tables"] == "managed"
+    managed = dict(module.named_buffers())["ranker.managed_pin_id"]
+    assert (managed[:-1] != torch.iinfo(torch.int64).max).sum() == 27  # 31 rows: 27 own, 3 tail, row 0 absent
+    out = score_shard(model_uri=result["model_uri"], tracking_uri=uri, root=str(tmp_path / "storage"), ds=EVAL_DS,
+                      shard=0, num_shards=1, out_dir=tmp_path / "inference")
+    corpus = read_table(tmp_path / "storage", "raw/pins", EVAL_DS, columns=["pin_id"])
+    assert out["skipped"] is False and out["rows"] == corpus.num_rows

@@ -15,7 +15,9 @@ Per example the model reads (names are the keys of a batch, see :meth:`PinRanker
 - ``dense`` [B, len(DENSE_FEATURES)]: the counts and rates of ``DENSE_FEATURES``, untransformed.
 
 Raw ids go in and are hashed inside the model (a fixed universal hash into ``buckets - 1`` rows; row 0 is
-reserved for "absent", i.e. negative ids, and stays zero), so a serving caller needs no hashing code.
+reserved for "absent", i.e. negative ids, and stays zero), so a serving caller needs no hashing code. With
+``id_tables: managed`` the training days' most frequent ids get a row each instead and the others share a hashed
+tail of the rows (:func:`managed_rows`; the mapping is a buffer of the model, so serving still needs no code).
 
 Sequence tower (TransAct): every step is the sum of an action-type embedding, a projection of the engaged
 pin's content embedding, a projection of the *candidate's* content embedding (early fusion: every step sees
@@ -103,6 +105,46 @@ def hash_ids(ids: torch.Tensor, buckets: int) -> torch.Tensor:
     return torch.where(ids < 0, torch.zeros_like(rows), rows)
 
 
+# --- managed id tables (``id_tables: managed``) ------------------------------------------------------------
+ID_TABLES: tuple[str, ...] = ("hashed", "managed")  # the values of RankerParams.id_tables
+# The raw id features whose tables a managed model manages (user_taste shares user_emb's rows, seq_category_emb
+# category_emb's).
+MANAGED_FEATURES: tuple[str, ...] = ("pin_id", "user_id", "creator_id", "category")
+_MANAGED_EMPTY = torch.iinfo(torch.int64).max  # an unused slot of a managed-id buffer (sorts last, never an id)
+
+
+def managed_layout(buckets: int, tail_share: float) -> tuple[int, int]:
+    """(own rows, shared tail rows) of a managed table of ``buckets`` rows: row 0 is absent, rows 1..own are each
+    one managed id's, the last ``tail`` rows are shared by every other id (hashed)."""
+    tail = min(buckets - 1, max(1, round(tail_share * (buckets - 1))))
+    return buckets - 1 - tail, tail
+
+
+def managed_rows(ids: torch.Tensor, managed: torch.Tensor, tail: int) -> torch.Tensor:
+    """Rows of raw ids in a managed table: a managed id (one of the sorted ``managed[:-1]``) gets row 1 + its
+    index, any other id one of the ``tail`` rows after them by :func:`hash_ids`, a negative id row 0 (absent).
+
+    The same remap as TorchRec's ``MCHManagedCollisionModule`` (a searchsorted into the sorted managed ids), with
+    the misses hashed over a band of rows instead of one; it exports with ``torch.export``. ``managed`` always ends
+    with one unused slot, so the search never runs past it.
+    """
+    own = managed.shape[0] - 1
+    pos = torch.searchsorted(managed, ids).clamp(max=own)
+    found = (managed[pos] == ids) & (pos < own) & (ids != _MANAGED_EMPTY)
+    tail_rows = own + hash_ids(ids, tail + 1)  # hash_ids: 1..tail
+    rows = torch.where(found, pos + 1, tail_rows)
+    return torch.where(ids < 0, torch.zeros_like(rows), rows)
+
+
+def select_managed(ids: np.ndarray, counts: np.ndarray, own: int) -> np.ndarray:
+    """The ``own`` most frequent ids (ties: the smaller id first), sorted by id: the ids a managed table gives a
+    row each. Negative (absent) ids never get one."""
+    keep = ids >= 0
+    ids, counts = ids[keep].astype(np.int64), counts[keep]
+    order = np.lexsort((ids, -counts))[:own]
+    return np.sort(ids[order])
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of a PinRanker; defaults are small enough for CPU training."""
@@ -124,9 +166,18 @@ class ModelConfig:
     use_sequence: bool = True  # False: the ablation without the action sequence (tower and match features)
     embedding_dim: int = EMBEDDING_DIM  # width of the pins' content embedding (the data's)
     surfaces: int = len(SURFACES)  # size of the surface vocabulary
+    id_tables: str = "hashed"  # how raw ids become rows: "hashed" (hash_ids) or "managed" (managed_rows)
+    managed_tail: float = 0.1  # managed: the share of a table's rows that the ids without their own row share
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.id_tables == "hashed":  # the hashed model's spec as it was before managed tables existed
+            del out["id_tables"], out["managed_tail"]
+        return out
+
+    def buckets(self, feature: str) -> int:
+        return {"pin_id": self.pin_buckets, "user_id": self.user_buckets, "creator_id": self.creator_buckets,
+                "category": self.category_buckets}[feature]
 
 
 class CrossNetV2(nn.Module):
@@ -158,6 +209,14 @@ class PinRanker(nn.Module):
         self.config = config = config or ModelConfig()
         d, n, s = config.d_model, config.sequence_length, config.sparse_dim
         self.labels = LABELS
+        # Managed id tables: per feature, the sorted ids that own a row (persistent buffers: checkpoints, the
+        # gathered model and the exported program carry them). Empty until set_managed_ids; registered before
+        # any table (buffers draw no random numbers: the tables start as the hashed model's do).
+        self._tails: dict[str, int] = {}
+        if config.id_tables == "managed":
+            for feature in MANAGED_FEATURES:
+                own, self._tails[feature] = managed_layout(config.buckets(feature), config.managed_tail)
+                self.register_buffer(f"managed_{feature}", torch.full((own + 1,), _MANAGED_EMPTY, dtype=torch.int64))
 
         # Sequence tower (absent in the ablation without the sequence).
         if config.use_sequence:
@@ -217,6 +276,23 @@ class PinRanker(nn.Module):
         self.heads = nn.ModuleDict({label: nn.Linear(width, 1) for label in LABELS})
 
     # ----------------------------------------------------------------------------------------------
+    def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the raw ``ids`` of ``feature`` in its table: hashed, or managed (``config.id_tables``)."""
+        if self.config.id_tables == "managed":
+            return managed_rows(ids, getattr(self, f"managed_{feature}"), self._tails[feature])
+        return hash_ids(ids, self.config.buckets(feature))
+
+    def set_managed_ids(self, managed: dict[str, np.ndarray]) -> None:
+        """Give each id of ``managed[feature]`` (at most the table's own rows, see :func:`select_managed`) a row."""
+        for feature, ids in managed.items():
+            buffer = getattr(self, f"managed_{feature}")
+            if len(ids) > buffer.shape[0] - 1:
+                raise ValueError(f"{len(ids)} managed {feature}s exceed the table's {buffer.shape[0] - 1} own rows")
+            values = torch.full_like(buffer, _MANAGED_EMPTY, device="cpu")
+            values[: len(ids)] = torch.from_numpy(np.sort(np.asarray(ids, dtype=np.int64)))
+            with torch.no_grad():
+                buffer.copy_(values)
+
     def sequence_features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         cfg = self.config
         mask = batch["seq_mask"]
@@ -224,7 +300,7 @@ class PinRanker(nn.Module):
         steps = (
             self.action_emb(batch["seq_actions"])
             + self.seq_pin_proj(batch["seq_pin_emb"])
-            + self.seq_category_emb(hash_ids(batch["seq_categories"], cfg.category_buckets))
+            + self.seq_category_emb(self.rows("category", batch["seq_categories"]))
             + self.age_proj(age)
             + self.position_emb.unsqueeze(0)
             + self.cand_proj(batch["cand_pin_emb"]).unsqueeze(1)
@@ -278,16 +354,17 @@ class PinRanker(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Logits per label, each of shape [B]."""
         cfg = self.config
+        user_rows = self.rows("user_id", batch["user_id"])
         sparse = [
-            self.pin_emb(hash_ids(batch["pin_id"], cfg.pin_buckets)),
-            self.user_emb(hash_ids(batch["user_id"], cfg.user_buckets)),
-            self.category_emb(hash_ids(batch["category"], cfg.category_buckets)),
-            self.creator_emb(hash_ids(batch["creator_id"], cfg.creator_buckets)),
+            self.pin_emb(self.rows("pin_id", batch["pin_id"])),
+            self.user_emb(user_rows),
+            self.category_emb(self.rows("category", batch["category"])),
+            self.creator_emb(self.rows("creator_id", batch["creator_id"])),
             self.surface_emb(batch["surface"]),
         ]
         sequence = [self.sequence_features(batch), self.match_features(batch)] if cfg.use_sequence else []
         cand = batch["cand_pin_emb"].float()
-        taste = self.user_taste(hash_ids(batch["user_id"], cfg.user_buckets)) * cand
+        taste = self.user_taste(user_rows) * cand
         x0 = torch.cat(
             [
                 *sequence,
@@ -403,6 +480,11 @@ class RankerParams:
     surfaces: tuple[str, ...] = SURFACES
     # Width of the pins' content embedding: None reads it from the pin snapshot when training starts.
     embedding_dim: int | None = None
+    # How raw ids become table rows. "hashed": a fixed hash into the buckets (ids collide at random). "managed": the
+    # ids most frequent in the training days' examples get a row each, the others share the last managed_tail of
+    # the rows by hash (docs/training.md, "Managed id tables").
+    id_tables: str = "hashed"
+    managed_tail: float = 0.1
 
     def __post_init__(self) -> None:
         from core.failures import ConfigError
@@ -426,6 +508,13 @@ class RankerParams:
                 problems.append(f"loss_weights[{label!r}]={weight} must not be negative")
         if any(h <= 0 for h in self.mlp_hidden):
             problems.append(f"mlp_hidden={list(self.mlp_hidden)} must hold positive widths")
+        if self.id_tables not in ID_TABLES:
+            problems.append(f"id_tables={self.id_tables!r} must be one of {', '.join(ID_TABLES)}")
+        if not 0 < self.managed_tail < 1:
+            problems.append(f"managed_tail={self.managed_tail} must be in (0, 1)")
+        if self.id_tables == "managed":
+            problems += [f"{name}={getattr(self, name)} must be at least 3 with id_tables=managed" for name in (
+                "pin_buckets", "user_buckets", "creator_buckets", "category_buckets") if 0 < getattr(self, name) < 3]
         if problems:
             raise ConfigError("pin_ranker params are invalid: " + "; ".join(problems))
 
@@ -437,6 +526,7 @@ class RankerParams:
             category_buckets=self.category_buckets, cross_layers=self.cross_layers,
             mlp_hidden=tuple(self.mlp_hidden), use_sequence=use_sequence,
             embedding_dim=self.embedding_dim or EMBEDDING_DIM, surfaces=len(self.surfaces),
+            id_tables=self.id_tables, managed_tail=self.managed_tail,
         )
 
 
@@ -462,6 +552,7 @@ class PinRankerFamily(ModelFamily):
     def __init__(self, params: RankerParams) -> None:
         super().__init__(params)
         self._windows: dict[tuple[str, str], pa.Table | None] = {}
+        self.managed_ids: dict[str, np.ndarray] = {}  # id_tables managed: what prepare chose, build_model installs
 
     # --- data -----------------------------------------------------------------------------------
     def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinEmbeddings:
@@ -473,6 +564,8 @@ class PinRankerFamily(ModelFamily):
             from core.failures import DataError
 
             raise DataError(f"{RAW_PINS} embeddings are {pins.dim}-d, the model's params say {self.params.embedding_dim}")
+        if self.params.id_tables == "managed":
+            self.managed_ids = choose_managed_ids(root, train_days, self.params.model_config())
         return pins
 
     def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
@@ -490,7 +583,10 @@ class PinRankerFamily(ModelFamily):
         return ("model", "ablation") if self.params.ablation else ("model",)
 
     def build_model(self, variant: str = "model") -> nn.Module:
-        return PinRanker(self.params.model_config(use_sequence=variant != "ablation"))
+        model = PinRanker(self.params.model_config(use_sequence=variant != "ablation"))
+        if self.managed_ids:
+            model.set_managed_ids(self.managed_ids)
+        return model
 
     def sparse_features(self, variant: str = "model") -> tuple[str, ...]:
         """The hashed-id tables (row 0: absent, as their padding_idx): sharded under strategy torchrec. The tiny
@@ -598,6 +694,33 @@ class PinRankerFamily(ModelFamily):
 
 
 # --- the ranker's input, evaluation and scoring helpers ----------------------------------------------
+
+def id_counts(root: str, days: list[str], features: tuple[str, ...] = MANAGED_FEATURES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per id feature, the distinct ids of the ``examples`` of ``days`` and how many examples hold each."""
+    values: dict[str, list[np.ndarray]] = {feature: [] for feature in features}
+    for ds in days:
+        for path in data_files(root, EXAMPLES, ds):
+            table = read_parquet(path, columns=list(features))
+            for feature in features:
+                values[feature].append(table.column(feature).to_numpy().astype(np.int64))
+    out = {}
+    for feature, parts in values.items():
+        ids, counts = np.unique(np.concatenate(parts) if parts else np.zeros(0, np.int64), return_counts=True)
+        out[feature] = (ids, counts)
+    return out
+
+
+def choose_managed_ids(root: str, train_days: list[str], config: ModelConfig) -> dict[str, np.ndarray]:
+    """The ids that get a row of their own in each managed table: the most frequent of the training days'
+    examples, as many as the table has own rows (:func:`managed_layout`). The same on every rank (same data)."""
+    chosen = {}
+    for feature, (ids, counts) in id_counts(root, train_days).items():
+        own, _ = managed_layout(config.buckets(feature), config.managed_tail)
+        chosen[feature] = select_managed(ids, counts, own)
+        log.info("managed %s table: %d of %d distinct training ids get a row of their own, %d rows shared by the rest",
+                 feature, len(chosen[feature]), int((ids >= 0).sum()), config.buckets(feature) - 1 - own)
+    return chosen
+
 
 def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
     """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
