@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = {"FeatureBuildOperator": "operators/features.py", "DistributedTrainingOperator": "operators/training.py",
-          "CorpusScoringOperator": "operators/inference.py", "HpoTrialOperator": "operators/hpo.py"}
+          "CorpusScoringOperator": "operators/inference.py", "HpoTrialOperator": "operators/hpo_trial.py"}
 BASE = ("ComputeJobOperator", "operators/compute_job.py")
 FOLDERS = ("operators", "training")
 STRING_KEY = re.compile(r"""\[\s*["'][A-Za-z_]\w*["']\s*\]|\.get\(\s*["'][A-Za-z_]\w*["']""")

@@ -12,7 +12,7 @@ from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.backends import backend_names
 from operators.errors import default_args
-from operators.hpo import HpoTrialOperator
+from operators.hpo_trial import HpoTrialOperator
 
 _cfg = config_view.load()
 _training, _hpo = _cfg.training, _cfg.hpo

@@ -9,8 +9,9 @@ the study lives in that storage, so any task can be re-run and a re-run of the D
   baseline (the family's defaults) and any trials given to run first, and starts the MLflow parent run;
 - :func:`ask_round` asks up to ``parallel`` trials (TPE, ``constant_liar`` so trials of one round spread out),
   each tagged with its round: a re-run of the round returns the same trials;
-- :class:`HpoTrialOperator` trains one trial as a :class:`~operators.training.DistributedTrainingOperator`
-  job (retries, exact resume, quotas and job history like any run); its trigger (:class:`HpoTrialTrigger`)
+- :class:`~operators.hpo_trial.HpoTrialOperator` trains one trial as a
+  :class:`~operators.training.DistributedTrainingOperator` job (retries, exact resume, quotas and job history like
+  any run); its trigger (:class:`~operators.hpo_trial.HpoTrialTrigger`)
   reports the trial's per-step ``hpo.prune_metric`` from its MLflow run to the study as intermediate values and,
   when the pruner says so, cancels the job: the task ends with the trial recorded as pruned, not failed;
 - :func:`tell_round` tells the study how each trial of the round ended (complete with its metric, pruned,
@@ -25,45 +26,24 @@ run stopped resumes from its checkpoint when the run is cleared.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import json
 import logging
 import math
 import time
-import types
-import typing
-from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import Context
-from airflow.triggers.base import TriggerEvent
-
-from core.failures import ConfigError, PinflowError, UserError, as_typed
-from operators.compute_job import JobRef, Submission, Watch
-from operators.training import TUNABLE, DistributedTrainingOperator
-from operators.triggers import ComputeJobTrigger
+from core.failures import PinflowError, UserError, as_typed
+from operators.hpo_space import StudySpec, build_spec
 
 if TYPE_CHECKING:
     import optuna
-    from airflow.triggers.base import BaseTrigger
 
     from core.config import PlatformConfig
 
 log = logging.getLogger(__name__)
 
 PRUNED = "PRUNED"
-# Fields of RUN.json a search space may tune, with their types (the family's own Params are tunable too).
-RUN_FIELDS: dict[str, type] = {
-    "lr": float, "batch_size": int, "epochs": int, "weight_decay": float, "warmup_steps": int, "min_lr_ratio": float,
-    "grad_clip": float,
-}
-# RUN.json fields the platform sets for every trial: a study's ``fixed`` fields may not.
-PLATFORM_FIELDS = (
-    "root", "train_days", "eval_ds", "output_dir", "checkpoint_dir", "mlflow_tracking_uri", "mlflow_artifact_location",
-    "family", "family_module", "experiment", "model_name", "tags", "register", "run_name", "log_every",
-    "train_days_requested", "evaluate_champion", "lease_s",
-)
 # Study and trial user attributes (the study's state lives in its storage).
 SPEC_ATTR = "pinflow.spec"
 ROUNDS_ATTR = "pinflow.rounds"
@@ -76,351 +56,6 @@ SLOT_ATTR = "pinflow.slot"
 RESULT_ATTR = "pinflow.result"
 ERROR_ATTR = "pinflow.error"
 BASELINE_ATTR = "baseline"  # set by enqueue_trial's user_attrs on the baseline trial
-
-
-# -- the search space ----------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One searched parameter: where it goes (``run``: a RUN.json field; ``params``: the family's) and its range."""
-
-    name: str
-    target: str
-    kind: str  # float | int | categorical
-    low: float | int | None = None
-    high: float | int | None = None
-    log: bool = False
-    step: float | int | None = None
-    choices: tuple[Any, ...] = ()
-
-    def distribution(self) -> Any:
-        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-        if self.kind == "categorical":
-            return CategoricalDistribution(list(self.choices))
-        if self.kind == "int":
-            return IntDistribution(int(self.low), int(self.high), log=self.log, step=int(self.step or 1))  # type: ignore[arg-type]
-        return FloatDistribution(float(self.low), float(self.high), log=self.log,  # type: ignore[arg-type]
-                                 step=None if self.step is None else float(self.step))
-
-    def contains(self, value: Any) -> bool:
-        dist = self.distribution()
-        try:
-            return bool(dist._contains(dist.to_internal_repr(value)))
-        except (ValueError, TypeError):
-            return False
-
-    def describe(self) -> str:
-        if self.kind == "categorical":
-            return f"one of {list(self.choices)}"
-        return f"[{self.low}, {self.high}]" + (" (log)" if self.log else "") + (f" step {self.step}" if self.step else "")
-
-
-_ENTRY_KEYS = {"float": {"type", "low", "high", "log", "step"}, "int": {"type", "low", "high", "log", "step"},
-               "categorical": {"type", "choices"}}
-
-
-def _number(where: str, value: Any, integer: bool) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)):
-        raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'}, got {value!r}")
-    if not math.isfinite(value):
-        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
-    return value
-
-
-def parse_entry(name: str, raw: Any, target: str, field_type: Any) -> Entry:
-    """One entry of the search space, checked on its own (the family's checks of its values come after)."""
-    where = f"search space entry {name!r}"
-    example = '{"type": "float", "low": 0.001, "high": 0.1, "log": true}'
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object such as {example}, got {raw!r}")
-    kind = raw.get("type")
-    if kind not in _ENTRY_KEYS:
-        raise ConfigError(f"{where}: type must be float, int or categorical, got {kind!r} (e.g. {example})")
-    unknown = sorted(set(raw) - _ENTRY_KEYS[kind])
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for type {kind} "
-                          f"(allowed: {', '.join(sorted(_ENTRY_KEYS[kind]))})")
-    base = _base_type(field_type)
-    if kind == "categorical":
-        choices = raw.get("choices")
-        if not isinstance(choices, list) or not choices:
-            raise ConfigError(f"{where}: choices must be a non-empty list")
-        for i, choice in enumerate(choices):
-            if choice is not None and not isinstance(choice, bool | int | float | str):
-                raise ConfigError(f"{where}: choices[{i}] = {choice!r} is not a number, string, boolean or null")
-            _check_value(f"{where}: choices[{i}]", choice, field_type)
-        if len({json.dumps(c) for c in choices}) != len(choices):
-            raise ConfigError(f"{where}: choices repeat a value: {choices}")
-        return Entry(name, target, kind, choices=tuple(choices))
-    if base not in (int, float):
-        raise ConfigError(f"{where}: the parameter is a {getattr(base, '__name__', base)}: search it with "
-                          '{"type": "categorical", "choices": [...]}')
-    if kind == "float" and base is int:
-        raise ConfigError(f"{where}: the parameter is an integer: use type int")
-    integer = kind == "int"
-    for key in ("low", "high"):
-        if key not in raw:
-            raise ConfigError(f"{where}: {key} is missing")
-    low = _number(f"{where}: low", raw["low"], integer)
-    high = _number(f"{where}: high", raw["high"], integer)
-    if low > high:
-        raise ConfigError(f"{where}: low {low} is above high {high}")
-    log_scale = raw.get("log", False)
-    if not isinstance(log_scale, bool):
-        raise ConfigError(f"{where}: log must be true or false, got {log_scale!r}")
-    step = raw.get("step")
-    if step is not None:
-        step = _number(f"{where}: step", step, integer)
-        if step <= 0:
-            raise ConfigError(f"{where}: step must be positive, got {step}")
-        if log_scale and step != 1:
-            raise ConfigError(f"{where}: a log range takes no step")
-    if log_scale and low <= 0:
-        raise ConfigError(f"{where}: a log range needs low > 0, got {low}")
-    return Entry(name, target, kind, low=low, high=high, log=log_scale, step=step)
-
-
-def _base_type(hint: Any) -> Any:
-    """``int`` of ``int | None``; the hint itself otherwise."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return hint
-
-
-def _check_value(where: str, value: Any, hint: Any) -> None:
-    """A categorical choice must fit the parameter's type (ints are numbers too)."""
-    base = _base_type(hint)
-    if value is None:
-        if base is hint and hint is not Any:
-            raise ConfigError(f"{where}: null is not allowed for this parameter")
-        return
-    ok = {
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, int | float) and not isinstance(value, bool),
-        bool: isinstance(value, bool),
-        str: isinstance(value, str),
-    }.get(base, True)
-    if typing.get_origin(base) is typing.Literal:
-        ok = value in typing.get_args(base)
-    if not ok:
-        raise ConfigError(f"{where}: {value!r} does not fit the parameter's type {getattr(base, '__name__', base)}")
-
-
-def parse_space(space: Any, family_params: type) -> dict[str, Entry]:
-    """The search space of a study: ``{name: {"type": ..., ...}}`` over the family's Params and :data:`RUN_FIELDS`.
-
-    A name is a field of the family's ``Params`` or a RUN.json field in :data:`RUN_FIELDS`; ``params.<name>``
-    names the family's param where both have it. A ConfigError names the bad entry.
-    """
-    if not isinstance(space, dict) or not space:
-        raise ConfigError(f"search space: expected a non-empty JSON object of entries such as "
-                          f'{{"lr": {{"type": "float", "low": 0.001, "high": 0.1, "log": true}}}}, got {space!r}')
-    hints = typing.get_type_hints(family_params)
-    param_names = [f.name for f in dataclasses.fields(family_params)]
-    entries: dict[str, Entry] = {}
-    for name, raw in space.items():
-        bare = name.removeprefix("params.")
-        if name.startswith("params.") and bare in param_names:
-            target, hint = "params", hints[bare]
-        elif name in param_names and name in RUN_FIELDS:
-            raise ConfigError(f"search space entry {name!r}: both the family's param and the run's field: "
-                              f"write 'params.{name}' for the family's")
-        elif name in param_names:
-            target, hint = "params", hints[name]
-        elif name in RUN_FIELDS:
-            target, hint = "run", RUN_FIELDS[name]
-        else:
-            known = [*param_names, *RUN_FIELDS]
-            close = difflib.get_close_matches(bare, known, n=1)
-            raise ConfigError(
-                f"search space entry {name!r}: not a parameter of the family (its params: {', '.join(param_names)}) "
-                f"nor a tunable run field ({', '.join(RUN_FIELDS)})" + (f"; did you mean {close[0]!r}?" if close else "")
-            )
-        entries[bare] = parse_entry(name, raw, target, hint)
-    return entries
-
-
-# -- the study's definition ----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class StudySpec:
-    """What a study searches and how: the form's values, checked, with the platform's HPO settings of its start."""
-
-    family: str
-    metric: str
-    direction: str
-    n_trials: int
-    parallel: int
-    time_budget_s: float
-    space: dict[str, dict[str, Any]]  # name → Entry fields
-    fixed: dict[str, Any]  # RUN.json fields of every trial (params: the family's)
-    seed: int
-    plan: dict[str, Any]
-    baseline: dict[str, Any] | None
-    enqueue: list[dict[str, Any]]
-    tpe_startup_trials: int
-    pruner: str
-    prune_metric: str
-    prune_startup_trials: int
-    prune_warmup_steps: int
-    report_every_steps: int
-
-    def entries(self) -> dict[str, Entry]:
-        return {name: Entry(**{**fields, "choices": tuple(fields.get("choices", ()))}) for name, fields in self.space.items()}
-
-    def distributions(self) -> dict[str, Any]:
-        return {name: entry.distribution() for name, entry in self.entries().items()}
-
-    @property
-    def prune_sign(self) -> float:
-        """The prune metric is a loss (lower is better): negated for a maximised study, so the pruner compares
-        intermediate values in the study's direction."""
-        return 1.0 if self.direction == "minimize" else -1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StudySpec:
-        return cls(**data)
-
-
-def run_defaults(cfg: PlatformConfig, family: str) -> dict[str, Any]:
-    """The RUN.json values a trial of ``family`` gets when nothing is searched or fixed (as the operator sets them)."""
-    from training.config import RunConfig
-
-    fam, training = cfg.families[family], cfg.training
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.name in RUN_FIELDS}
-    defaults.update(epochs=fam.epochs or training.epochs, batch_size=fam.batch_size or training.batch_size,
-                    lr=fam.lr or training.lr)
-    return defaults
-
-
-def _check_run(fields: dict[str, Any], family: str, where: str) -> None:
-    """RUN.json fields checked by the job's own RunConfig (types and ranges), on a placeholder run."""
-    from training.config import RunConfig
-
-    placeholder = {"root": "/", "train_days": ["2026-01-01"], "eval_ds": "2026-01-02", "output_dir": "/",
-                   "checkpoint_dir": "/", "mlflow_tracking_uri": "sqlite://", "family": family}
-    RunConfig.from_dict({**placeholder, **fields}, source=where)
-
-
-def build_spec(form: dict[str, Any], cfg: PlatformConfig, plan: dict[str, Any] | None = None) -> StudySpec:
-    """The study's definition from the form (``params`` of the DAG run); a ConfigError names the bad value."""
-    from core import config
-    from training.sdk import load_family
-
-    family_name = str(form.get("model") or cfg.training.model)
-    if family_name not in cfg.families:
-        raise ConfigError(f"unknown model family {family_name!r} (param model): configured are "
-                          f"{', '.join(sorted(cfg.families))}")
-    fam = cfg.families[family_name]
-    family = load_family(family_name, fam.module, dict(fam.params))
-    params_cls = type(family.params)
-    hpo = cfg.hpo
-    n_trials = _int_param(form, "n_trials", hpo.n_trials, 1)
-    parallel = _int_param(form, "parallel_trials", hpo.parallel_trials, 1)
-    if -(-n_trials // parallel) > hpo.max_rounds:
-        raise ConfigError(
-            f"n_trials={n_trials} with parallel_trials={parallel} needs {-(-n_trials // parallel)} rounds; the DAG has "
-            f"hpo.max_rounds={hpo.max_rounds}: run more trials at once, fewer trials, or raise hpo.max_rounds"
-        )
-    direction = form.get("direction") or hpo.direction
-    if direction not in ("maximize", "minimize"):
-        raise ConfigError(f"direction must be maximize or minimize, got {direction!r}")
-    metric = str(form.get("metric") or hpo.metric)
-    if family.metrics and metric not in family.metrics:
-        close = difflib.get_close_matches(metric, family.metrics, n=1)
-        raise ConfigError(f"metric {metric!r} is not reported by model family {family_name}'s evaluation"
-                          + (f" (did you mean {close[0]!r}?)" if close else "")
-                          + f"; it reports {', '.join(family.metrics)}")
-    budget = form.get("time_budget_minutes")
-    budget = hpo.time_budget_minutes if budget is None else budget
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0:
-        raise ConfigError(f"time_budget_minutes must be a number >= 0 (0: no limit), got {budget!r}")
-
-    entries = parse_space(form.get("search_space"), params_cls)
-    fixed = form.get("fixed") or {}
-    if not isinstance(fixed, dict):
-        raise ConfigError(f"fixed: expected a JSON object of RUN.json fields, got {fixed!r}")
-    bad = sorted(set(fixed) & set(PLATFORM_FIELDS))
-    if bad:
-        raise ConfigError(f"fixed: {', '.join(bad)} are set by the platform for every trial, not by a study")
-    fixed_params = fixed.get("params") or {}
-    if not isinstance(fixed_params, dict):
-        raise ConfigError(f"fixed.params: expected a JSON object of the family's params, got {fixed_params!r}")
-    for name, entry in entries.items():
-        if name in (fixed_params if entry.target == "params" else fixed):
-            raise ConfigError(f"search space entry {name!r} is also in fixed: search it or fix it, not both")
-    run_fixed = {k: v for k, v in fixed.items() if k != "params"}
-    _check_run({**run_fixed, "params": fixed_params}, family_name, "fixed")
-    configured = {**dict(fam.params), **fixed_params}
-    load_family(family_name, fam.module, configured)  # the fixed params are the family's own (a USER error names one)
-
-    # Every end of every range must make a valid run of the family, within the training form's own limits, and a
-    # model the family can build: a bad value fails now, not in trial 7.
-    form_limits = set(config.TrainingConfig.model_fields) & set(RUN_FIELDS)  # epochs, batch_size, lr
-    for name, entry in entries.items():
-        values = list(entry.choices) if entry.kind == "categorical" else [entry.low, entry.high]
-        for value in values:
-            try:
-                if entry.target == "params":
-                    load_family(family_name, fam.module, {**configured, name: value}).build_model("model")
-                else:
-                    if name in form_limits:
-                        config.with_overrides(config.TrainingConfig(), {name: value}, "the training form's limits")
-                    _check_run({**run_fixed, name: value}, family_name, "run")
-            except ConfigError as err:
-                raise ConfigError(f"search space entry {name!r}: {value!r} is not a valid value: {err}") from None
-            except (ValueError, TypeError, RuntimeError) as err:  # the family's model refused it when built
-                raise ConfigError(f"search space entry {name!r}: {value!r} cannot build model family "
-                                  f"{family_name}'s model: {err}") from None
-
-    defaults = {**run_defaults(cfg, family_name), **run_fixed}
-    family_defaults = dataclasses.asdict(load_family(family_name, fam.module, configured).params)
-    baseline: dict[str, Any] | None = None
-    if form.get("baseline", True):
-        baseline = {}
-        for name, entry in entries.items():
-            value = family_defaults[name] if entry.target == "params" else defaults[name]
-            if not entry.contains(value):
-                raise ConfigError(
-                    f"search space entry {name!r}: the default {value!r} (the baseline trial's) is outside "
-                    f"{entry.describe()}: widen the range, or set baseline to false"
-                )
-            baseline[name] = value
-    enqueue = form.get("enqueue") or []
-    if not isinstance(enqueue, list):
-        raise ConfigError(f"enqueue: expected a list of objects of searched values, got {enqueue!r}")
-    for i, trial in enumerate(enqueue):
-        if not isinstance(trial, dict):
-            raise ConfigError(f"enqueue[{i}]: expected an object of searched values, got {trial!r}")
-        for name, value in trial.items():
-            found = entries.get(name.removeprefix("params."))
-            if found is None:
-                raise ConfigError(f"enqueue[{i}].{name}: not in the search space ({', '.join(entries)})")
-            if not found.contains(value):
-                raise ConfigError(f"enqueue[{i}].{name}: {value!r} is outside {found.describe()}")
-    seed = form.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
-    return StudySpec(
-        family=family_name, metric=metric, direction=direction, n_trials=n_trials, parallel=parallel,
-        time_budget_s=float(budget) * 60.0, space={n: dataclasses.asdict(e) for n, e in entries.items()},
-        fixed={**run_fixed, "params": fixed_params}, seed=seed, plan=plan or {}, baseline=baseline,
-        enqueue=[{k.removeprefix("params."): v for k, v in t.items()} for t in enqueue],
-        tpe_startup_trials=hpo.tpe_startup_trials, pruner=hpo.pruner, prune_metric=hpo.prune_metric,
-        prune_startup_trials=hpo.prune_startup_trials, prune_warmup_steps=hpo.prune_warmup_steps,
-        report_every_steps=hpo.report_every_steps,
-    )
-
-
-def _int_param(form: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = form.get(key)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 # -- the storage ---------------------------------------------------------------------------------------------
@@ -555,7 +190,7 @@ def create_study(dag_id: str, run_id: str, form: dict[str, Any], *, team: str = 
             "n_trials": spec.n_trials, "parallel_trials": spec.parallel, "plan": spec.plan, "mlflow_parent_run_id": parent}
 
 
-def _mlflow(cfg: PlatformConfig) -> Any:
+def mlflow_client(cfg: PlatformConfig) -> Any:
     from operators import registry
 
     return registry.client(cfg.mlflow)
@@ -581,7 +216,7 @@ def _parent_run(study: optuna.Study, spec: StudySpec, cfg: PlatformConfig, *, da
     if existing:
         return str(existing)
     try:
-        client = _mlflow(cfg)
+        client = mlflow_client(cfg)
         fam = cfg.families[spec.family]
         experiment = _experiment_id(client, fam.experiment or spec.family, cfg.mlflow.artifact_root)
         run = client.create_run(experiment, run_name=f"hpo-{run_id}", tags={
@@ -756,7 +391,7 @@ def _log_parent(study: optuna.Study, spec: StudySpec) -> None:
     try:
         from mlflow.entities import Metric
 
-        client = _mlflow(config.load())
+        client = mlflow_client(config.load())
         now = int(time.time() * 1000)
         trials = _trials(study)
         metrics = [Metric(f"trial_{spec.metric}", float(t.value), now, t.number)
@@ -809,7 +444,7 @@ def register_trial_model(spec: StudySpec, number: int, result: dict[str, Any]) -
     from core import config
 
     cfg = config.load()
-    client = _mlflow(cfg)
+    client = mlflow_client(cfg)
     name = result["model_name"]
     run_id = result["mlflow_run_id"]
     try:
@@ -882,7 +517,7 @@ def summarize(name: str, run: tuple[str, str] | None = None) -> dict[str, Any]:
     run_id = summary["mlflow_parent_run_id"]
     if run_id:
         try:
-            client = _mlflow(config.load())
+            client = mlflow_client(config.load())
             _log_parent(study, spec)
             client.set_tag(run_id, "pinflow.hpo.summary", json.dumps(summary, default=str)[:5000])
             client.set_tag(run_id, "mlflow.note.content", summary["note"])
@@ -916,332 +551,3 @@ def run_note(summary: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
-# -- a trial's intermediate values and pruning ---------------------------------------------------------------
-class TrialMonitor:
-    """A running trial seen from outside: its per-step metric from its MLflow run reported to the study as
-    intermediate values, and the pruner's verdict. Used by the trigger while the job runs and by the operator
-    when it ends (so a completed trial's curve is complete for the pruner's comparisons)."""
-
-    def __init__(self, study: str, number: int, output_dir: str) -> None:
-        self.study_name = study
-        self.number = number
-        self.output_dir = output_dir
-        self._study: Any = None
-        self._spec: StudySpec | None = None
-        self._trial_id: int | None = None
-        self._run_id: str | None = None
-        self._linked = False
-
-    def _load(self) -> tuple[Any, StudySpec, int]:
-        if self._study is None:
-            self._study, self._spec = load(self.study_name)
-            self._trial_id = self._study._storage.get_trial_id_from_study_id_trial_number(
-                self._study._study_id, self.number)
-        assert self._spec is not None and self._trial_id is not None
-        return self._study, self._spec, self._trial_id
-
-    def mlflow_run_id(self) -> str | None:
-        """The trial's MLflow run (``mlflow_run.json`` in its checkpoint folder, named by its RUN.json)."""
-        if self._run_id:
-            return self._run_id
-        from core import storage
-        from training.tracking import STATE_FILE
-
-        try:
-            run = storage.read_json(storage.join(self.output_dir, "RUN.json"))
-            state = storage.read_json(storage.join(run["checkpoint_dir"], STATE_FILE))
-        except (OSError, KeyError, ValueError):
-            return None
-        self._run_id = state.get("run_id")
-        return self._run_id
-
-    def report(self) -> int | None:
-        """Report the steps not reported yet; return the last step reported (None: nothing logged yet)."""
-        import optuna
-
-        from core import config
-
-        study, spec, trial_id = self._load()
-        run_id = self.mlflow_run_id()
-        if not run_id:
-            return None
-        client = _mlflow(config.load())
-        if not self._linked:
-            self.link(client, run_id, study)
-        history = client.get_metric_history(run_id, spec.prune_metric)
-        frozen = study._storage.get_trial(trial_id)
-        if frozen.state.is_finished():
-            return frozen.last_step
-        trial = optuna.trial.Trial(study, trial_id)
-        done = set(frozen.intermediate_values)
-        for point in sorted(history, key=lambda m: m.step):
-            if point.step not in done and math.isfinite(point.value):
-                trial.report(spec.prune_sign * float(point.value), int(point.step))
-                done.add(point.step)
-        return max(done) if done else None
-
-    def link(self, client: Any, run_id: str, study: Any) -> None:
-        """Make the trial's MLflow run a child of the study's parent run."""
-        parent = study.user_attrs.get(PARENT_RUN_ATTR)
-        tags = {"pinflow.hpo.study": self.study_name, "pinflow.hpo.trial": str(self.number)}
-        if parent:
-            tags["mlflow.parentRunId"] = str(parent)
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
-        self._linked = True
-
-    def should_prune(self) -> dict[str, Any] | None:
-        """Report, then ask the pruner: the verdict (step, value, reason) or None."""
-        import optuna
-
-        step = self.report()
-        if step is None:
-            return None
-        study, spec, trial_id = self._load()
-        if study._storage.get_trial(trial_id).state.is_finished():
-            return None
-        trial = optuna.trial.Trial(study, trial_id)
-        if not trial.should_prune():
-            return None
-        frozen = study._storage.get_trial(trial_id)
-        value = frozen.intermediate_values.get(step)
-        loss = None if value is None else spec.prune_sign * value
-        return {"step": step, "value": value, "reason": (
-            f"trial {self.number} pruned at step {step}: {spec.prune_metric} {loss} is worse than the median of the "
-            f"completed trials at that step ({spec.pruner} pruner)")}
-
-
-class HpoTrialTrigger(ComputeJobTrigger):
-    """:class:`ComputeJobTrigger` for a trial: while the job runs, report its intermediate values to the study and
-    cancel it when the pruner says so; the event then has state ``PRUNED`` (the job's own end otherwise).
-
-    Serialises only ids and settings: the study's name and the trial's number besides the job's; the study storage
-    comes from the platform config in the triggerer.
-    """
-
-    def __init__(self, *, study: str, trial: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.study = study
-        self.trial = int(trial)
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        _, kwargs = super().serialize()
-        return f"{type(self).__module__}.{type(self).__qualname__}", {**kwargs, "study": self.study, "trial": self.trial}
-
-    def _check(self, monitor: TrialMonitor) -> dict[str, Any] | None:
-        try:
-            return monitor.should_prune()
-        except Exception as err:  # noqa: BLE001 - pruning is an optimisation: never fail a trial over it
-            self.log.warning("trial %d: could not report or check pruning: %s", self.trial, err)
-            return None
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        import asyncio
-
-        monitor = TrialMonitor(self.study, self.trial, str(self.output_dir))
-        inner = typing.cast(Any, super().run())  # an async generator: closed below
-        pending = asyncio.ensure_future(inner.__anext__())
-        verdict: dict[str, Any] | None = None
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.poll_seconds)
-                if pending in done:
-                    event = pending.result()
-                    break
-                if verdict is None:
-                    verdict = await asyncio.to_thread(self._check, monitor)
-                    if verdict is not None:
-                        self.log.info("%s: cancelling job %s", verdict["reason"], self.job_id)
-                        try:
-                            backend = await asyncio.to_thread(self._backend)
-                            await asyncio.to_thread(backend.cancel, self.job_id)
-                        except Exception as err:  # noqa: BLE001 - not pruned after all: the job runs to its end
-                            self.log.warning("could not cancel job %s to prune it: %s", self.job_id, err)
-                            verdict = None
-        finally:
-            if not pending.done():
-                pending.cancel()
-            await inner.aclose()
-        payload = dict(event.payload)
-        if verdict is not None and payload.get("state") != "SUCCEEDED":
-            payload.update(state=PRUNED, failure_class=None, reason=verdict["reason"], step=verdict["step"],
-                           value=verdict["value"])
-        yield TriggerEvent(payload)
-
-
-# -- the trial's task ----------------------------------------------------------------------------------------
-class HpoTrialOperator(DistributedTrainingOperator):
-    """One trial of a study as a training job: :class:`DistributedTrainingOperator` with the trial's values.
-
-    ``trial`` is one element of :func:`ask_round`'s list (mapped). The job trains the family with the trial's
-    RUN.json fields and params, logs ``hpo.prune_metric`` every ``hpo.report_every_steps`` steps and does not
-    register its model (the best trial's is registered at the end); its job name and checkpoints are the trial's,
-    so a retry resumes the trial. Always deferrable: its trigger reports the trial's intermediate values and
-    prunes it. A trial that has ended (a re-run of the DAG run) returns its recorded outcome without a job.
-
-    :param trial: the trial (from ``ask_round``).
-    :param team: a team under ``teams:`` (templated).
-    """
-
-    # Not ``trial``: its values are the sampler's, never templates.
-    template_fields: Sequence[str] = (*DistributedTrainingOperator.template_fields, "team")
-    ui_color = "#e8dcff"
-
-    def __init__(self, *, trial: dict[str, Any], plan: Any = None, **kwargs: Any) -> None:
-        kwargs["deferrable"] = True
-        super().__init__(plan=plan, **kwargs)
-        self.trial = trial
-
-    # -- what makes it a trial -----------------------------------------------------------------------------
-    def job_key(self, context: Context) -> tuple[str, ...]:
-        return (f"trial{int(self.trial['number'])}",)
-
-    def _bind(self) -> None:
-        trial = self.trial
-        self.plan = trial["plan"]
-        self.overrides = {**{k: v for k, v in trial["run"].items() if k in TUNABLE}, "params": trial["family_params"]}
-
-    def prepare(self, context: Context, name: str) -> Submission:
-        from core import config
-        from training.config import RunConfig
-
-        submission = super().prepare(context, name)
-        run_config, trial, ti = submission.settings, self.trial, context["ti"]
-        run_config.update({k: v for k, v in trial["run"].items() if k not in TUNABLE})
-        run_config.update(
-            log_every=config.load().hpo.report_every_steps,  # the steps at which trials are compared
-            register=False,  # only the best trial's model is registered
-            run_name=f"{ti.run_id}-trial{trial['number']}-try{ti.try_number}",
-            tags={**run_config["tags"], "hpo_study": trial["study"], "hpo_trial": str(trial["number"])},
-        )
-        RunConfig.from_dict(run_config, source=f"RUN.json of trial {trial['number']} of study {trial['study']}")
-        return submission
-
-    def trigger(self, job: JobRef, watch: Watch) -> BaseTrigger:
-        return HpoTrialTrigger(
-            study=self.trial["study"], trial=int(self.trial["number"]), backend=job.backend, job_id=job.job_id,
-            output_dir=job.output_dir, poll_seconds=watch.poll_s, stall_seconds=watch.stall_s,
-            queue_timeout_seconds=watch.queue_timeout_s,
-        )
-
-    # -- the task ------------------------------------------------------------------------------------------
-    def execute(self, context: Context) -> Any:
-        recorded = self._recorded()
-        if recorded is not None:
-            return recorded
-        self._bind()
-        try:
-            return super().execute(context)
-        except PinflowError as err:
-            self._record_error(err)
-            raise
-
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
-                         job: dict[str, Any] | None = None) -> Any:
-        self._bind()
-        if event and event.get("state") == PRUNED:
-            return self._pruned(context, event)
-        try:
-            return super().execute_complete(context, event, job)
-        except PinflowError as err:
-            self._record_error(err)
-            raise
-
-    def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
-        from training.evaluate import flat_metrics
-
-        result = super().finish(context, job)
-        study, spec = load(self.trial["study"])
-        metrics = flat_metrics(result.get("metrics") or {}, prefix="")
-        if spec.metric not in metrics:
-            raise ConfigError(
-                f"trial {self.trial['number']}: the family's evaluation has no metric {spec.metric!r} (param metric); "
-                f"it has {', '.join(sorted(metrics))}"
-            )
-        self._report_final(job)
-        outcome = {
-            "state": "COMPLETE", "trial": self.trial["number"], "study": self.trial["study"],
-            "value": metrics[spec.metric], "params": self.trial["params"], "metrics": result.get("metrics"),
-            "mlflow_run_id": result.get("mlflow_run_id"), "model_uri": result.get("model_uri"),
-            "model_name": result.get("model_name"), "family": result.get("family"), "eval_ds": result.get("eval_ds"),
-            "train_days": result.get("train_days"), "steps": result.get("steps"), "job": job.job_id,
-        }
-        self._record(study, outcome)
-        self.log.info("trial %d complete: %s %s with %s", self.trial["number"], spec.metric, outcome["value"],
-                      json.dumps(self.trial["params"]))
-        return outcome
-
-    def _report_final(self, job: JobRef) -> None:
-        """The whole curve of an ended trial, for the pruner's comparisons (the trigger may have missed the end)."""
-        try:
-            TrialMonitor(self.trial["study"], int(self.trial["number"]), str(job.output_dir)).report()
-        except Exception as err:  # noqa: BLE001 - the curve helps pruning later trials; the result is what counts
-            self.log.warning("trial %d: could not report its last intermediate values: %s", self.trial["number"], err)
-
-    def _pruned(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
-        """The trigger pruned the trial and cancelled its job: the task succeeds with the trial recorded as pruned."""
-        from core import config
-        self._forget(context)
-        self._job = None
-        outcome = {"state": PRUNED, "trial": self.trial["number"], "study": self.trial["study"],
-                   "step": event.get("step"), "value": event.get("value"), "params": self.trial["params"],
-                   "reason": event.get("reason"), "job": event.get("job_id")}
-        study, _ = load(self.trial["study"])
-        self._record(study, outcome)
-        try:  # the job history: cancelled, not failed
-            from operators import job_history
-
-            job_history.note(job_history.mark_ended, event["backend"], event["job_id"], job_history.CANCELLED,
-                             reason=event.get("reason"), started_at=event.get("started_at"),
-                             queued_s=event.get("queued_s"))
-        except Exception as err:  # noqa: BLE001 - the study has the record
-            self.log.warning("could not record pruned job %s in the job history: %s", event.get("job_id"), err)
-        monitor = TrialMonitor(self.trial["study"], int(self.trial["number"]), str(event.get("output_dir")))
-        run_id = monitor.mlflow_run_id()
-        if run_id:
-            try:
-                client = _mlflow(config.load())
-                monitor.link(client, run_id, study)
-                client.set_tag(run_id, "pinflow.hpo.state", PRUNED)
-                client.set_terminated(run_id, "KILLED")
-            except Exception as err:  # noqa: BLE001 - the study has the record
-                self.log.warning("could not mark MLflow run %s of pruned trial %d: %s", run_id, self.trial["number"], err)
-        self.log.info("%s; job %s cancelled", event.get("reason"), event.get("job_id"))
-        return outcome
-
-    def _record(self, study: Any, outcome: dict[str, Any]) -> None:
-        from core import config
-        study._storage.set_trial_user_attr(self._trial_id(study), RESULT_ATTR, outcome)
-        if outcome.get("mlflow_run_id"):
-            try:
-                client = _mlflow(config.load())
-                TrialMonitor(self.trial["study"], int(self.trial["number"]), "").link(client, outcome["mlflow_run_id"], study)
-                client.set_tag(outcome["mlflow_run_id"], "pinflow.hpo.state", outcome["state"])
-            except Exception as err:  # noqa: BLE001
-                self.log.warning("could not tag MLflow run %s: %s", outcome["mlflow_run_id"], err)
-
-    def _trial_id(self, study: Any) -> int:
-        return int(study._storage.get_trial_id_from_study_id_trial_number(study._study_id, int(self.trial["number"])))
-
-    def _record_error(self, err: PinflowError) -> None:
-        try:
-            study, _ = load(self.trial["study"])
-            study._storage.set_trial_user_attr(
-                self._trial_id(study), ERROR_ATTR, f"{err.failure_class.value}: {str(err)[:1500]}")
-        except Exception as record_err:  # noqa: BLE001 - the task fails with the original error anyway
-            self.log.warning("could not record the error of trial %d: %s", self.trial["number"], record_err)
-
-    def _recorded(self) -> dict[str, Any] | None:
-        """The outcome of a trial that has ended (a re-run of the DAG run); a failed one fails again, saying so."""
-        from optuna.trial import TrialState
-
-        study, _ = load(self.trial["study"])
-        frozen = study._storage.get_trial(self._trial_id(study))
-        if frozen.state == TrialState.FAIL:
-            raise UserError(f"trial {frozen.number} of study {self.trial['study']} failed in an earlier run of the study "
-                            f"and is not trained again: {frozen.user_attrs.get(ERROR_ATTR, '')}")
-        outcome = frozen.user_attrs.get(RESULT_ATTR)
-        if outcome:
-            self.log.info("trial %d has ended (%s): not training it again", frozen.number, outcome.get("state"))
-            return dict(outcome)
-        return None

@@ -12,7 +12,7 @@ import pytest
 
 from core import config
 from core.failures import ConfigError, FailureClass
-from operators import hpo
+from operators import hpo, hpo_space, hpo_trial
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,7 @@ def form(**changes: Any) -> dict[str, Any]:
 
 # -- the search space ----------------------------------------------------------------------------------------
 def test_a_valid_space_maps_to_run_fields_and_family_params():
-    spec = hpo.build_spec(form(), config.load())
+    spec = hpo_space.build_spec(form(), config.load())
     entries = spec.entries()
     assert {n: (e.target, e.kind) for n, e in entries.items()} == {
         "lr": ("run", "float"), "width": ("params", "int"), "dropout": ("params", "categorical")}
@@ -57,7 +57,7 @@ def test_a_valid_space_maps_to_run_fields_and_family_params():
 ])
 def test_a_bad_search_space_is_a_user_error_naming_the_entry(space, message):
     with pytest.raises(ConfigError, match=message) as err:
-        hpo.build_spec(form(search_space=space), config.load())
+        hpo_space.build_spec(form(search_space=space), config.load())
     assert err.value.failure_class is FailureClass.USER
 
 
@@ -73,11 +73,11 @@ def test_a_bad_search_space_is_a_user_error_naming_the_entry(space, message):
 ])
 def test_other_bad_form_values_are_user_errors(changes, message):
     with pytest.raises(ConfigError, match=message):
-        hpo.build_spec(form(**changes), config.load())
+        hpo_space.build_spec(form(**changes), config.load())
 
 
 def test_the_baseline_may_be_switched_off_for_a_space_without_the_defaults():
-    spec = hpo.build_spec(form(search_space={"lr": {"type": "float", "low": 0.01, "high": 0.1}}, baseline=False),
+    spec = hpo_space.build_spec(form(search_space={"lr": {"type": "float", "low": 0.01, "high": 0.1}}, baseline=False),
                           config.load())
     assert spec.baseline is None
 
@@ -95,7 +95,7 @@ def study_storage(tmp_path, monkeypatch):
     monkeypatch.setattr(hpo, "_parent_run",
                         lambda study, spec, cfg, **kw: study.set_user_attr(hpo.PARENT_RUN_ATTR, "parent-run") or "parent-run")
     monkeypatch.setattr(hpo, "_log_parent", lambda study, spec: None)
-    monkeypatch.setattr(hpo, "_mlflow", lambda cfg: NullMlflow())
+    monkeypatch.setattr(hpo, "mlflow_client", lambda cfg: NullMlflow())
     return url
 
 
@@ -212,13 +212,13 @@ def test_a_trial_whose_loss_is_above_the_median_is_pruned(study_storage, tmp_pat
     name = hpo.create_study("pinflow_hpo", "manual__5", form(parallel_trials=2, n_trials=4))["study"]
     fake = FakeMlflow({"run0": [0.9, 0.6, 0.4], "run1": [0.9, 0.5, 0.3], "run2": [0.9, 0.85, 0.8],
                        "run3": [0.8, 0.5, 0.2]})
-    monkeypatch.setattr(hpo, "_mlflow", lambda cfg: fake)
+    monkeypatch.setattr(hpo, "mlflow_client", lambda cfg: fake)
 
-    def monitor(number: int) -> hpo.TrialMonitor:
+    def monitor(number: int) -> hpo_trial.TrialMonitor:
         out = tmp_path / f"job{number}"
         storage.write_json(storage.join(str(out), "RUN.json"), {"checkpoint_dir": str(tmp_path / f"ckpt{number}")})
         storage.write_json(storage.join(str(tmp_path / f"ckpt{number}"), "mlflow_run.json"), {"run_id": f"run{number}"})
-        return hpo.TrialMonitor(name, number, str(out))
+        return hpo_trial.TrialMonitor(name, number, str(out))
 
     hpo.ask_round(name, 0)
     for number in (0, 1):
@@ -235,12 +235,12 @@ def test_a_trial_whose_loss_is_above_the_median_is_pruned(study_storage, tmp_pat
 
 
 def test_the_trial_trigger_serializes_ids_and_settings_only():
-    trigger = hpo.HpoTrialTrigger(study="pinflow_hpo/manual__1", trial=3, backend="local", job_id="train-x",
+    trigger = hpo_trial.HpoTrialTrigger(study="pinflow_hpo/manual__1", trial=3, backend="local", job_id="train-x",
                                   output_dir="/runs/train-x", poll_seconds=5, stall_seconds=60, queue_timeout_seconds=0)
     path, kwargs = trigger.serialize()
-    assert path == "operators.hpo.HpoTrialTrigger"
+    assert path == "operators.hpo_trial.HpoTrialTrigger"
     assert json.loads(json.dumps(kwargs)) == kwargs
-    again = hpo.HpoTrialTrigger(**kwargs)
+    again = hpo_trial.HpoTrialTrigger(**kwargs)
     assert again.serialize() == (path, kwargs) and kwargs["study"] == "pinflow_hpo/manual__1" and kwargs["trial"] == 3
 
 
@@ -251,7 +251,7 @@ def test_a_trials_tries_share_its_checkpoints_and_trials_do_not(study_storage):
     first, second = hpo.ask_round(name, 0)
 
     def prepared(trial: dict, try_number: int) -> tuple[str, dict]:
-        op = hpo.HpoTrialOperator(task_id="trial", trial=trial, model="pin_content", backend="local")
+        op = hpo_trial.HpoTrialOperator(task_id="trial", trial=trial, model="pin_content", backend="local")
         op._bind()
         ti = SimpleNamespace(dag_id="pinflow_hpo", run_id="manual__7", try_number=try_number)
         context: Any = {"ti": ti}
