@@ -129,7 +129,10 @@ def _read(path: Path, key: str) -> Any | None:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return cached.get("config") if isinstance(cached, dict) and cached.get("key") == key else None
+    if not isinstance(cached, dict) or cached.get("key") != key:
+        return None
+    encoded = cached.get("config")
+    return encoded if isinstance(encoded, dict) and _SECTION in encoded else None  # else a damaged file: read anew
 
 
 def write_cache(path: Path, key: str, encoded: Any) -> None:

@@ -67,10 +67,10 @@ def _installed() -> dict[str, dict[str, str]]:
     key, path = _installed_key(), cache_dir() / CACHE_NAME
     try:
         cached = json.loads(path.read_text())
-        if isinstance(cached, dict) and cached.get("key") == key:
-            return dict(cached["config"])
-    except (OSError, ValueError, KeyError):
-        pass
+    except (OSError, ValueError):
+        cached = None  # none yet, or unreadable: scanned again and rewritten
+    if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("config"), dict):
+        return dict(cached["config"])
     from importlib.metadata import entry_points
 
     found = {group: {ep.name: ep.value for ep in entry_points(group=group)} for group in BUILTIN}

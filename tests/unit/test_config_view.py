@@ -58,6 +58,15 @@ def test_the_view_is_what_load_returns_from_the_cache_too(home: Path, monkeypatc
     assert config_view.load().features.shards == 2
 
 
+def test_a_damaged_cache_is_read_anew(home: Path):
+    config_view.load()
+    path = home / "cache" / config_view.CACHE_NAME
+    key = json.loads(path.read_text())["key"]
+    for damaged in ("{not json", json.dumps({"key": key, "config": [1, 2]}), json.dumps({"key": key, "config": {}})):
+        path.write_text(damaged)
+        assert_same(config_view.load(), config.load())
+
+
 def test_the_view_is_read_only_and_names_a_missing_setting(home: Path):
     view = config_view.load()
     with pytest.raises(AttributeError, match="read-only"):

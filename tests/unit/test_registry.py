@@ -3,6 +3,7 @@ registers through entry points, found by the real ``importlib.metadata`` in a pa
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,17 @@ def test_the_scan_is_kept_until_a_package_is_installed_or_removed(plugin: None, 
     later = tmp_path.stat().st_mtime_ns + 10**9  # (file times are coarse: as if it happened a second later)
     os.utime(tmp_path, ns=(later, later))
     assert "fake" not in registry.names(registry.BACKENDS)
+
+
+def test_a_damaged_cache_is_scanned_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from core.config_view import cache_dir
+
+    monkeypatch.setenv("PINFLOW_HOME", str(tmp_path / "home"))
+    cache = cache_dir() / registry.CACHE_NAME
+    wrong_shape = json.dumps({"key": registry._installed_key(), "config": [1, 2]})
+    for damaged in ("{not json", wrong_shape, "[]"):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(damaged)
+        registry._installed.cache_clear()
+        assert registry.names(registry.BACKENDS)[:3] == ("local", "batch", "kubernetes")
+    registry._installed.cache_clear()
