@@ -26,7 +26,7 @@ is classified. ``execute``:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
@@ -119,15 +119,21 @@ class ComputeJobOperator(BaseOperator):
     def watch(self) -> Watch:
         raise NotImplementedError
 
-    def prepare(self, context: Context, name: str) -> Submission:
-        """The job this try submits under ``name``, validated (a bad setting raises a USER error here)."""
+    def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
+        """The job this try submits under ``name`` for ``todo`` (:meth:`todo`'s), validated (a bad setting raises a
+        USER error here)."""
         raise NotImplementedError
 
     def finish(self, context: Context, job: JobRef) -> Any:
         """The task's result once ``job`` has succeeded (what it published, read back and checked)."""
         raise NotImplementedError
 
-    def result_without_job(self, context: Context) -> Any:
+    def todo(self, context: Context) -> Any:
+        """What this try has left to do (e.g. the plan and its shards still missing), worked out once per execute and
+        handed to :meth:`result_without_job` and :meth:`prepare`; None by default."""
+        return None
+
+    def result_without_job(self, context: Context, todo: Any) -> Any:
         """The task's result when nothing is left to run (an earlier try did it all); None: a job is needed."""
         return None
 
@@ -177,12 +183,13 @@ class ComputeJobOperator(BaseOperator):
             self._forget(context)  # ended: never reattached; a retry submits a job that resumes
             if state is JobState.SUCCEEDED:
                 return self.finish(context, stored)
-        done = self.result_without_job(context)
+        todo = self.todo(context)
+        done = self.result_without_job(context, todo)
         if done is not None:
             return done
         cfg = config.load()
         try_number = int(context["ti"].try_number)
-        submission = self.prepare(context, self.job_name(context, try_number))
+        submission = self.prepare(context, self.job_name(context, try_number), todo)
         validate_for(submission.spec, cfg.teams, backend=submission.backend)
         backend = get_backend(submission.backend, cfg)
         backend.dry_run(submission.spec)  # the backend's own checks (schema, resources) before anything is submitted
@@ -224,17 +231,23 @@ class ComputeJobOperator(BaseOperator):
         watch = self.watch()
         if self.deferrable:
             self.defer(trigger=self.trigger(job, watch), method_name="execute_complete", kwargs={"job": job.to_dict()})
+        return self._conclude(context, job, None, lambda: wait_for_job(
+            get_backend(job.backend), job.job_id, output_dir=job.output_dir, what=self.what, poll_seconds=watch.poll_s,
+            stall_seconds=watch.stall_s, queue_timeout_seconds=watch.queue_timeout_s))
+
+    def _conclude(self, context: Context, job: JobRef, event: dict[str, Any] | None,
+                  outcome: Callable[[], JobStatus]) -> Any:
+        """The job's end: ``outcome`` returns its succeeded status or raises its failure class's error; either way the
+        task forgets it (a retry never reattaches to an ended job) and says so (:meth:`ended`); then :meth:`finish`."""
         try:
-            status = wait_for_job(get_backend(job.backend), job.job_id, output_dir=job.output_dir, what=self.what,
-                                  poll_seconds=watch.poll_s, stall_seconds=watch.stall_s,
-                                  queue_timeout_seconds=watch.queue_timeout_s)
+            status = outcome()
         except PinflowError as err:
-            self.ended(job, None, error=err)
+            self.ended(job, event, error=err)
             self._forget(context)
             raise
         finally:
             self._job = None
-        self.ended(job, None, status=status)
+        self.ended(job, event, status=status)
         self._forget(context)
         return self.finish(context, job)
 
@@ -251,20 +264,14 @@ class ComputeJobOperator(BaseOperator):
         stored = self._stored(context)
         ref = JobRef.from_dict(job) if job else (stored or JobRef.from_dict(event))
         self._attach(context, ref)
-        try:
+
+        def outcome() -> JobStatus:
             if event.get("state") in WATCHER_STATES:  # stalled or queued too long: the trigger cancelled it
                 raise InfraError(str(event.get("reason")))
             backend = get_backend(ref.backend)
-            status = raise_for_status(backend, backend.status(ref.job_id), what=self.what)
-        except PinflowError as err:
-            self.ended(ref, event, error=err)
-            self._forget(context)
-            raise
-        finally:
-            self._job = None
-        self.ended(ref, event, status=status)
-        self._forget(context)
-        return self.finish(context, ref)
+            return raise_for_status(backend, backend.status(ref.job_id), what=self.what)
+
+        return self._conclude(context, ref, event, outcome)
 
     def on_kill(self) -> None:
         if self._job is not None:

@@ -191,29 +191,31 @@ class FeatureBuildOperator(ComputeJobOperator):
         return Watch(poll_s=float(self.poll_seconds or features.poll_seconds), stall_s=float(features.timeout_seconds),
                      queue_timeout_s=float(cfg.training.queue_timeout_seconds))
 
-    def _todo(self, plan: FeaturePlan) -> list[int]:
+    def todo(self, context: Context) -> tuple[FeaturePlan, list[int]]:
+        """The plan and the shards of it still to build (``[0]``: an unsharded step, built whole)."""
         from features.build import missing_shards
 
-        return missing_shards(plan.staging, self.step, plan.shards) if plan.staging else [0]
-
-    def result_without_job(self, context: Context) -> Any:
         plan = self._plan(context)
-        if self._todo(plan):
+        return plan, (missing_shards(plan.staging, self.step, plan.shards) if plan.staging else [0])
+
+    def result_without_job(self, context: Context, todo: tuple[FeaturePlan, list[int]]) -> Any:
+        plan, missing = todo
+        if missing:
             return None
         self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)
         return self._publish(plan)
 
-    def prepare(self, context: Context, name: str) -> Submission:
+    def prepare(self, context: Context, name: str, todo: tuple[FeaturePlan, list[int]] | None = None) -> Submission:
         from core import config
         cfg = config.load()
-        plan = self._plan(context)
+        plan, missing = todo or self.todo(context)
         if self.skip_validation:
             self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, self.ds)
-        todo = self._todo(plan) if plan.staging else []
-        spec = build_job_spec(list(plan.command), name=name, shards=todo, cfg=cfg, features=plan.features,
+        shards = missing if plan.staging else []
+        spec = build_job_spec(list(plan.command), name=name, shards=shards, cfg=cfg, features=plan.features,
                               backend=plan.backend)
-        what = f"shard(s) {todo} of {plan.shards}" if plan.staging else "unsharded"
-        return Submission(plan.backend, spec, shards=tuple(todo), summary=f"{self.step} ds={self.ds}, {what}")
+        what = f"shard(s) {shards} of {plan.shards}" if plan.staging else "unsharded"
+        return Submission(plan.backend, spec, shards=tuple(shards), summary=f"{self.step} ds={self.ds}, {what}")
 
     def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         return self._publish(self._plan(context))

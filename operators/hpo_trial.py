@@ -211,11 +211,11 @@ class HpoTrialOperator(DistributedTrainingOperator):
         self.plan = trial["plan"]
         self.overrides = {**{k: v for k, v in trial["run"].items() if k in TUNABLE}, "params": trial["family_params"]}
 
-    def prepare(self, context: Context, name: str) -> Submission:
+    def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
         from core import config
         from training.config import RunConfig
 
-        submission = super().prepare(context, name)
+        submission = super().prepare(context, name, todo)
         run_config, trial, ti = submission.settings, self.trial, context["ti"]
         run_config.update({k: v for k, v in trial["run"].items() if k not in TUNABLE})
         run_config.update(

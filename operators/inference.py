@@ -275,23 +275,25 @@ class CorpusScoringOperator(ComputeJobOperator):
                      stall_s=float(cfg.inference.timeout_seconds),
                      queue_timeout_s=float(cfg.training.queue_timeout_seconds))
 
-    def result_without_job(self, context: Context) -> Any:
+    def todo(self, context: Context) -> tuple[ScoringPlan, list[int]]:
+        """The plan and its shards that have no part yet."""
         from training.inference import missing_shards
 
         plan = load_plan(self.plan)
-        if missing_shards(plan):
+        return plan, missing_shards(plan)
+
+    def result_without_job(self, context: Context, todo: tuple[ScoringPlan, list[int]]) -> Any:
+        plan, missing = todo
+        if missing:
             return None
         self.log.info("every shard of plan %s has its part: nothing to score", plan.plan_id)
         return self._summary(plan, [], None)
 
-    def prepare(self, context: Context, name: str) -> Submission:
+    def prepare(self, context: Context, name: str, todo: tuple[ScoringPlan, list[int]] | None = None) -> Submission:
         from core import config
-        from training.inference import missing_shards
-
         cfg = config.load()
         backend_name, engine = self._names(cfg)
-        plan = load_plan(self.plan)
-        missing = missing_shards(plan)
+        plan, missing = todo or self.todo(context)
         spec = scoring_job_spec(self.plan, missing, name=name, engine=engine, backend=backend_name, cfg=cfg)
         summary = (f"{len(missing)} of {plan.num_shards} shard(s) of plan {plan.plan_id}, {plan.pins} pins, "
                    f"{engine} engine; {self.plan.get('sizing', '')}")

@@ -250,7 +250,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
                      stall_s=float(training.heartbeat_timeout_seconds),
                      queue_timeout_s=float(training.queue_timeout_seconds))
 
-    def prepare(self, context: Context, name: str) -> Submission:
+    def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
         """The job spec and the run's RUN.json content (``settings``), checked by the job's own models."""
         from core import config, storage
         from core.contracts import MODELS, RUNS
