@@ -9,6 +9,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
 WORKDIR /opt/pinflow/src
 COPY pyproject.toml constraints.txt README.md ./
 COPY core ./core
+COPY services ./services
 COPY operators ./operators
 COPY features ./features
 COPY training ./training

@@ -85,7 +85,7 @@ screenshots: install dev-tools
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/mypy core operators features training plugins dags scripts
+	$(BIN)/mypy core services operators features training plugins dags scripts
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole); each worker
 # has its own PINFLOW_HOME and Airflow home (tests/conftest.py). TEST_WORKERS=0 runs in one process.

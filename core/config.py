@@ -238,7 +238,7 @@ class TrainingConfig(Section):
 
 
 class PromotionConfig(Section):
-    """The promotion gate (``operators.promotion``): the floors a trained model must clear before it can become its
+    """The promotion gate (``services.promotion``): the floors a trained model must clear before it can become its
     family's champion, whether or not the family has one yet. The comparison with the champion (on the same day)
     and its tolerance are ``training.promotion_tolerance`` (the training form's ``promotion_tolerance``)."""
 
@@ -362,6 +362,9 @@ class PriceConfig(Section):
     spot: float | None = Field(None, ge=0, description="per node-hour on Spot capacity; empty: the on-demand price")
 
 
+LOCAL_MACHINE = "this machine"  # the instance type the job history records for a job of the local backend (priced at costs.local_per_hour)
+
+
 class CostsConfig(Section):
     """Prices of the instance types, for the cost of each job (job history, its export, the Platform page, the
     promotion note and the HPO summary). A job costs its nodes x its hours x its instance type's price (its team's
@@ -373,7 +376,7 @@ class CostsConfig(Section):
 
 
 class JobHistoryConfig(Section):
-    """The job history database (``operators.job_history``): one row per job, written at each transition."""
+    """The job history database (``services.job_history``): one row per job, written at each transition."""
 
     url: str = Field("", description="SQLAlchemy URL (postgresql+psycopg2://... in production); empty: sqlite:///<PINFLOW_HOME>/jobdata/job_history.db")
     orphan_after_s: float = Field(

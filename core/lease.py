@@ -4,7 +4,7 @@ A task can die with its job still running (its runner SIGKILLed, a worker lost w
 reconcile cancels a job no task has watched for ``job_history.orphan_after_s``, but a shorter job reaches its end
 first and would register a model version nobody decides on. The lease is a small file in the job's output folder
 (beside RUN.json): every backend's job reaches it (a local path or s3://), unlike the job history database. A task
-waiting for its job renews it (``operators.job_history.Watching``, the operator polling or its trigger); a job whose
+waiting for its job renews it (``services.job_history.Watching``, the operator polling or its trigger); a job whose
 lease has not been renewed for ``lease_s`` (RUN.json, from ``job_history.lease_s``) does not register its model and
 exits as INFRA (:class:`~core.failures.TaskGoneError`): a retry of the task submits a job that resumes from the last
 checkpoint. A job without a lease file (started by hand, or by older code) does what it always did.

@@ -145,8 +145,8 @@ extra links open the job's console page and the MLflow run.
 
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from operators import job_history
-        from operators.promotion import promote_if_better
+        from services import job_history
+        from services.promotion import promote_if_better
 
         assert params is not None
         decision = promote_if_better(result, float(params["promotion_tolerance"]),

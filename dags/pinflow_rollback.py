@@ -21,7 +21,7 @@ with DAG(
 Moves the `champion` alias of a family's registered model (`model`) back to `to_version`, with a `reason`. The
 version must be one of that model's registered versions (a version number of another family's model, or one that
 does not exist, is refused with the versions there are, and nothing moves). The move is recorded like every
-promotion (`operators/champions.py`): a row of the alias history (when, by whom, from which version, why: the
+promotion (`services/champions.py`): a row of the alias history (when, by whom, from which version, why: the
 *Models* page shows it) and tags on both versions in MLflow. Its champion asset event then starts
 `pin_corpus_inference`, which re-scores the whole corpus with the restored version (the scores of a version are
 keyed by it, so nothing of the version rolled away from is reused).
@@ -44,8 +44,8 @@ keyed by it, so nothing of the version rolled away from is reused).
     def rollback(params: dict | None = None, dag_run: Any = None, outlet_events: Any = None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        from operators import champions
         from operators.run_conf import check_run_conf
+        from services import champions
 
         assert params is not None
         check_run_conf({"dag_run": dag_run, "params": params})

@@ -2,7 +2,7 @@
 
 The ``approve`` task of ``pin_ranker_training`` sits between training and the promote step. For a family with
 ``promotion: auto`` (the default) it returns at once. For ``promotion: approval`` it asks the gate what it would
-decide (``operators.promotion.preview``): a model the gate refuses is not put to anyone, and the promote step
+decide (``services.promotion.preview``): a model the gate refuses is not put to anyone, and the promote step
 records the gate's reason. A model that passes waits for an answer on Airflow's *Required Actions* page (the
 standard provider's human-in-the-loop ``ApprovalOperator``: on Airflow 3.3 the task waits in the
 ``awaiting_input`` state, holding no worker slot), showing what a reviewer needs: each head's AUC next to the
@@ -10,7 +10,7 @@ champion's and the baseline's on the same day, the training days, the run's page
 
 The answer (who, when, approve or reject; or no answer within ``promotion.approval_timeout_h``, which the scheduler
 resolves as Reject) is this task's XCom; the promote step decides again under the model's lock and moves the alias
-only if the answer was Approve, recording the reviewer as the mover (``operators.champions``). Reject and timeout
+only if the answer was Approve, recording the reviewer as the mover (``services.champions``). Reject and timeout
 leave the champion as it is, and the run's note says why.
 """
 
@@ -24,7 +24,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator, HITLOper
 
 def review_body(result: dict[str, Any], decision: dict[str, Any], run_url: str, mlflow_url: str) -> str:
     """What a reviewer reads before answering (Markdown): the candidate against the champion and the baseline."""
-    from operators.promotion import auc_text as _auc
+    from services.promotion import auc_text as _auc
 
     champion = decision.get("champion_version")
     rows = "\n".join(
@@ -70,7 +70,8 @@ class ChampionApprovalOperator(ApprovalOperator):
         return float(self.timeout_h) if self.timeout_h not in (None, "") else config.load().promotion.approval_timeout_h
 
     def execute(self, context: Any) -> Any:
-        from operators import links, promotion
+        from operators import links
+        from services import promotion
 
         result = self.result if isinstance(self.result, dict) else {}
         if not promotion.needs_approval(result):

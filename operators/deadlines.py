@@ -89,7 +89,7 @@ def describe(name: str, hours: float, dag_run: dict[str, Any], deadline_at: dt.d
 
 def record(name: str, dag_run: dict[str, Any], deadline_at: dt.datetime | None, notified: str) -> bool:
     """Write the miss (once per run and deadline); True if it is new."""
-    from operators import job_history
+    from services import job_history
 
     ended = dag_run.get("state") in ("success", "failed")  # a run that failed before its deadline has missed it too
     return job_history.record_deadline_miss({
@@ -145,7 +145,7 @@ async def deadline_missed(name: str, hours: float, context: dict[str, Any] | Non
 
 
 def _ended(dag_run: Any) -> None:
-    from operators import job_history
+    from services import job_history
 
     if getattr(dag_run, "dag_id", None) not in DEADLINES:
         return

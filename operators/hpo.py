@@ -191,7 +191,7 @@ def create_study(dag_id: str, run_id: str, form: dict[str, Any], *, team: str = 
 
 
 def mlflow_client(cfg: PlatformConfig) -> Any:
-    from operators import registry
+    from services import model_registry as registry
 
     return registry.client(cfg.mlflow)
 
@@ -414,7 +414,7 @@ def promote_best(name: str, tolerance: float, promote: bool = True) -> dict[str,
 
     Returns the decision (also kept in the study); None when promotion is switched off.
     """
-    from operators.promotion import promote_if_better
+    from services.promotion import promote_if_better
 
     study, spec = load(name)
     best = _best(study)
@@ -506,7 +506,7 @@ def summarize(name: str, run: tuple[str, str] | None = None) -> dict[str, Any]:
         if baseline is not None and baseline.value is not None and best.value is not None:
             summary["gain_over_baseline"] = best.value - baseline.value
     if run is not None:
-        from operators import job_history
+        from services import job_history
 
         cost, currency = job_history.run_cost(*run)
         gain = summary.get("gain_over_baseline")

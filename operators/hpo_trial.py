@@ -299,7 +299,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
         study, _ = hpo.load(self.trial["study"])
         self._record(study, outcome)
         try:  # the job history: cancelled, not failed
-            from operators import job_history
+            from services import job_history
 
             job_history.note(job_history.mark_ended, event["backend"], event["job_id"], job_history.CANCELLED,
                              reason=event.get("reason"), started_at=event.get("started_at"),

@@ -107,7 +107,7 @@ def plan_inference(
     """
     from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
-    from operators import registry
+    from services import model_registry as registry
     from training.inference import make_plan, snapshot, views_dir, write_plan
 
     cfg = config.load()

@@ -223,7 +223,7 @@ def wait_for_job(
     Heartbeats are watched only while the job runs (:class:`JobWatch`); a stall or a queue timeout cancels
     the job first, so a retry does not race it. The returned status carries the job's start and queue times.
     """
-    from operators.job_history import Watching
+    from services.job_history import Watching
 
     watch = JobWatch(stall_seconds, queue_timeout_seconds, what=what)
     watching = Watching(backend.name, job_id, None if output_dir is None else str(output_dir))

@@ -36,9 +36,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from core.config import PlatformConfig, QuotaConfig, TeamConfig
 from core.failures import ConfigError
-from operators import job_history as history
 from operators.params import team_param as team_param  # the forms' team param, also here for its callers
 from operators.triggers import not_before
+from services import job_history as history
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,8 @@ def admit_job(operator: Any, context: Any, spec: Any, *, backend: str, family: s
     wait for room (:func:`wait_for_room`). Its size is its nodes x its instance type's GPUs (or the spec's); a job of
     the local backend is recorded on this machine with the GPUs it has (none on a CPU machine)."""
     from core import config
-    from operators.backends.resources import LOCAL_MACHINE, Catalog, instance_type_of, local_gpus
+    from core.config import LOCAL_MACHINE
+    from operators.backends.resources import Catalog, instance_type_of, local_gpus
 
     cfg = config.load()
     if backend == "local":  # the job runs here, whatever the team's node type: count this machine's GPUs

@@ -194,7 +194,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
     :param team: a team under ``teams:`` in the platform config: its queue, fair share, priority, default instance
         type and quota (templated; default: ``training.team``). Before submitting, the task waits (deferred to
         :class:`~operators.quotas.QuotaTrigger`) until the team's quota has room; every transition of the job is
-        written to the job history (``operators.job_history``).
+        written to the job history (``services.job_history``).
     :param instance_type: the nodes' type, a key of ``instance_types:`` (templated; default: the team's, else
         ``training.instance_type``); the nodes' requests and limits derive from it (``operators.backends.resources``).
     :param deferrable: wait in the triggerer instead of on a worker slot.
@@ -354,7 +354,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
         lease.renew(output_dir, submission.spec.name)  # before the job exists: a runner killed after submitting leaves a lease
 
     def submit(self, context: Context, backend: Any, submission: Submission) -> str:
-        from operators import job_history
+        from services import job_history
 
         spec = submission.spec
         submitted_at = job_history.now()
@@ -370,8 +370,9 @@ class DistributedTrainingOperator(ComputeJobOperator):
     def attached(self, context: Context, job: JobRef) -> None:
         """Renew the job's lease; the extra links and the log."""
         from core import lease
-        from operators import job_history, links
+        from operators import links
         from operators.backends import get_backend
+        from services import job_history
 
         if job.output_dir:  # this try watches the job now (a reattaching one too): its lease is renewed at once
             lease.renew(job.output_dir, job.job_id)
@@ -393,12 +394,12 @@ class DistributedTrainingOperator(ComputeJobOperator):
 
     def ended(self, job: JobRef, event: dict[str, Any] | None, *, status: Any = None,
               error: BaseException | None = None) -> None:
-        from operators import job_history
+        from services import job_history
 
         job_history.job_ended(job.to_dict(), event, error=error, status=status)
 
     def cancelling(self, job: JobRef) -> None:
-        from operators import job_history
+        from services import job_history
 
         # CANCELLED first: the cancelled job exits as a killed process (INFRA), which is not what happened.
         job_history.note(job_history.mark_ended, job.backend, job.job_id, job_history.CANCELLED,
@@ -416,7 +417,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
                 f"training job {job.job_id} succeeded but wrote no result.json in {output_dir}: "
                 "the entry point must write it (training.train)"
             ) from err
-        from operators import job_history
+        from services import job_history
 
         job_history.note(job_history.record_result, job.backend, job.job_id, result)
         if result.get("mlflow_run_id"):

@@ -91,7 +91,7 @@ class ComputeJobTrigger(BaseTrigger):
         last_log = 0.0
         last_phase: Any = None
         was_running = False
-        from operators.job_history import Watching
+        from services.job_history import Watching
 
         watching = await asyncio.to_thread(Watching, self.backend, self.job_id, self.output_dir)  # reads the config
         while True:
@@ -120,7 +120,7 @@ class ComputeJobTrigger(BaseTrigger):
                                     **watch.times()})
                 return
             if watch.running and not was_running:
-                from operators import job_history
+                from services import job_history
 
                 self.log.info("job %s is running after %.0fs queued", self.job_id, watch.queued_s)
                 await asyncio.to_thread(job_history.note, job_history.mark_running, self.backend, self.job_id,
@@ -149,7 +149,7 @@ class ComputeJobTrigger(BaseTrigger):
     async def on_kill(self) -> None:
         """The user killed the deferred task: cancel its job (not called when a triggerer restarts). The history
         says CANCELLED first: the job then exits as a killed process would (INFRA), which is not what happened."""
-        from operators import job_history
+        from services import job_history
 
         backend = await asyncio.to_thread(self._backend)
         self.log.info("task killed while deferred: cancelling %s job %s", self.backend, self.job_id)

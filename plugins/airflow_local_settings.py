@@ -2,9 +2,9 @@
 
 Airflow puts the plugins folder on ``sys.path`` and imports ``airflow_local_settings`` from there. This one
 makes the SQLite metadata database of the embedded default safe for concurrent writers (see
-``operators/metadata_db.py``); on PostgreSQL it changes nothing.
+``services/metadata_db.py``); on PostgreSQL it changes nothing.
 """
 
-from operators import metadata_db
+from services import metadata_db
 
 metadata_db.install()

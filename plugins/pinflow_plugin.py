@@ -5,7 +5,7 @@
   *Training progress* tab of every DAG run. Its routes need an authenticated user as Airflow's own API does.
 - Every finished task instance of a pinflow DAG appends one JSON line (dag, task, run, try, state, duration, the
   failure's class and message) to ``<PINFLOW_HOME>/jobdata/task_runs.jsonl`` (the Platform page's task outcomes);
-  the compute jobs themselves are in the job history database (``operators.job_history``).
+  the compute jobs themselves are in the job history database (``services.job_history``).
 - The operators' extra links ("Data Docs", "Training job", "MLflow run"), all ``http(s)``: ``operators.links``.
 """
 

@@ -1,6 +1,6 @@
 """The registered champion, evaluated by a training job on its own evaluation day.
 
-The promotion gate (``operators.promotion``) compares a new model with its family's champion on the same day and
+The promotion gate (``services.promotion``) compares a new model with its family's champion on the same day and
 the same examples. The job that trained the new model has that day's inputs pinned and its family's evaluation
 at hand, so rank 0 evaluates the champion there (``RunConfig.evaluate_champion``) right after the new model, and
 ``result.json`` carries both: the gate never has to trust numbers from another day.

@@ -81,7 +81,6 @@ class NodeResources:
     whole_node: bool  # the job takes every vCPU of the node
 
 
-LOCAL_MACHINE = "this machine"  # the instance type the job history records for a job of the local backend
 
 
 def local_gpus() -> int:

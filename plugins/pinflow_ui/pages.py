@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from core import storage
-from core.config import PlatformConfig
+from core.config import LOCAL_MACHINE, PlatformConfig
 from core.failures import PinflowError
-from operators import job_history as history
 from operators import links
-from operators.backends.resources import LOCAL_MACHINE
+from services import job_history as history
 
 FAILED_CLASSES = ("INFRA", "USER", "DATA", "OOM")
 
@@ -269,8 +268,8 @@ def task_outcomes(cfg: PlatformConfig, day_list: list[str]) -> dict[str, list[fl
 
 def head_table(result: dict[str, Any] | None) -> dict[str, dict[str, float | None]]:
     """AUC per head of the run's model, the popularity baseline's and the champion's on the same day (the numbers
-    the promotion gate compares: ``operators.promotion``)."""
-    from operators.promotion import head_aucs
+    the promotion gate compares: ``services.promotion``)."""
+    from services.promotion import head_aucs
 
     if not result or not result.get("metrics"):
         return {}
@@ -365,7 +364,7 @@ def models(cfg: PlatformConfig, versions_per_model: int = 20) -> list[dict[str, 
     """Per model family: its registered model's champion now, every recorded move of the alias (promotions and
     rollbacks: when, from, to, by whom, why) and its newest versions with their evaluation and the periods each was
     champion. A registry that does not answer is said on the page (``error``), not a 500."""
-    from operators import registry
+    from services import model_registry as registry
 
     client = registry.client(cfg.mlflow)
     out = []

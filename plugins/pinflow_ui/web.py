@@ -191,7 +191,7 @@ def render_platform(request: Request, data: dict[str, Any]) -> str:
          f"cost ({currency})", "ended"], recent,
         "no job yet")}
 <p class="muted">{data["jobs"]} job(s) in the last {len(days)} days. Export for capacity planning:
-<code>python -m operators.job_history export --out jobs.parquet</code></p>"""
+<code>python -m services.job_history export --out jobs.parquet</code></p>"""
     return _layout(request, "Platform", body, refresh=30)
 
 
@@ -477,7 +477,7 @@ def render_job(request: Request, job: dict[str, Any] | None, logs: str, backend:
 
 def training_runs(limit: int = 100) -> list[dict[str, Any]]:
     """The DAG runs with a training job, newest first: one entry per run (its newest try)."""
-    from operators import job_history as history
+    from services import job_history as history
 
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     trial_jobs: dict[tuple[str, str], set[str]] = {}
@@ -515,7 +515,7 @@ def create_app() -> FastAPI:
     from airflow.api_fastapi.core_api.security import requires_access_dag, requires_access_view
 
     from core import config, storage
-    from operators import job_history as history
+    from services import job_history as history
 
     app = FastAPI(
         title="pinflow pages",

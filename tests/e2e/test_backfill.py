@@ -10,7 +10,7 @@ data engineer would:
    tasks);
 2. ``POST /api/v2/backfills`` (what the UI's Backfill dialog sends) over all three days, taking over the two
    existing runs, while another connection commits to the metadata database every few milliseconds as a busy
-   scheduler does (without ``operators/metadata_db.py`` that fails at once with ``database is locked`` and can
+   scheduler does (without ``services/metadata_db.py`` that fails at once with ``database is locked`` and can
    delete the runs it took over);
 
 3. triggers a run of today (its day's raw data never comes) with a deadline of 1.8 s (``deadlines.features_built_h``):

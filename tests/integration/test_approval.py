@@ -248,7 +248,7 @@ def test_timeout_reject_and_approve_through_the_api_server(airflow: Airflow) -> 
 
     env = {k: v for k, v in airflow.env.items() if k.startswith("PINFLOW_")}
     moves = subprocess.run(
-        [sys.executable, "-c", "import json; from operators import job_history; "
+        [sys.executable, "-c", "import json; from services import job_history; "
          "print(json.dumps(job_history.alias_moves('tiny_click'), default=str))"],
         env={**os.environ, **env}, cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     [move] = json.loads(moves.stdout)

@@ -347,7 +347,7 @@ def test_a_study_of_training_jobs_prunes_resumes_and_promotes(hpo_env, pinflow_h
 
     from core import config
     from operators import hpo
-    from operators import job_history as history
+    from services import job_history as history
 
     sys.path.insert(0, str(REPO / "plugins"))
     from pinflow_ui import pages, web

@@ -28,7 +28,8 @@ LEASE_S = 4  # at least 3 x the drivers' poll of 0.5 s; far shorter than startin
 def test_a_job_whose_runner_was_killed_registers_nothing_and_its_row_ends(
     world, tmp_path, monkeypatch, no_orphans,  # noqa: F811
 ):
-    from operators import job_history, quotas
+    from operators import quotas
+    from services import job_history
 
     monkeypatch.setenv("PINFLOW_JOB_HISTORY__LEASE_S", str(LEASE_S))
     monkeypatch.setenv("PINFLOW_TRAINING__POLL_SECONDS", "0.5")  # as the driver's (a lease needs 3 polls)

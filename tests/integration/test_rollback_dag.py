@@ -38,7 +38,8 @@ def main() -> None:
 def registry_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """A registry with versions 1 and 2 of pin_ranker, each promoted in turn: version 2 the champion."""
     from core import config
-    from operators import champions, registry
+    from services import champions
+    from services import model_registry as registry
 
     env = {"PINFLOW_MLFLOW__TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "PINFLOW_JOB_HISTORY__URL": f"sqlite:///{tmp_path / 'history.db'}"}
@@ -71,7 +72,8 @@ def test_a_rollback_moves_the_champion_back_and_starts_rescoring_a_bad_one_moves
     airflow_db, registry_env, tmp_path: Path
 ) -> None:
     from core import config
-    from operators import job_history, registry
+    from services import job_history
+    from services import model_registry as registry
 
     client = registry.client(config.load().mlflow)
     bad = drive({"model": "pin_ranker", "to_version": "7", "reason": "typo"}, registry_env, tmp_path / "bad.log")

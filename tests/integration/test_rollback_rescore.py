@@ -51,7 +51,8 @@ def test_a_rollback_rescores_every_pin_with_the_restored_version(airflow_db, tmp
     import pyarrow.parquet as pq
 
     from core import config
-    from operators import champions, registry
+    from services import champions
+    from services import model_registry as registry
 
     world = shared_world(tmp_path_factory)
     # A registry of this test's own (the world's is shared by the session): version 1 copied, version 2 added.

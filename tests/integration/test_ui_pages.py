@@ -38,7 +38,8 @@ from typing import Any
 
 import pytest
 
-from operators.backends.resources import LOCAL_MACHINE, local_gpus
+from core.config import LOCAL_MACHINE
+from operators.backends.resources import local_gpus
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -128,8 +129,8 @@ def _run(tag: str, scratch: Path) -> dict[str, Any]:
     else:
         # Its job asks for room once run a's job holds the quota (run a's waits for the MLflow store first: under
         # load run b's would otherwise get there first, and the runs' roles swap).
-        from operators import job_history
         from operators.training import DistributedTrainingOperator
+        from services import job_history
 
         before_submit = DistributedTrainingOperator.before_submit
 
@@ -374,7 +375,7 @@ def stack(airflow_db, pinflow_home, tmp_path_factory):
 
 
 def _history(stack: Stack) -> dict[str, dict[str, Any]]:
-    from operators import job_history
+    from services import job_history
 
     runs = {stack.summary(tag)["run_id"]: tag for tag in ("run-a", "run-b")}
     rows = job_history.rows(dag_id="pin_ranker_training")
@@ -578,7 +579,8 @@ def test_pages_in_the_browser(stack):
             # A champion history on the tiny world's versions (run a's, then run b's, as a promotion records them),
             # then a rollback to run a's as pinflow_rollback makes it: the Models page shows the moves.
             from core import config
-            from operators import champions, registry
+            from services import champions
+            from services import model_registry as registry
 
             rows = _history(stack)
             version_a, version_b = str(rows["run-a"]["model_version"]), str(rows["run-b"]["model_version"])

@@ -13,7 +13,8 @@ import pytest
 
 from core import config
 from features import build, validate
-from operators import job_history, quotas
+from operators import quotas
+from services import job_history
 
 
 def _closed_port() -> int:

@@ -12,9 +12,10 @@ import pytest
 from core import config
 from core.config import JobHistoryConfig, MlflowConfig, PlatformConfig
 from core.failures import UserError
-from operators import champions, registry
-from operators import job_history as history
-from operators.promotion import promote_if_better
+from services import champions
+from services import job_history as history
+from services import model_registry as registry
+from services.promotion import promote_if_better
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))  # as Airflow puts the plugins folder on sys.path
@@ -173,7 +174,7 @@ def test_an_auto_family_ignores_the_approval_step(platform):
 
 def test_the_review_shows_each_head_against_the_champion_and_the_baseline():
     from operators.approval import review_body
-    from operators.promotion import GateSettings, decide
+    from services.promotion import GateSettings, decide
 
     result = {**RESULT, "metrics": {"auc": {"click": 0.71, "hide": 0.66}, "mean_auc": 0.685,
                                     "baseline_auc": {"click": 0.6, "hide": 0.55}},

@@ -17,7 +17,7 @@ import pytest
 from core import config
 from core.config import DeadlinesConfig, JobHistoryConfig, PlatformConfig
 from operators import deadlines
-from operators import job_history as history
+from services import job_history as history
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.unit

@@ -285,7 +285,7 @@ def test_shards_are_sized_by_the_work(pins, rate, parallelism, expected):
 
 def test_the_plan_uses_the_throughput_earlier_runs_measured(tmp_path: Path, monkeypatch):
     from operators import inference as stage
-    from operators import registry
+    from services import model_registry as registry
 
     write_corpus(tmp_path / "storage", pins=630)
     cfg = PlatformConfig(storage_root=str(tmp_path / "storage"),

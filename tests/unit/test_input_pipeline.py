@@ -224,7 +224,7 @@ def test_the_progress_line_shows_the_worst_ranks_wait_for_input():
 def test_an_old_job_history_gains_the_new_column(tmp_path: Path):
     import sqlalchemy as sa
 
-    from operators import job_history
+    from services import job_history
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     old = sa.MetaData()

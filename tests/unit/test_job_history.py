@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.failures import InfraError, UserError
-from operators import job_history as history
+from services import job_history as history
 
 pytestmark = pytest.mark.unit
 
@@ -52,8 +52,7 @@ def test_a_job_costs_its_node_hours_at_its_teams_price_checked_by_hand(url, monk
     (config/platform.yaml) are 55.04 USD; the same job of a Spot team at 21.50 is 21.50; a local job costs
     costs.local_per_hour; an instance type without a price has no cost."""
     from core import config
-    from core.config import PriceConfig
-    from operators.backends.resources import LOCAL_MACHINE
+    from core.config import LOCAL_MACHINE, PriceConfig
 
     base = config.read()
     assert base.costs.prices["p5.48xlarge"].on_demand == 55.04 and base.costs.currency == "USD"

@@ -84,7 +84,7 @@ def test_lease_setting_is_checked_against_the_poll():
 
 
 def test_a_watcher_renews_the_lease_at_once_then_within_each_lease(tmp_path, monkeypatch):
-    from operators import job_history
+    from services import job_history
 
     assert job_history.lease_every_s(300) == job_history.WATCH_EVERY_S
     assert job_history.lease_every_s(8) == 2 and job_history.lease_every_s(0) == job_history.WATCH_EVERY_S

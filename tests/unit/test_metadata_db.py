@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from operators import metadata_db
+from services import metadata_db
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from core import config
-from operators import job_history as history
+from services import job_history as history
 from training.runtime import DistEnv, Heartbeat, progress_line
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The promotion gate's decision (``operators.promotion.decide``): each way a model is refused, named with its
+"""The promotion gate's decision (``services.promotion.decide``): each way a model is refused, named with its
 numbers; a model is promoted only when every check holds."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from operators.promotion import GateSettings, decide, head_aucs
+from services.promotion import GateSettings, decide, head_aucs
 
 pytestmark = pytest.mark.unit
 

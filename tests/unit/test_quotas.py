@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.config import PlatformConfig, QuotaConfig, TeamConfig
+from core.config import LOCAL_MACHINE, PlatformConfig, QuotaConfig, TeamConfig
 from core.failures import ConfigError, FailureClass
-from operators import job_history as history
 from operators import quotas
 from operators.backends import JobState, JobStatus
-from operators.backends.resources import LOCAL_MACHINE, local_gpus
+from operators.backends.resources import local_gpus
 from operators.quotas import Amount
+from services import job_history as history
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

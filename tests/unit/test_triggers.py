@@ -150,8 +150,8 @@ def test_on_kill_cancels(monkeypatch):
 def test_a_task_stopped_from_airflow_leaves_its_job_cancelled_not_failed(monkeypatch, tmp_path):
     """Marking a deferred task failed kills its trigger: the history says CANCELLED (before the job's exit, as a killed
     process, could be read as an INFRA failure), and reconciling afterwards leaves it so."""
-    from operators import job_history as history
     from operators import quotas
+    from services import job_history as history
 
     url = f"sqlite:///{tmp_path}/jobs.db"
     monkeypatch.setattr(history, "default_url", lambda: url)

@@ -14,7 +14,7 @@ team, family, DAG / run / task / try, backend, job id, instance type and count, 
 started, ended), the waits (for quota, in the backend's queue), run time, GPU- and node-hours, outcome, failure
 class, retries, the model version and the promotion decision.
 
-    python -m operators.job_history export --format parquet --out jobs.parquet [--since 2026-11-01] [--team ranking]
+    python -m services.job_history export --format parquet --out jobs.parquet [--since 2026-11-01] [--team ranking]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ team_locks = sa.Table(
     sa.Column("admissions", sa.Integer, nullable=False, default=0),
 )
 
-# Every move of a model's champion alias (operators.champions): what MLflow's registry does not keep.
+# Every move of a model's champion alias (services.champions): what MLflow's registry does not keep.
 alias_history = sa.Table(
     "pinflow_alias_history",
     metadata,
@@ -446,7 +446,7 @@ def job_cost(instance_type: str | None, team: str | None, node_hours: float) -> 
     on-demand or Spot; the local backend's machine at ``costs.local_per_hour``), and the currency; None without
     a price for the type."""
     from core import config
-    from operators.backends.resources import LOCAL_MACHINE
+    from core.config import LOCAL_MACHINE
 
     cfg = config.load()
     costs = cfg.costs
@@ -485,7 +485,7 @@ def cost_note(cost: float | None, currency: str, gain: float | None = None, over
 
 
 def record_alias_move(move: dict[str, Any], conn: sa.Connection) -> None:
-    """One move of a champion alias (``operators.champions.move``), in the caller's transaction."""
+    """One move of a champion alias (``services.champions.move``), in the caller's transaction."""
     conn.execute(sa.insert(alias_history).values(**{c.name: move.get(c.name) for c in alias_history.columns
                                                     if c.name != "id"}))
 
@@ -630,7 +630,7 @@ def _arrow_type(column_type: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m operators.job_history", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m services.job_history", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="write the job history to a CSV or Parquet file (capacity planning)")
     exp.add_argument("--out", required=True, help="the file to write")

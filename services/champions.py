@@ -4,7 +4,7 @@ Corpus inference follows the ``champion`` alias of a family's registered model, 
 version and why is a control a team needs (MLflow keeps no alias history: mlflow/mlflow#2169). Every move (the
 promotion gate's, a rollback) goes through :func:`move`, which sets the alias and records it twice:
 
-- a row of ``pinflow_alias_history`` in the job history database (``operators.job_history``): model, alias, from
+- a row of ``pinflow_alias_history`` in the job history database (``services.job_history``): model, alias, from
   and to version, when, by whom or which run, what kind of move and why;
 - tags on the versions: ``pinflow.champion_since`` and ``pinflow.champion_reason`` on the new champion,
   ``pinflow.champion_until`` on the one it replaced.
@@ -21,7 +21,8 @@ from typing import Any
 
 from core import config
 from core.failures import PinflowError, UserError, as_typed
-from operators import job_history, registry
+from services import job_history
+from services import model_registry as registry
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ def needs_approval(result: dict[str, Any]) -> bool:
 def preview(result: dict[str, Any], tolerance: float | None = None) -> dict[str, Any]:
     """What the gate would decide now, reading the current champion and writing nothing: what a reviewer is shown
     before approving (the promote step decides again, under the model's lock, after the answer)."""
-    from operators import registry
+    from services import model_registry as registry
 
     cfg = config.load()
     name = str(result.get("model_name"))
@@ -201,10 +201,11 @@ def _apply_approval(decision: dict[str, Any], approval: dict[str, Any] | None) -
 def promote_if_better(result: dict[str, Any], tolerance: float | None = None,
                       moved_by: str = "the promotion gate", approval: dict[str, Any] | None = None) -> dict[str, Any]:
     """Decide on ``result`` against the current champion and, if promoted, move the ``champion`` alias to it
-    (recorded by ``operators.champions``: ``moved_by``, the run that decided); the decision is tagged on the version
+    (recorded by ``services.champions``: ``moved_by``, the run that decided); the decision is tagged on the version
     (``promotion``) either way. For a family with ``promotion: approval`` the alias moves only with ``approval``
     approved (the reviewer is recorded as the mover). A registry that does not answer raises INFRA."""
-    from operators import champions, registry
+    from services import champions
+    from services import model_registry as registry
 
     cfg = config.load()
     if not result.get("model_version"):
