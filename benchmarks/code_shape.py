@@ -2,7 +2,7 @@
 
 Prints one JSON line: the lines of the four stage operators (and of their shared base, if there is one), the blocks
 of six or more lines that the stage operators' files repeat between them (the ``duplicates`` tool, where it is
-installed), and per 1,000 lines of ``operators/`` and ``training/``: ``Any`` and string-keyed look-ups
+installed), and per 1,000 lines of ``operators/``, ``services/`` and ``training/``: ``Any`` and string-keyed look-ups
 (``x["key"]``, ``x.get("key"``), and the imports inside functions in those folders.
 
     .venv/bin/python benchmarks/code_shape.py            # this checkout
@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("FeatureBuildOperator", "DistributedTrainingOperator", "CorpusScoringOperator", "HpoTrialOperator")
 BASE = "ComputeJobOperator"
-FOLDERS = ("operators", "training")
+FOLDERS = ("operators", "services", "training")  # services/ was part of operators/ before 21ee1e0
 STRING_KEY = re.compile(r"""\[\s*["'][A-Za-z_]\w*["']\s*\]|\.get\(\s*["'][A-Za-z_]\w*["']""")
 ANY = re.compile(r"\bAny\b")
 
