@@ -55,6 +55,9 @@ class ModelFamily:
     serving_inputs: ClassVar[tuple[str, ...]]
     outputs: ClassVar[tuple[str, ...]]
     corpus_schema: ClassVar[pa.Schema | None] = None  # set by a family that scores the corpus
+    # The sparse feature a corpus item looks up by its own id (the ranker's pin table): a sharded model's corpus
+    # plan gives each scorer the items of a range of its rows (``corpus_rows``), so it reads only those rows.
+    corpus_table: ClassVar[str] = ""
     # The flat names of what evaluate() reports (``auc_click`` for ``{"auc": {"click": ...}}``); optional: where a
     # family declares them, a search's metric is checked against them before any trial trains.
     metrics: ClassVar[tuple[str, ...]] = ()
@@ -175,6 +178,10 @@ class ModelFamily:
     def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         """The model half of ``score_corpus``: ``corpus_inputs``' arrays → ``corpus_schema`` rows, in their order."""
         raise NotImplementedError(f"model family {self.name} does not score the corpus")
+
+    def corpus_rows(self, module: Any, pins: pa.Table) -> np.ndarray:
+        """The rows of ``corpus_table`` that the serving ``module`` looks up for each of ``pins``."""
+        raise NotImplementedError(f"model family {self.name} has no corpus_table")
 
     @property
     def splits_corpus_scoring(self) -> bool:

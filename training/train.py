@@ -221,6 +221,7 @@ class Trainer:
         self.epoch_start: list[int] = []
         self.total_steps = 0
         self.parts: dict[str, Part] = {}
+        self.sharded_exports: dict[str, str] = {}  # variant -> its sharded export's folder (end() writes them)
         self.checkpoints: CheckpointManager | None = None
         self.resumed: Resumed | None = None  # the checkpoint this try resumed from (result.json says how)
         # Advanced by train():
@@ -702,13 +703,28 @@ class Trainer:
         input_summary = self.input_summary()
         # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here. The result is the
         # family's plain model under every strategy: what is registered loads without a process group or TorchRec.
-        full = {}
+        # Tables above sharded_export_above_mib are never gathered: every rank exports its own rows
+        # (training.sharded_export) and rank 0 evaluates and registers the model over those files.
+        full: dict[str, Any] = {}
         for name, (module, _, _) in self.parts.items():
             build = lambda name=name: self.family.build_model(name)  # noqa: E731
             if self.config.strategy == "torchrec":
+                from training import sharded_export
                 from training import torchrec_sharding as ts
 
-                full[name] = ts.gather_full(module, self.family.sparse_features(name), build)
+                names = self.family.sparse_features(name)
+                if self.export_sharded():
+                    folder = self.export_folder(name)
+                    self.phase(f"exporting {name} sharded")
+                    sharded_export.export(module, names, folder)
+                    self.sharded_exports[name] = folder
+                    if self.env.is_main:
+                        log.info("%s exported sharded to %s (tables %.1f MiB > sharded_export_above_mib %s)", name,
+                                 folder, sharded_export.tables_bytes(module) / 2**20,
+                                 self.config.sharded_export_above_mib)
+                    full[name] = None
+                else:
+                    full[name] = ts.gather_full(module, names, build)
             else:
                 full[name] = gather_full(module, build)
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
@@ -718,6 +734,19 @@ class Trainer:
         if not self.env.is_main:
             return None
         return self.finish(full, total_seen, input_summary)
+
+    def export_sharded(self) -> bool:
+        """Whether the trained model's tables are above ``sharded_export_above_mib`` (strategy torchrec only)."""
+        from training.sharded_export import tables_bytes
+
+        module = self.parts["model"][0]
+        return tables_bytes(module) > self.config.sharded_export_above_mib * 2**20
+
+    def export_folder(self, variant: str) -> str:
+        """``<run folder>/export/step-XXXXXXXX/<variant>``, beside the checkpoints: a retry of the same step
+        writes the same files again, and the registered model keeps pointing at a folder that never moves."""
+        run_folder = self.config.checkpoint_dir.rstrip("/").rsplit("/", 1)[0]
+        return storage.join(run_folder, "export", f"step-{self.step:08d}", variant)
 
     def input_summary(self) -> dict[str, Any]:
         """Every rank: the job's data-bound verdict (a collective: the waits of every rank, and the worst rank's share)."""
@@ -760,6 +789,13 @@ class Trainer:
         from training.evaluate import flat_metrics
 
         cfg, hb, device, step, family = self.config, self.heartbeat, self.device, self.step, self.family
+        sharded = self.sharded_exports
+        if sharded:
+            from training import sharded_export
+
+            # The sharded export's model: its tables read from their row-range files, only the rows looked up.
+            models = {name: model if model is not None else sharded_export.load(sharded[name], family, name)
+                      for name, model in models.items()}
         hb.update(progress=0, force=True, phase="evaluating")
         metrics = family.evaluate(
             {name: model.to(device) for name, model in models.items()},
@@ -797,12 +833,15 @@ class Trainer:
             "serving_inputs": list(family.serving_inputs),
             "outputs": list(family.outputs),
             **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
+            **({"corpus_table": family.corpus_table} if "model" in sharded else {}),
         }
         # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
         lease.check(cfg.output_dir, cfg.lease_s)
         if tracker is not None:
-            model_uri, version = tracker.log_model(family, models["model"], feature_spec)
+            model_uri, version = tracker.log_model(family, models["model"], feature_spec, sharded=sharded.get("model"))
             tracker.end("FINISHED")
+        elif "model" in sharded:  # no tracking: the sharded export is the model, nothing registered
+            model_uri, version = sharded["model"], None
         else:  # no tracking: the serving module exported beside the result, nothing registered
             model_uri, version = export_serving(family, models["model"], cfg.output_dir), None
         result = {
@@ -811,6 +850,7 @@ class Trainer:
             "model_uri": model_uri,
             "model_name": cfg.registered_model,
             "model_version": version,
+            "sharded_export": sharded.get("model"),  # the export folder of a model exported sharded, else None
             "eval_ds": cfg.eval_ds,
             "train_days": list(cfg.train_days),
             "metrics": metrics,

@@ -547,6 +547,7 @@ class PinRankerFamily(ModelFamily):
         [pa.field("pin_id", pa.int64(), nullable=False)]
         + [pa.field(f"p_{label}", pa.float32(), nullable=False) for label in LABELS]
     )
+    corpus_table = "pin_emb"
     params: RankerParams
 
     def __init__(self, params: RankerParams) -> None:
@@ -683,6 +684,11 @@ class PinRankerFamily(ModelFamily):
             self._windows = {key: _pin_window(root, ds)}
         pin_ids = pins.column("pin_id").to_numpy()
         return context_inputs(pins, context_dense(pin_ids, self._windows[key], spec.get("priors", {})), spec)
+
+    def corpus_rows(self, module: Any, pins: pa.Table) -> np.ndarray:
+        """Each pin's row of ``pin_emb`` in the serving ``module`` (hashed, or its managed mapping)."""
+        ids = torch.from_numpy(pins.column("pin_id").to_numpy().astype(np.int64))
+        return module.ranker.rows("pin_id", ids).numpy()  # type: ignore[no-any-return]
 
     def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         with torch.no_grad():
