@@ -3,7 +3,8 @@
 A **plan** fixes what one run scores: a model version, the ``raw/pins`` snapshot of a day (its files, their
 row groups and a fingerprint of them) and its cut into ``num_shards`` contiguous row ranges (shard *i* holds
 the rows ``[start_i, stop_i)`` of the snapshot in file and row-group order, so that a shard reads only its
-own row groups). The plan's id digests all of that and the batch size (a model's floats depend on how rows
+own row groups; a model exported sharded, ``training.sharded_export``: the pins whose rows of the model's pin
+table are in ``[start_i, stop_i)``, sharding ``pin-rows-v1``, so that a shard reads only those rows of the model). The plan's id digests all of that and the batch size (a model's floats depend on how rows
 are batched), and every part is written under it, ``<out-dir>/_plans/<plan_id>/part-NNNNN.parquet``: a part of
 another plan (another shard count, snapshot or model) is never taken for one of this plan. Each part is one
 atomic write (a local temporary file and a rename, or one PUT on S3) carrying its plan id, row count and a

@@ -17,7 +17,8 @@ Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, 
 ``<checkpoint_dir>/step-XXXXXXXX/`` every ``checkpoint_every`` steps and at the end; a (re)started job
 resumes exactly from the newest complete one: model, optimizer, LR schedule, every rank's RNG states and
 the input position (the data order is a function of seed and epoch; the batches already trained on in
-that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds``,
+that epoch are skipped without being read). At the end (strategy torchrec with tables above
+``sharded_export_above_mib``: after every rank exported its rows, ``training.sharded_export``) rank 0 evaluates on ``eval_ds``,
 logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
 writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
 ``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``core.storage``).
