@@ -404,7 +404,7 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
 
     A model exported sharded (``training.sharded_export``; its metadata points to the export) is the family's
     serving form over :class:`~training.sharded_export.ShardedRows` tables: each shard file is checked and
-    memory-mapped only when a looked-up row falls in it. Any other model is the ``torch.export`` program."""
+    opened only when a looked-up row falls in it, and only those rows are read. Any other model is the ``torch.export`` program."""
     import mlflow
     import mlflow.pytorch
 

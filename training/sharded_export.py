@@ -8,8 +8,8 @@ tables, the managed-id buffers included) and ``MANIFEST.json`` (per table: rows,
 ``core.storage.publish`` of the export folder: a half-written export is never visible.
 
 :func:`load` rebuilds the family's model with those tables on the meta device and puts a :class:`ShardedRows`
-in each table's place: a lookup that memory-maps a shard file only when a looked-up row falls in it, after
-checking its SHA-256 against the manifest. A scorer whose pins map to a few rows of the pin table (the corpus
+in each table's place: a lookup that opens a shard file only when a looked-up row falls in it, after checking
+its SHA-256 against the manifest, and reads only the rows looked up. A scorer whose pins map to a few rows of the pin table (the corpus
 plan groups them so: ``training.inference``, sharding ``pin-rows-v1``) reads and maps only the shards of those
 rows. A missing shard, or one whose checksum differs, is a DataError naming the file.
 """
@@ -178,14 +178,14 @@ class ShardFile:
 class ShardedRows(nn.Module):
     """A table of the sharded export, called like ``nn.Embedding``: rows in, vectors out (float32, no gradient).
 
-    A shard file is opened (checked against its SHA-256, then memory-mapped) the first time a looked-up row falls
-    in it: a process touches only the files, and within them the pages, of the rows it looks up."""
+    A shard file is opened (checked against its SHA-256) the first time a looked-up row falls in it, and only the
+    rows looked up are read from it: a process holds the rows it uses, never a shard."""
 
     def __init__(self, name: str, rows: int, dim: int, shards: list[ShardFile], cache: str) -> None:
         super().__init__()
         self.name, self.num_embeddings, self.embedding_dim = name, rows, dim
         self.shards, self.cache = shards, cache
-        self._open: dict[int, np.ndarray] = {}
+        self._open: dict[int, tuple[IO[bytes], int]] = {}
         covered = np.zeros(rows, dtype=np.int64)
         for s in shards:
             covered[s.row_start:s.row_end] += s.col_end - s.col_start
@@ -199,7 +199,8 @@ class ShardedRows(nn.Module):
         """The shard files this table has opened so far."""
         return [self.shards[i].location for i in sorted(self._open)]
 
-    def _array(self, i: int) -> np.ndarray:
+    def _open_file(self, i: int) -> tuple[IO[bytes], int]:
+        """Shard ``i``'s file, checked against its SHA-256 when first opened, and where its rows start."""
         if i not in self._open:
             shard = self.shards[i]
             digest = sha256_of(shard.location)
@@ -210,13 +211,35 @@ class ShardedRows(nn.Module):
             if storage.is_remote(path):  # mapped from a local copy (the scorer's cache), this file only
                 path = os.path.join(self.cache, f"{self.name}-{i}.npy")
                 storage.copy_file(shard.location, path)
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            f = open(path, "rb")  # noqa: SIM115 - kept open while the table is used (closed with it)
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = header(f)
             want = (shard.row_end - shard.row_start, shard.col_end - shard.col_start)
-            if array.dtype != np.float32 or array.shape != want:
-                raise DataError(f"sharded model file {shard.location} holds {array.dtype} {array.shape}, the "
-                                f"manifest says float32 {want}")
-            self._open[i] = array
+            if dtype != np.float32 or tuple(shape) != want or fortran:
+                f.close()
+                raise DataError(f"sharded model file {shard.location} holds {dtype} {shape}, the manifest says "
+                                f"float32 {want}")
+            self._open[i] = (f, f.tell())
         return self._open[i]
+
+    def _read(self, i: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (local to shard ``i``) of its file, read with one ``pread`` per run of consecutive rows:
+        not memory-mapped, whose fault-around would make 64 KiB resident for every row of 128 bytes looked up."""
+        f, offset = self._open_file(i)
+        shard = self.shards[i]
+        width = shard.col_end - shard.col_start
+        row_bytes = width * 4
+        unique, inverse = np.unique(rows, return_inverse=True)
+        out = np.empty((len(unique), width), dtype=np.float32)
+        cuts = np.flatnonzero(np.diff(unique) != 1) + 1
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(unique)], strict=True):
+            size = int(b - a) * row_bytes
+            data = os.pread(f.fileno(), size, offset + int(unique[a]) * row_bytes)
+            if len(data) != size:
+                raise DataError(f"sharded model file {shard.location} is shorter than its header says")
+            out[a:b] = np.frombuffer(data, dtype=np.float32).reshape(-1, width)
+        return out[inverse]
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         flat = rows.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
@@ -226,7 +249,7 @@ class ShardedRows(nn.Module):
         for i, s in enumerate(self.shards):
             hit = (flat >= s.row_start) & (flat < s.row_end)
             if hit.any():
-                out[hit, s.col_start:s.col_end] = self._array(i)[flat[hit] - s.row_start]
+                out[hit, s.col_start:s.col_end] = self._read(i, flat[hit] - s.row_start)
         return torch.from_numpy(out).reshape(*rows.shape, self.embedding_dim)
 
 
