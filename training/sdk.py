@@ -132,6 +132,23 @@ class ModelFamily:
         """Metrics on ``eval_ds`` (nested dicts of floats, None where undefined); include ``mean_auc``."""
         raise NotImplementedError
 
+    def evaluate_part(
+        self, models: dict[str, nn.Module], root: str, eval_ds: str, context: Any, *, device: Any, batch_size: int,
+        rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
+    ) -> Any:
+        """Optional, with ``evaluate_parts``: this rank's share of what ``evaluate`` computes before its metrics
+        (picklable, e.g. predictions and labels), so that a model exported sharded is evaluated by every rank of
+        the training world; ``evaluate_parts`` (rank 0) turns the ranks' parts into ``evaluate``'s metrics."""
+        raise NotImplementedError(f"model family {self.name} does not split its evaluation")
+
+    def evaluate_parts(self, parts: list[Any], root: str, eval_ds: str, context: Any) -> dict[str, Any]:
+        raise NotImplementedError(f"model family {self.name} does not split its evaluation")
+
+    @property
+    def splits_evaluation(self) -> bool:
+        cls = type(self)
+        return cls.evaluate_part is not ModelFamily.evaluate_part and cls.evaluate_parts is not ModelFamily.evaluate_parts
+
     # --- serving --------------------------------------------------------------------------------
     def serving(self, model: nn.Module) -> nn.Module:
         """The exported form: positional tensors in ``serving_inputs`` order → a dict of ``outputs``."""

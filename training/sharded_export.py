@@ -250,7 +250,7 @@ class ShardedRows(nn.Module):
             hit = (flat >= s.row_start) & (flat < s.row_end)
             if hit.any():
                 out[hit, s.col_start:s.col_end] = self._read(i, flat[hit] - s.row_start)
-        return torch.from_numpy(out).reshape(*rows.shape, self.embedding_dim)
+        return torch.from_numpy(out).reshape(*rows.shape, self.embedding_dim).to(rows.device)
 
 
 def read_manifest(final: str, sha256: str | None = None) -> tuple[str, dict[str, Any]]:

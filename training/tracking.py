@@ -148,7 +148,8 @@ class Tracker:
 
     # ----------------------------------------------------------------------------------------------
     def log_model(
-        self, family: ModelFamily, model: torch.nn.Module, feature_spec: dict[str, Any], sharded: str | None = None,
+        self, family: ModelFamily, model: torch.nn.Module | None, feature_spec: dict[str, Any],
+        sharded: str | None = None,
     ) -> tuple[str, str | None]:
         """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
 
@@ -181,6 +182,7 @@ class Tracker:
         if sharded is not None:
             info = self._log_sharded(sharded, feature_spec, registered_name)
         else:
+            assert model is not None, "a model exported whole needs its module"
             serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
             example = family.example_inputs()
             info = self.mlflow.pytorch.log_model(

@@ -728,13 +728,34 @@ class Trainer:
                     full[name] = ts.gather_full(module, names, build)
             else:
                 full[name] = gather_full(module, build)
+        metrics = self.evaluate_in_world() if self.sharded_exports and self.family.splits_evaluation else None
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
         dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         self.loader = None  # its input workers stop
         self.stop_ray_input()
         if not self.env.is_main:
             return None
-        return self.finish(full, total_seen, input_summary)
+        return self.finish(full, total_seen, input_summary, metrics)
+
+    def evaluate_in_world(self) -> dict[str, Any] | None:
+        """Every rank evaluates its share of the evaluation day with the sharded export's models (each reading only
+        the rows it looks up), rank 0 gathers the parts and returns the family's metrics (None elsewhere)."""
+        import torch.distributed as dist
+
+        from training import sharded_export
+
+        cfg, family, hb = self.config, self.family, self.heartbeat
+        self.phase("evaluating")
+        models = {name: sharded_export.load(folder, family, name).to(self.device)
+                  for name, folder in self.sharded_exports.items()}
+        part = family.evaluate_part(models, cfg.root, cfg.eval_ds, self.context, device=self.device,
+                                    batch_size=cfg.eval_batch_size, rank=self.env.rank,
+                                    world_size=self.env.world_size, on_batch=lambda _: hb.update(phase="evaluating"))
+        parts: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(part, parts, dst=0)
+        if parts is None:
+            return None
+        return family.evaluate_parts(parts, cfg.root, cfg.eval_ds, self.context)
 
     def export_sharded(self) -> bool:
         """Whether the trained model's tables are above ``sharded_export_above_mib`` (strategy torchrec only)."""
@@ -784,29 +805,35 @@ class Trainer:
         if self.ray_started:
             ray.shutdown()
 
-    def finish(self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0: the family evaluates every variant, then MLflow gets the metrics and the registered model,
-        and result.json is written."""
+    def finish(
+        self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0: the family evaluates every variant (``metrics``: already evaluated by the training world),
+        then MLflow gets the metrics and the registered model, and result.json is written."""
         from training.evaluate import flat_metrics
 
         cfg, hb, device, step, family = self.config, self.heartbeat, self.device, self.step, self.family
         sharded = self.sharded_exports
-        if sharded:
-            from training import sharded_export
+        if metrics is None:
+            if sharded:
+                from training import sharded_export
 
-            # The sharded export's model: its tables read from their row-range files, only the rows looked up.
-            models = {name: model if model is not None else sharded_export.load(sharded[name], family, name)
-                      for name, model in models.items()}
-        hb.update(progress=0, force=True, phase="evaluating")
-        metrics = family.evaluate(
-            {name: model.to(device) for name, model in models.items()},
-            cfg.root,
-            cfg.eval_ds,
-            self.context,
-            device=device,
-            batch_size=cfg.eval_batch_size,
-            on_batch=lambda _: hb.update(phase="evaluating"),
-        )
+                # A family that does not split its evaluation: rank 0 evaluates the sharded export's model (its
+                # tables read from their row-range files, only the rows looked up).
+                models = {name: model if model is not None else sharded_export.load(sharded[name], family, name)
+                          for name, model in models.items()}
+            hb.update(progress=0, force=True, phase="evaluating")
+            metrics = family.evaluate(
+                {name: model.to(device) for name, model in models.items()},
+                cfg.root,
+                cfg.eval_ds,
+                self.context,
+                device=device,
+                batch_size=cfg.eval_batch_size,
+                on_batch=lambda _: hb.update(phase="evaluating"),
+            )
+        evaluated_by = self.env.world_size if self.sharded_exports and family.splits_evaluation else 1
         metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
         champion = None
@@ -852,6 +879,7 @@ class Trainer:
             "model_name": cfg.registered_model,
             "model_version": version,
             "sharded_export": sharded.get("model"),  # the export folder of a model exported sharded, else None
+            "evaluated_by_ranks": evaluated_by,  # the training world's ranks, for a sharded export the family splits
             "eval_ds": cfg.eval_ds,
             "train_days": list(cfg.train_days),
             "metrics": metrics,

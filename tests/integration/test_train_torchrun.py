@@ -444,8 +444,8 @@ def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(
 
 
 def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model_does(tmp_path: Path, world):
-    """strategy torchrec with sharded_export_above_mib 0 on two ranks: each rank exports its rows, the evaluation
-    reads them (never the gathered model), MLflow registers the pointer, and the corpus plan by pin-table rows gives
+    """strategy torchrec with sharded_export_above_mib 0 on two ranks: each rank exports its rows, both ranks evaluate
+    their share of the day reading them (never the gathered model), MLflow registers the pointer, and the corpus plan by pin-table rows gives
     each scorer only its rank's file of the pin table. The gathered path, run from the same final checkpoint
     without tracking, gives the same metrics and the same scores."""
     import shutil
@@ -487,6 +487,8 @@ def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model
     gathered = train(run_config(tmp_path / "gathered", epochs=1, strategy="torchrec", sharding="row_wise",
                                 root=str(root), mlflow_tracking_uri=""))
     assert gathered["sharded_export"] is None and gathered["steps"] == sharded["steps"]
+    assert (sharded["evaluated_by_ranks"], gathered["evaluated_by_ranks"]) == (2, 1)
+    assert sharded["metrics"]["examples"] == gathered["metrics"]["examples"] == 160
     for key in ("auc", "ablation_auc", "logloss"):
         for label, value in sharded["metrics"][key].items():
             assert value == pytest.approx(gathered["metrics"][key][label], abs=1e-6), (key, label)
