@@ -757,6 +757,15 @@ class Trainer:
             return None
         return family.evaluate_parts(parts, cfg.root, cfg.eval_ds, self.context)
 
+    def sharded_table_rows(self) -> int | None:
+        """Rows of the family's corpus table in the model's sharded export (None: not exported sharded)."""
+        from training.sharded_export import read_manifest
+
+        table = self.family.corpus_table
+        if "model" not in self.sharded_exports or not table:
+            return None
+        return int(read_manifest(self.sharded_exports["model"])[1]["tables"][table]["rows"])
+
     def export_sharded(self) -> bool:
         """Whether the trained model's tables are above ``sharded_export_above_mib`` (strategy torchrec only)."""
         from training.sharded_export import tables_bytes
@@ -880,6 +889,8 @@ class Trainer:
             "model_version": version,
             "sharded_export": sharded.get("model"),  # the export folder of a model exported sharded, else None
             "evaluated_by_ranks": evaluated_by,  # the training world's ranks, for a sharded export the family splits
+            # Rows of the family's corpus table in the sharded export (its version's SHARDED_ROWS_TAG), else None.
+            "sharded_table_rows": self.sharded_table_rows(),
             "eval_ds": cfg.eval_ds,
             "train_days": list(cfg.train_days),
             "metrics": metrics,

@@ -488,6 +488,7 @@ def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model
                                 root=str(root), mlflow_tracking_uri=""))
     assert gathered["sharded_export"] is None and gathered["steps"] == sharded["steps"]
     assert (sharded["evaluated_by_ranks"], gathered["evaluated_by_ranks"]) == (2, 1)
+    assert (sharded["sharded_table_rows"], gathered["sharded_table_rows"]) == (503, None)
     assert sharded["metrics"]["examples"] == gathered["metrics"]["examples"] == 160
     for key in ("auc", "ablation_auc", "logloss"):
         for label, value in sharded["metrics"][key].items():
