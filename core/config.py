@@ -202,6 +202,11 @@ class TrainingConfig(Section):
         "row_wise", description="strategy torchrec: how the tables are split over the ranks (row_wise: a table larger "
         "than one rank's memory trains)"
     )
+    sharded_export_above_mib: float = Field(
+        1024, ge=0, description="strategy torchrec: tables larger than this (MiB, all of them together) are exported "
+        "sharded (row-range files and a manifest; scorers read only their rows) instead of gathered into one "
+        "process; 0: always sharded"
+    )
     promotion_tolerance: float = Field(0.002, ge=0, le=0.1, description="how much worse than the champion's mean AUC a new model may be and still be promoted")
     heartbeat_timeout_seconds: float = Field(300, gt=0, description="no heartbeat progress this long: cancel the job as INFRA (retried)")
     poll_seconds: float = Field(10, gt=0, description="between job status checks of the operator and its trigger")

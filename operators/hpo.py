@@ -453,9 +453,13 @@ def register_trial_model(spec: StudySpec, number: int, result: dict[str, Any]) -
             return str(found[0].version)
         mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
         mlflow.set_registry_uri(cfg.mlflow.tracking_uri)
+        from training.inference import SHARDED_ROWS_TAG
+
+        rows = result.get("sharded_table_rows")  # a model exported sharded: what its corpus plan groups pins by
         version = mlflow.register_model(result["model_uri"], name, tags={
             "pinflow.hpo.study": str(result.get("study", "")), "pinflow.hpo.trial": str(number),
             f"pinflow.hpo.{spec.metric}": str(result.get("value")),
+            **({SHARDED_ROWS_TAG: str(rows)} if rows else {}),
         })
         return str(version.version)
     except PinflowError:

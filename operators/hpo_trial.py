@@ -275,6 +275,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
             "mlflow_run_id": result.get("mlflow_run_id"), "model_uri": result.get("model_uri"),
             "model_name": result.get("model_name"), "family": result.get("family"), "eval_ds": result.get("eval_ds"),
             "train_days": result.get("train_days"), "steps": result.get("steps"), "job": job.job_id,
+            "sharded_table_rows": result.get("sharded_table_rows"),
         }
         self._record(study, outcome)
         self.log.info("trial %d complete: %s %s with %s", self.trial["number"], spec.metric, outcome["value"],

@@ -108,7 +108,7 @@ def plan_inference(
     from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
     from services import model_registry as registry
-    from training.inference import make_plan, snapshot, views_dir, write_plan
+    from training.inference import PIN_ROWS, SHARDED_ROWS_TAG, make_plan, snapshot, views_dir, write_plan
 
     cfg = config.load()
     if model not in cfg.families:
@@ -137,9 +137,15 @@ def plan_inference(
             parallelism=parallelism_for(cfg, backend),
         )
         why += " (throughput measured by earlier runs)" if measured else " (throughput assumed: no run measured it yet)"
-    plan = make_plan(model_uri=f"models:/{name}/{mv.version}", tracking_uri=cfg.mlflow.tracking_uri,
+    model_uri = f"models:/{name}/{mv.version}"
+    # A model exported sharded: each shard scores the pins of a range of its pin table's rows (PIN_ROWS).
+    table_rows = int((getattr(mv, "tags", None) or {}).get(SHARDED_ROWS_TAG) or 0)
+    if table_rows and engine == "ray":
+        raise ConfigError(f"{model_uri} is exported sharded ({PIN_ROWS} plans): engine ray does not score sharded "
+                          "models yet; trigger the run with engine processes")
+    plan = make_plan(model_uri=model_uri, tracking_uri=cfg.mlflow.tracking_uri,
                      root=cfg.storage_root, ds=ds, out_dir=out_dir, num_shards=num_shards,
-                     batch_size=inf.batch_size, threads=inf.threads, snap=snap)
+                     batch_size=inf.batch_size, threads=inf.threads, snap=snap, table_rows=table_rows)
     location = write_plan(plan)
     return {
         "model": model,
@@ -154,6 +160,7 @@ def plan_inference(
         "plan_file": location,
         "batch_size": plan.batch_size,
         "threads": plan.threads,
+        "table_rows": table_rows,
         "out_dir": out_dir,
         "engine": engine,
         "backend": backend,
@@ -172,7 +179,8 @@ def load_plan(summary: dict[str, Any]) -> ScoringPlan:
         cfg = config.load()
         plan = make_plan(model_uri=summary["model_uri"], tracking_uri=cfg.mlflow.tracking_uri, root=cfg.storage_root,
                          ds=summary["ds"], out_dir=summary["out_dir"], num_shards=int(summary["shards"]),
-                         batch_size=int(summary["batch_size"]), threads=int(summary.get("threads", 1)))
+                         batch_size=int(summary["batch_size"]), threads=int(summary.get("threads", 1)),
+                         table_rows=int(summary.get("table_rows") or 0))
         if plan.plan_id != summary["plan_id"]:
             raise DataError(
                 f"plan {summary['plan_id']} cannot be made again (the snapshot or settings changed since; now "

@@ -295,6 +295,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
             "lr": family.lr or training.lr,
             "strategy": training.strategy,
             "sharding": training.sharding,
+            "sharded_export_above_mib": training.sharded_export_above_mib,
             "max_steps": training.max_steps,
             "target_examples": training.target_examples,
             "min_steps": training.min_steps,

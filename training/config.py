@@ -161,6 +161,11 @@ class RunConfig:
         "strategy torchrec: memory per rank (MiB) the sharding plan may fill with tables and their optimizer "
         "state (0: TorchRec's default for the device); a plan that does not fit is a USER error", 0.0,
     )
+    sharded_export_above_mib: float = _f(
+        "strategy torchrec: tables larger than this (MiB, all of them together) are not gathered at the end: each "
+        "rank exports its row ranges (training.sharded_export), evaluation and scoring read them; 0: always",
+        _TRAINING.sharded_export_above_mib,
+    )
     deterministic: bool = _f(
         "torch.use_deterministic_algorithms: a resumed run is bitwise equal to an uninterrupted one (CPU)", False
     )
@@ -215,6 +220,8 @@ class RunConfig:
             problems.append(f"lr={self.lr} must be positive")
         if self.sparse_lr <= 0:
             problems.append(f"sparse_lr={self.sparse_lr} must be positive")
+        if self.sharded_export_above_mib < 0:
+            problems.append(f"sharded_export_above_mib={self.sharded_export_above_mib} must not be negative")
         if self.embedding_memory_mb < 0:
             problems.append(f"embedding_memory_mb={self.embedding_memory_mb} must not be negative")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -3,7 +3,8 @@
 A **plan** fixes what one run scores: a model version, the ``raw/pins`` snapshot of a day (its files, their
 row groups and a fingerprint of them) and its cut into ``num_shards`` contiguous row ranges (shard *i* holds
 the rows ``[start_i, stop_i)`` of the snapshot in file and row-group order, so that a shard reads only its
-own row groups). The plan's id digests all of that and the batch size (a model's floats depend on how rows
+own row groups; a model exported sharded, ``training.sharded_export``: the pins whose rows of the model's pin
+table are in ``[start_i, stop_i)``, sharding ``pin-rows-v1``, so that a shard reads only those rows of the model). The plan's id digests all of that and the batch size (a model's floats depend on how rows
 are batched), and every part is written under it, ``<out-dir>/_plans/<plan_id>/part-NNNNN.parquet``: a part of
 another plan (another shard count, snapshot or model) is never taken for one of this plan. Each part is one
 atomic write (a local temporary file and a rename, or one PUT on S3) carrying its plan id, row count and a
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import queue
+import resource
 import sys
 import threading
 import time
@@ -63,6 +65,12 @@ PLAN_FILE = "_PLAN.json"
 VIEWS_DIR = "_views"  # under PLANS_DIR: merged incremental snapshots
 PART_METADATA_KEY = "pinflow.part"
 SHARDING = "rows-v1"  # contiguous row ranges of the snapshot in file and row-group order
+# A sharded model's plan: shard i scores the pins whose rows of the family's corpus table (the ranker's pin table)
+# are in [start_i, stop_i), so that it reads only the export's files of those rows (training.sharded_export).
+PIN_ROWS = "pin-rows-v1"
+SHARDED_METADATA = "pinflow_sharded"  # a sharded model's pointer in its MLflow metadata (location, sha256, tables)
+# A sharded model version's tag: the rows of its family's corpus table (the corpus plan's table_rows; absent: 0).
+SHARDED_ROWS_TAG = "pinflow.sharded_table_rows"
 # The columns of the pin snapshot a family's score_corpus may read.
 PIN_COLUMNS = ["pin_id", "embedding", "category", "creator_id", "image_embedding", "text_tokens"]
 ROW_GROUP_ROWS = 64 * 1024  # rows per row group of a part
@@ -192,7 +200,8 @@ def file_location(plan: ScoringPlan, entry: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ShardRows:
-    """Shard ``shard`` of a plan: the rows ``[start, stop)`` of the snapshot."""
+    """Shard ``shard`` of a plan: the rows ``[start, stop)`` of the snapshot (sharding ``rows-v1``), or of the
+    model's corpus table (``pin-rows-v1``: the pins whose ids map to those rows)."""
 
     shard: int
     start: int
@@ -236,6 +245,13 @@ def split_rows(total: int, num_shards: int) -> list[tuple[int, int]]:
     return [(i * total // num_shards, (i + 1) * total // num_shards) for i in range(num_shards)]
 
 
+def row_blocks(rows: int, num_shards: int) -> list[tuple[int, int]]:
+    """``num_shards`` ranges of a table's ``rows`` in blocks of ceil(rows / num_shards), as TorchRec cuts a table
+    row-wise: with as many shards as training ranks, each scorer reads exactly one rank's file of the table."""
+    block = -(-rows // num_shards)
+    return [(min(i * block, rows), min((i + 1) * block, rows)) for i in range(num_shards)]
+
+
 def make_plan(
     *,
     model_uri: str,
@@ -247,11 +263,14 @@ def make_plan(
     batch_size: int = 4096,
     threads: int = 1,
     snap: dict[str, Any] | None = None,
+    table_rows: int = 0,
 ) -> ScoringPlan:
     """The plan of scoring the snapshot of ``ds`` with ``model_uri`` in ``num_shards`` shards (see the module doc).
 
     Deterministic: the same model, snapshot, shard count and batch size give the same plan id. ``snap``: the
-    :func:`snapshot` already read for this output folder (else it is read now).
+    :func:`snapshot` already read for this output folder (else it is read now). ``table_rows``: the rows of a
+    sharded model's corpus table (its version's tag ``SHARDED_ROWS_TAG``): the shards are then ranges of those
+    rows (``pin-rows-v1``).
     """
     if num_shards < 1:
         raise UserError(f"num_shards={num_shards}: need at least one shard")
@@ -259,14 +278,16 @@ def make_plan(
         raise UserError(f"batch_size={batch_size}: need at least one pin per batch")
     out = os.fspath(out_dir)
     snap = snap or snapshot(root, ds, views_dir(out))
+    sharding = PIN_ROWS if table_rows else SHARDING
     key = {"model_uri": model_uri, "ds": ds, "snapshot": snap["fingerprint"], "num_shards": num_shards,
-           "sharding": SHARDING, "batch_size": batch_size}
+           "sharding": sharding, "batch_size": batch_size, **({"table_rows": table_rows} if table_rows else {})}
     plan_id = _digest(key)
     return ScoringPlan(
         plan_id=plan_id, model_uri=model_uri, tracking_uri=tracking_uri, root=root, ds=ds, out_dir=out,
         parts_dir=storage.join(out, PLANS_DIR, plan_id), num_shards=num_shards, batch_size=batch_size, threads=threads,
-        sharding=SHARDING, pins=int(snap["pins"]), snapshot=snap,
-        shards=tuple(ShardRows(i, a, b) for i, (a, b) in enumerate(split_rows(snap["pins"], num_shards))),
+        sharding=sharding, pins=int(snap["pins"]), snapshot=snap,
+        shards=tuple(ShardRows(i, a, b) for i, (a, b) in enumerate(
+            row_blocks(table_rows, num_shards) if table_rows else split_rows(snap["pins"], num_shards))),
     )
 
 
@@ -311,7 +332,8 @@ def shard_pieces(plan: ScoringPlan, shard: int) -> list[Piece]:
     """The pieces of the snapshot that make up ``shard``, in order."""
     if not 0 <= shard < plan.num_shards:
         raise UserError(f"shard {shard} is not in [0, {plan.num_shards}) of plan {plan.plan_id}")
-    start, stop = plan.shards[shard].start, plan.shards[shard].stop
+    # pin-rows-v1: a shard's pins are anywhere in the snapshot; it reads every piece and keeps those of its rows.
+    start, stop = (0, plan.pins) if plan.sharding == PIN_ROWS else (plan.shards[shard].start, plan.shards[shard].stop)
     pieces, offset = [], 0
     for index, f in enumerate(plan.snapshot["files"]):
         path = file_location(plan, f)
@@ -349,8 +371,11 @@ def read_piece(plan: ScoringPlan, piece: Piece, parquet: pq.ParquetFile | None =
         return read(pf)
 
 
-def shard_batches(plan: ScoringPlan, shard: int) -> Iterator[pa.Table]:
-    """The shard's pins in batches of at most ``batch_size``, in plan order (one open file at a time)."""
+def shard_batches(plan: ScoringPlan, shard: int, rows_of: Any = None) -> Iterator[pa.Table]:
+    """The shard's pins in batches of at most ``batch_size``, in plan order (one open file at a time).
+
+    ``pin-rows-v1``: of each piece only the pins whose corpus-table rows (``rows_of(table)``, the scorer's
+    :meth:`Scorer.table_rows`) are in the shard's range, batched per piece."""
     pieces = shard_pieces(plan, shard)
     batch_size = plan.batch_size
     i = 0
@@ -359,8 +384,15 @@ def shard_batches(plan: ScoringPlan, shard: int) -> Iterator[pa.Table]:
         with storage.parquet_file(path) as parquet:
             while i < len(pieces) and pieces[i].path == path:
                 table = read_piece(plan, pieces[i], parquet)
-                for a, b in batch_bounds(pieces[i], batch_size):
-                    yield table.slice(a, b - a)
+                if plan.sharding == PIN_ROWS:
+                    rows = rows_of(table)
+                    ours = plan.shards[shard]
+                    table = table.filter(pa.array((rows >= ours.start) & (rows < ours.stop)))
+                    for a in range(0, table.num_rows, batch_size):
+                        yield table.slice(a, min(batch_size, table.num_rows - a))
+                else:
+                    for a, b in batch_bounds(pieces[i], batch_size):
+                        yield table.slice(a, b - a)
                 i += 1
 
 
@@ -368,7 +400,11 @@ def shard_batches(plan: ScoringPlan, shard: int) -> Iterator[pa.Table]:
 
 
 def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
-    """The exported serving module and its feature spec (from the MLflow model's metadata)."""
+    """The serving module and its feature spec (from the MLflow model's metadata).
+
+    A model exported sharded (``training.sharded_export``; its metadata points to the export) is the family's
+    serving form over :class:`~training.sharded_export.ShardedRows` tables: each shard file is checked and
+    opened only when a looked-up row falls in it, and only those rows are read. Any other model is the ``torch.export`` program."""
     import mlflow
     import mlflow.pytorch
 
@@ -378,6 +414,14 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
     spec = (info.metadata or {}).get("feature_spec")
     if not spec:
         raise ValueError(f"model {model_uri} has no feature_spec in its metadata: was it logged by training.train?")
+    pointer = (info.metadata or {}).get(SHARDED_METADATA)
+    if pointer:
+        from training import sharded_export
+        from training.sdk import load_family
+
+        family = load_family(str(spec.get("family", "")), str(spec.get("family_module", "")), spec.get("params"))
+        model = sharded_export.load(str(pointer["location"]), family, sha256=str(pointer["sha256"]))
+        return family.serving(model).eval(), spec
     return mlflow.pytorch.load_model(model_uri), spec
 
 
@@ -405,6 +449,10 @@ class Scorer:
 
     def score(self, pins: pa.Table, root: str, ds: str) -> pa.Table:
         return self.family.score_corpus(self.module, pins, self.spec, root, ds)  # type: ignore[no-any-return]
+
+    def table_rows(self, pins: pa.Table) -> np.ndarray:
+        """The rows of the family's corpus table that ``pins`` look up (how a pin-rows plan groups them)."""
+        return np.asarray(self.family.corpus_rows(self.module, pins))
 
     @property
     def splits(self) -> bool:
@@ -553,20 +601,34 @@ def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None
     scorer = scorer or Scorer.load(plan.model_uri, plan.tracking_uri)
     loaded, cpu_from = time.monotonic(), time.process_time()
     writer = PartWriter(plan, shard, scorer.schema)
+    by_rows = plan.sharding == PIN_ROWS
     expected = sum(p.stop - p.start for p in pieces)
     sleep_s = float(os.environ.get(DEBUG_SLEEP_VARIABLE) or 0)
-    log.info("scoring shard %d of plan %s: %d pins in %d piece(s) (model ready after %.1fs)",
-             shard, plan.plan_id, expected, len(pieces), loaded - started)
-    for scored in scorer.scored_batches(shard_batches(plan, shard), plan.root, plan.ds):
+    log.info("scoring shard %d of plan %s: %s in %d piece(s) (model ready after %.1fs)", shard, plan.plan_id,
+             f"the pins of table rows [{plan.shards[shard].start}, {plan.shards[shard].stop})" if by_rows
+             else f"{expected} pins", len(pieces), loaded - started)
+    batches = shard_batches(plan, shard, scorer.table_rows if by_rows else None)
+    for scored in scorer.scored_batches(batches, plan.root, plan.ds):
         writer.add(scored)
         if sleep_s:
             time.sleep(sleep_s)
-    if writer.rows != expected:
+    if not by_rows and writer.rows != expected:
         raise DataError(f"shard {shard} of plan {plan.plan_id} scored {writer.rows} rows, its range has {expected}")
     seconds = time.monotonic() - loaded
+    # The process's peak resident memory (Linux: KiB), and the shard files a sharded model opened: what a scorer
+    # of a sharded model saves is measured, not assumed.
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    opened = None
+    if by_rows and scorer.module is not None:
+        from training.sharded_export import opened_files
+
+        opened = len(opened_files(scorer.module))
+    log.info("shard %d: %d pins scored, peak RSS %.1f MiB%s", shard, writer.rows, peak_rss_mib,
+             f", {opened} shard file(s) of the sharded model opened" if opened else "")
     # CPU seconds too: on a shared machine they measure the work when wall time measures the neighbours.
     data, record = writer.finish(seconds=round(seconds, 3), cpu_seconds=round(time.process_time() - cpu_from, 3),
-                                 engine="processes")
+                                 engine="processes", peak_rss_mib=round(peak_rss_mib, 1),
+                                 **({"model_files_opened": opened} if opened is not None else {}))
     storage.write_bytes(summary["path"], data)
     return {**summary, "rows": record["rows"], "ids_checksum": record["ids_checksum"], "skipped": False,
             "seconds": round(time.monotonic() - started, 3), "score_seconds": round(seconds, 3)}
@@ -597,10 +659,14 @@ def score_shard(
 
 
 def expected_parts(plan: ScoringPlan) -> list[dict[str, Any]]:
-    """Rows and pin-id checksum of each shard's range, recomputed from the snapshot (its ``pin_id`` column only)."""
-    counts = [0] * plan.num_shards
-    sums = [0] * plan.num_shards
-    bounds = [(s.start, s.stop) for s in plan.shards]
+    """Rows and pin-id checksum of each shard's range, recomputed from the snapshot (its ``pin_id`` column only).
+
+    ``pin-rows-v1``: which shard a pin is in takes the model to say, so one entry for the whole snapshot (shard
+    -1): the parts together must hold its rows and checksum."""
+    by_rows = plan.sharding == PIN_ROWS
+    counts = [0] * (1 if by_rows else plan.num_shards)
+    sums = [0] * len(counts)
+    bounds = [(0, plan.pins)] if by_rows else [(s.start, s.stop) for s in plan.shards]
     offset = 0
     for f in plan.snapshot["files"]:
         with storage.parquet_file(file_location(plan, f)) as parquet:
@@ -615,6 +681,8 @@ def expected_parts(plan: ScoringPlan) -> list[dict[str, Any]]:
                     counts[shard] += hi - lo
                     sums[shard] = ids_checksum(ids[lo - offset:hi - offset], sums[shard])
                 offset += n
+    if by_rows:
+        return [{"shard": -1, "rows": counts[0], "ids_checksum": checksum_hex(sums[0])}]
     return [{"shard": i, "rows": counts[i], "ids_checksum": checksum_hex(sums[i])} for i in range(plan.num_shards)]
 
 
@@ -658,6 +726,10 @@ def publish_plan(plan: ScoringPlan) -> dict[str, Any]:
             "score the run again"
         )
     expected = expected_parts(plan)
+    by_rows = plan.sharding == PIN_ROWS
+    whole = expected[0] if by_rows else None
+    if whole is not None:  # each part is checked against the plan; the parts together against the snapshot
+        expected = [{"shard": i, "rows": None, "ids_checksum": None} for i in range(plan.num_shards)]
     staged = set(storage.list_names(plan.parts_dir))
     missing, wrong, parts = [], [], []
     schema: pa.Schema | None = None
@@ -676,9 +748,9 @@ def publish_plan(plan: ScoringPlan) -> dict[str, Any]:
         problems = []
         if record.get("plan_id") != plan.plan_id or record.get("shard") != shard:
             problems.append(f"made for plan {record.get('plan_id')} shard {record.get('shard')}")
-        if got["rows"] != want["rows"]:
+        if want["rows"] is not None and got["rows"] != want["rows"]:
             problems.append(f"{got['rows']} rows, its range has {want['rows']}")
-        if got["ids_checksum"] != want["ids_checksum"]:
+        if want["ids_checksum"] is not None and got["ids_checksum"] != want["ids_checksum"]:
             problems.append(f"pin-id checksum {got['ids_checksum']}, its range's {want['ids_checksum']}")
         schema = schema or part_schema
         if part_schema != schema:
@@ -697,6 +769,18 @@ def publish_plan(plan: ScoringPlan) -> dict[str, Any]:
         raise MissingPartsError(
             f"cannot publish {out_dir} (plan {plan.plan_id}): {detail}; score those shards (again) first"
         )
+    if whole is not None:
+        rows, total = sum(p["rows"] for p in parts), 0
+        for part in parts:
+            total = (total + int(part["ids_checksum"], 16)) & 0xFFFFFFFFFFFFFFFF
+        if (rows, checksum_hex(total)) != (whole["rows"], whole["ids_checksum"]):
+            for part in parts:
+                storage.remove(part["_location"])
+            raise MissingPartsError(
+                f"cannot publish {out_dir} (plan {plan.plan_id}): its parts hold {rows} pins (checksum "
+                f"{checksum_hex(total)}), the snapshot {whole['rows']} ({whole['ids_checksum']}): a pin is missing "
+                "or scored twice; the parts were removed, score every shard again"
+            )
 
     storage.remove(storage.join(out_dir, MANIFEST))  # from here on readers see no output until the new manifest
     for part in parts:
@@ -760,8 +844,10 @@ def publish_manifest(
     if batch_size is None:
         batch_size = int(staged[0]["batch_size"]) if staged else 4096
     tracking = str(staged[0].get("tracking_uri", "")) if staged else ""
+    by_rows = bool(staged) and staged[0].get("sharding") == PIN_ROWS
     plan = make_plan(model_uri=model_uri, tracking_uri=tracking, root=root, ds=ds, out_dir=out_dir,
-                     num_shards=num_shards, batch_size=batch_size)
+                     num_shards=num_shards, batch_size=batch_size,
+                     table_rows=int(staged[0]["shards"][-1]["stop"]) if by_rows else 0)
     return publish_plan(plan)
 
 

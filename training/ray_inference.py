@@ -41,6 +41,7 @@ from core import storage
 from core.arrays import parse_shards
 from core.failures import ExitCode, UserError, exit_code_for
 from training.inference import (
+    PIN_ROWS,
     PartWriter,
     Piece,
     ScoringPlan,
@@ -193,6 +194,9 @@ def score_with_ray(
                                "skipped": len(shards) - len(todo)}
     if not todo:
         return {**summary, "rows": 0, "seconds": 0.0}
+    if plan.sharding == PIN_ROWS:
+        raise UserError(f"plan {plan.plan_id} scores a sharded model by its table's rows ({PIN_ROWS}): engine ray "
+                        "does not yet; score it with engine processes")
     for shard in todo:
         shard_pieces(plan, shard)  # a shard outside the plan fails here
     _, spec = load_model(plan.model_uri, plan.tracking_uri)  # the feature spec; each actor loads the model

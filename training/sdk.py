@@ -55,6 +55,9 @@ class ModelFamily:
     serving_inputs: ClassVar[tuple[str, ...]]
     outputs: ClassVar[tuple[str, ...]]
     corpus_schema: ClassVar[pa.Schema | None] = None  # set by a family that scores the corpus
+    # The sparse feature a corpus item looks up by its own id (the ranker's pin table): a sharded model's corpus
+    # plan gives each scorer the items of a range of its rows (``corpus_rows``), so it reads only those rows.
+    corpus_table: ClassVar[str] = ""
     # The flat names of what evaluate() reports (``auc_click`` for ``{"auc": {"click": ...}}``); optional: where a
     # family declares them, a search's metric is checked against them before any trial trains.
     metrics: ClassVar[tuple[str, ...]] = ()
@@ -129,6 +132,23 @@ class ModelFamily:
         """Metrics on ``eval_ds`` (nested dicts of floats, None where undefined); include ``mean_auc``."""
         raise NotImplementedError
 
+    def evaluate_part(
+        self, models: dict[str, nn.Module], root: str, eval_ds: str, context: Any, *, device: Any, batch_size: int,
+        rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
+    ) -> Any:
+        """Optional, with ``evaluate_parts``: this rank's share of what ``evaluate`` computes before its metrics
+        (picklable, e.g. predictions and labels), so that a model exported sharded is evaluated by every rank of
+        the training world; ``evaluate_parts`` (rank 0) turns the ranks' parts into ``evaluate``'s metrics."""
+        raise NotImplementedError(f"model family {self.name} does not split its evaluation")
+
+    def evaluate_parts(self, parts: list[Any], root: str, eval_ds: str, context: Any) -> dict[str, Any]:
+        raise NotImplementedError(f"model family {self.name} does not split its evaluation")
+
+    @property
+    def splits_evaluation(self) -> bool:
+        cls = type(self)
+        return cls.evaluate_part is not ModelFamily.evaluate_part and cls.evaluate_parts is not ModelFamily.evaluate_parts
+
     # --- serving --------------------------------------------------------------------------------
     def serving(self, model: nn.Module) -> nn.Module:
         """The exported form: positional tensors in ``serving_inputs`` order → a dict of ``outputs``."""
@@ -175,6 +195,10 @@ class ModelFamily:
     def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         """The model half of ``score_corpus``: ``corpus_inputs``' arrays → ``corpus_schema`` rows, in their order."""
         raise NotImplementedError(f"model family {self.name} does not score the corpus")
+
+    def corpus_rows(self, module: Any, pins: pa.Table) -> np.ndarray:
+        """The rows of ``corpus_table`` that the serving ``module`` looks up for each of ``pins``."""
+        raise NotImplementedError(f"model family {self.name} has no corpus_table")
 
     @property
     def splits_corpus_scoring(self) -> bool:

@@ -5,7 +5,8 @@ A family declares which of its ``nn.Embedding`` tables are sparse features (``Mo
 weights and the same call: rows in, vectors out), :func:`shard` wraps the model in ``DistributedModelParallel``
 with a sharding plan (the tables model-parallel with all-to-all lookups and a sparse optimizer fused into the
 backward pass; every other parameter data-parallel under DDP), and :func:`gather_full` turns the sharded model
-back into the family's plain module (the serving export, loadable without any process group).
+back into the family's plain module (the serving export, loadable without any process group); tables too large to
+gather are exported shard by shard instead (``training.sharded_export``).
 
 Built sharded: the trainer builds the model with :func:`build_meta` (the sparse features on the meta device, the
 dense part as the family builds it), so no process holds a whole table; :func:`shard` allocates each rank's shards

@@ -19,6 +19,7 @@ import torch
 
 from core import storage
 from training.config import RunConfig
+from training.inference import SHARDED_METADATA, SHARDED_ROWS_TAG
 from training.sdk import ModelFamily
 
 log = logging.getLogger("training.tracking")
@@ -146,8 +147,16 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=chunk)
 
     # ----------------------------------------------------------------------------------------------
-    def log_model(self, family: ModelFamily, model: torch.nn.Module, feature_spec: dict[str, Any]) -> tuple[str, str | None]:
+    def log_model(
+        self, family: ModelFamily, model: torch.nn.Module | None, feature_spec: dict[str, Any],
+        sharded: str | None = None,
+    ) -> tuple[str, str | None]:
         """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
+
+        ``sharded``: the folder of the model's sharded export (``training.sharded_export``) instead: the MLflow
+        model is a pointer to it (the manifest's location and SHA-256 in its metadata, the manifest a copy among
+        its artifacts), so ``models:/name/version`` stays what the registry and a rollback move, and no process
+        ever holds the whole model to log it.
 
         Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned. The
         registry itself is asked (the version whose run is this run), not only the state file beside the
@@ -169,24 +178,60 @@ class Tracker:
             storage.write_json(self.state_path, self.state)
             return model_uri, str(registered.version)
         self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
-        serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
-        example = family.example_inputs()
-        info = self.mlflow.pytorch.log_model(
-            serving,
-            name=MODEL_ARTIFACT,
-            serialization_format="pt2",
-            input_example=tuple(example[name] for name in family.serving_inputs),
-            signature=model_signature(family, serving, example),
-            pip_requirements=[torch_requirement()],  # explicit: inferring requirements is slow
-            registered_model_name=self.config.registered_model if self.config.register else None,
-            metadata={"feature_spec": feature_spec},
-        )
+        registered_name = self.config.registered_model if self.config.register else None
+        if sharded is not None:
+            info = self._log_sharded(sharded, feature_spec, registered_name)
+        else:
+            assert model is not None, "a model exported whole needs its module"
+            serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
+            example = family.example_inputs()
+            info = self.mlflow.pytorch.log_model(
+                serving,
+                name=MODEL_ARTIFACT,
+                serialization_format="pt2",
+                input_example=tuple(example[name] for name in family.serving_inputs),
+                signature=model_signature(family, serving, example),
+                pip_requirements=[torch_requirement()],  # explicit: inferring requirements is slow
+                registered_model_name=registered_name,
+                metadata={"feature_spec": feature_spec},
+            )
         version = info.registered_model_version
         version = str(version) if version is not None else None
+        if sharded is not None and version is not None and family.corpus_table:
+            rows = info.metadata[SHARDED_METADATA]["tables"].get(family.corpus_table, {}).get("rows")
+            if rows:  # what the corpus plan groups pins by, read with the version (no model download)
+                self.client.set_model_version_tag(self.config.registered_model, version, SHARDED_ROWS_TAG, str(rows))
         model_uri = f"models:/{self.config.registered_model}/{version}" if version else info.model_uri
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
         storage.write_json(self.state_path, self.state)
         return model_uri, version
+
+    def _log_sharded(self, folder: str, feature_spec: dict[str, Any], registered_name: str | None) -> Any:
+        """A pyfunc model pointing to the sharded export in ``folder`` (``training.inference.load_model`` reads it)."""
+        import tempfile
+
+        import mlflow.pyfunc
+
+        from training import sharded_export
+
+        class ShardedPointer(mlflow.pyfunc.PythonModel):  # type: ignore[misc,name-defined]
+            """A pinflow sharded model: load it with training.inference.load_model (its rows stay in their files)."""
+
+            def predict(self, context: Any, model_input: Any, params: Any = None) -> Any:
+                raise NotImplementedError("a pinflow sharded model is loaded with training.inference.load_model")
+
+        base, manifest = sharded_export.read_manifest(folder)
+        pointer = {"location": folder, "sha256": sharded_export.manifest_sha256(folder),
+                   "tables": {t: {"rows": v["rows"], "dim": v["dim"], "shards": len(v["shards"])}
+                              for t, v in manifest["tables"].items()}}
+        with tempfile.TemporaryDirectory() as tmp:
+            copy_path = f"{tmp}/{sharded_export.MANIFEST_FILE}"
+            storage.write_bytes(copy_path, storage.read_bytes(storage.join(base, sharded_export.MANIFEST_FILE)))
+            return mlflow.pyfunc.log_model(
+                name=MODEL_ARTIFACT, python_model=ShardedPointer(), artifacts={"manifest": copy_path},
+                pip_requirements=[torch_requirement()], registered_model_name=registered_name,
+                metadata={"feature_spec": feature_spec, SHARDED_METADATA: pointer},
+            )
 
     def registered_version(self) -> Any | None:
         """The version of ``registered_model`` that this MLflow run registered, if any (the oldest)."""

@@ -17,7 +17,8 @@ Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, 
 ``<checkpoint_dir>/step-XXXXXXXX/`` every ``checkpoint_every`` steps and at the end; a (re)started job
 resumes exactly from the newest complete one: model, optimizer, LR schedule, every rank's RNG states and
 the input position (the data order is a function of seed and epoch; the batches already trained on in
-that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds``,
+that epoch are skipped without being read). At the end (strategy torchrec with tables above
+``sharded_export_above_mib``: after every rank exported its rows, ``training.sharded_export``) rank 0 evaluates on ``eval_ds``,
 logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
 writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
 ``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``core.storage``).
@@ -221,6 +222,7 @@ class Trainer:
         self.epoch_start: list[int] = []
         self.total_steps = 0
         self.parts: dict[str, Part] = {}
+        self.sharded_exports: dict[str, str] = {}  # variant -> its sharded export's folder (end() writes them)
         self.checkpoints: CheckpointManager | None = None
         self.resumed: Resumed | None = None  # the checkpoint this try resumed from (result.json says how)
         # Advanced by train():
@@ -702,22 +704,80 @@ class Trainer:
         input_summary = self.input_summary()
         # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here. The result is the
         # family's plain model under every strategy: what is registered loads without a process group or TorchRec.
-        full = {}
+        # Tables above sharded_export_above_mib are never gathered: every rank exports its own rows
+        # (training.sharded_export) and rank 0 evaluates and registers the model over those files.
+        full: dict[str, Any] = {}
         for name, (module, _, _) in self.parts.items():
             build = lambda name=name: self.family.build_model(name)  # noqa: E731
             if self.config.strategy == "torchrec":
+                from training import sharded_export
                 from training import torchrec_sharding as ts
 
-                full[name] = ts.gather_full(module, self.family.sparse_features(name), build)
+                names = self.family.sparse_features(name)
+                if self.export_sharded():
+                    folder = self.export_folder(name)
+                    self.phase(f"exporting {name} sharded")
+                    sharded_export.export(module, names, folder)
+                    self.sharded_exports[name] = folder
+                    if self.env.is_main:
+                        log.info("%s exported sharded to %s (tables %.1f MiB > sharded_export_above_mib %s)", name,
+                                 folder, sharded_export.tables_bytes(module) / 2**20,
+                                 self.config.sharded_export_above_mib)
+                    full[name] = None
+                else:
+                    full[name] = ts.gather_full(module, names, build)
             else:
                 full[name] = gather_full(module, build)
+        metrics = self.evaluate_in_world() if self.sharded_exports and self.family.splits_evaluation else None
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
         dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         self.loader = None  # its input workers stop
         self.stop_ray_input()
         if not self.env.is_main:
             return None
-        return self.finish(full, total_seen, input_summary)
+        return self.finish(full, total_seen, input_summary, metrics)
+
+    def evaluate_in_world(self) -> dict[str, Any] | None:
+        """Every rank evaluates its share of the evaluation day with the sharded export's models (each reading only
+        the rows it looks up), rank 0 gathers the parts and returns the family's metrics (None elsewhere)."""
+        import torch.distributed as dist
+
+        from training import sharded_export
+
+        cfg, family, hb = self.config, self.family, self.heartbeat
+        self.phase("evaluating")
+        models = {name: sharded_export.load(folder, family, name).to(self.device)
+                  for name, folder in self.sharded_exports.items()}
+        part = family.evaluate_part(models, cfg.root, cfg.eval_ds, self.context, device=self.device,
+                                    batch_size=cfg.eval_batch_size, rank=self.env.rank,
+                                    world_size=self.env.world_size, on_batch=lambda _: hb.update(phase="evaluating"))
+        parts: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(part, parts, dst=0)
+        if parts is None:
+            return None
+        return family.evaluate_parts(parts, cfg.root, cfg.eval_ds, self.context)
+
+    def sharded_table_rows(self) -> int | None:
+        """Rows of the family's corpus table in the model's sharded export (None: not exported sharded)."""
+        from training.sharded_export import read_manifest
+
+        table = self.family.corpus_table
+        if "model" not in self.sharded_exports or not table:
+            return None
+        return int(read_manifest(self.sharded_exports["model"])[1]["tables"][table]["rows"])
+
+    def export_sharded(self) -> bool:
+        """Whether the trained model's tables are above ``sharded_export_above_mib`` (strategy torchrec only)."""
+        from training.sharded_export import tables_bytes
+
+        module = self.parts["model"][0]
+        return tables_bytes(module) > self.config.sharded_export_above_mib * 2**20
+
+    def export_folder(self, variant: str) -> str:
+        """``<run folder>/export/step-XXXXXXXX/<variant>``, beside the checkpoints: a retry of the same step
+        writes the same files again, and the registered model keeps pointing at a folder that never moves."""
+        run_folder = self.config.checkpoint_dir.rstrip("/").rsplit("/", 1)[0]
+        return storage.join(run_folder, "export", f"step-{self.step:08d}", variant)
 
     def input_summary(self) -> dict[str, Any]:
         """Every rank: the job's data-bound verdict (a collective: the waits of every rank, and the worst rank's share)."""
@@ -754,22 +814,35 @@ class Trainer:
         if self.ray_started:
             ray.shutdown()
 
-    def finish(self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0: the family evaluates every variant, then MLflow gets the metrics and the registered model,
-        and result.json is written."""
+    def finish(
+        self, models: dict[str, Any], examples_seen: int, input_summary: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Rank 0: the family evaluates every variant (``metrics``: already evaluated by the training world),
+        then MLflow gets the metrics and the registered model, and result.json is written."""
         from training.evaluate import flat_metrics
 
         cfg, hb, device, step, family = self.config, self.heartbeat, self.device, self.step, self.family
-        hb.update(progress=0, force=True, phase="evaluating")
-        metrics = family.evaluate(
-            {name: model.to(device) for name, model in models.items()},
-            cfg.root,
-            cfg.eval_ds,
-            self.context,
-            device=device,
-            batch_size=cfg.eval_batch_size,
-            on_batch=lambda _: hb.update(phase="evaluating"),
-        )
+        sharded = self.sharded_exports
+        if metrics is None:
+            if sharded:
+                from training import sharded_export
+
+                # A family that does not split its evaluation: rank 0 evaluates the sharded export's model (its
+                # tables read from their row-range files, only the rows looked up).
+                models = {name: model if model is not None else sharded_export.load(sharded[name], family, name)
+                          for name, model in models.items()}
+            hb.update(progress=0, force=True, phase="evaluating")
+            metrics = family.evaluate(
+                {name: model.to(device) for name, model in models.items()},
+                cfg.root,
+                cfg.eval_ds,
+                self.context,
+                device=device,
+                batch_size=cfg.eval_batch_size,
+                on_batch=lambda _: hb.update(phase="evaluating"),
+            )
+        evaluated_by = self.env.world_size if self.sharded_exports and family.splits_evaluation else 1
         metrics["train_loss"] = self.last_loss if math.isfinite(self.last_loss) else None
         log.info("evaluation on %s: %s", cfg.eval_ds, json.dumps(metrics))
         champion = None
@@ -797,12 +870,15 @@ class Trainer:
             "serving_inputs": list(family.serving_inputs),
             "outputs": list(family.outputs),
             **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
+            **({"corpus_table": family.corpus_table} if "model" in sharded else {}),
         }
         # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
         lease.check(cfg.output_dir, cfg.lease_s)
         if tracker is not None:
-            model_uri, version = tracker.log_model(family, models["model"], feature_spec)
+            model_uri, version = tracker.log_model(family, models["model"], feature_spec, sharded=sharded.get("model"))
             tracker.end("FINISHED")
+        elif "model" in sharded:  # no tracking: the sharded export is the model, nothing registered
+            model_uri, version = sharded["model"], None
         else:  # no tracking: the serving module exported beside the result, nothing registered
             model_uri, version = export_serving(family, models["model"], cfg.output_dir), None
         result = {
@@ -811,6 +887,10 @@ class Trainer:
             "model_uri": model_uri,
             "model_name": cfg.registered_model,
             "model_version": version,
+            "sharded_export": sharded.get("model"),  # the export folder of a model exported sharded, else None
+            "evaluated_by_ranks": evaluated_by,  # the training world's ranks, for a sharded export the family splits
+            # Rows of the family's corpus table in the sharded export (its version's SHARDED_ROWS_TAG), else None.
+            "sharded_table_rows": self.sharded_table_rows(),
             "eval_ds": cfg.eval_ds,
             "train_days": list(cfg.train_days),
             "metrics": metrics,

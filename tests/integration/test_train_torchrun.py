@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -440,3 +441,86 @@ def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(
                       shard=0, num_shards=1, out_dir=tmp_path / "inference")
     corpus = read_table(tmp_path / "storage", "raw/pins", EVAL_DS, columns=["pin_id"])
     assert out["skipped"] is False and out["rows"] == corpus.num_rows
+
+
+def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model_does(tmp_path: Path, world):
+    """strategy torchrec with sharded_export_above_mib 0 on two ranks: each rank exports its rows, both ranks evaluate
+    their share of the day reading them (never the gathered model), MLflow registers the pointer, and the corpus plan by pin-table rows gives
+    each scorer only its rank's file of the pin table. The gathered path, run from the same final checkpoint
+    without tracking, gives the same metrics and the same scores."""
+    import shutil
+
+    import torch
+
+    from training import sharded_export
+    from training.inference import (
+        PIN_ROWS,
+        SHARDED_ROWS_TAG,
+        Scorer,
+        load_model,
+        make_plan,
+        publish_plan,
+        score_plan_shard,
+        write_plan,
+    )
+
+    def train(config: Path) -> dict[str, Any]:
+        launch = ["-m", "training.launch", "--nproc-per-node", "2", "--", "-m", "training.train", "--config",
+                  str(config)]
+        proc = run(launch)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(Path(json.loads(config.read_text())["output_dir"], "result.json").read_text())
+
+    root = tmp_path / "storage"
+    sharded = train(run_config(tmp_path, epochs=1, strategy="torchrec", sharding="row_wise",
+                               sharded_export_above_mib=0))
+    folder = sharded["sharded_export"]
+    manifest = json.loads((Path(folder) / sharded_export.MANIFEST_FILE).read_text())
+    pin_files = [(s["row_start"], s["row_end"]) for s in manifest["tables"]["pin_emb"]["shards"]]
+    assert pin_files == [(0, 252), (252, 503)] and manifest["world_size"] == 2
+    assert (Path(folder).parent / "ablation" / sharded_export.MANIFEST_FILE).exists()
+
+    # The gathered path: the same final checkpoint resumed (nothing left to train), gathered, without MLflow.
+    (tmp_path / "gathered").mkdir()
+    shutil.copytree(tmp_path / "checkpoints", tmp_path / "gathered" / "checkpoints",
+                    ignore=shutil.ignore_patterns("mlflow_run.json"))
+    gathered = train(run_config(tmp_path / "gathered", epochs=1, strategy="torchrec", sharding="row_wise",
+                                root=str(root), mlflow_tracking_uri=""))
+    assert gathered["sharded_export"] is None and gathered["steps"] == sharded["steps"]
+    assert (sharded["evaluated_by_ranks"], gathered["evaluated_by_ranks"]) == (2, 1)
+    assert (sharded["sharded_table_rows"], gathered["sharded_table_rows"]) == (503, None)
+    assert sharded["metrics"]["examples"] == gathered["metrics"]["examples"] == 160
+    for key in ("auc", "ablation_auc", "logloss"):
+        for label, value in sharded["metrics"][key].items():
+            assert value == pytest.approx(gathered["metrics"][key][label], abs=1e-6), (key, label)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    from mlflow import MlflowClient
+
+    version = MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version("pin_ranker_test", "1")
+    assert version.tags[SHARDED_ROWS_TAG] == "503"
+    plan = make_plan(model_uri=sharded["model_uri"], tracking_uri=uri, root=str(root), ds=EVAL_DS,
+                     out_dir=tmp_path / "inference", num_shards=2, table_rows=503)
+    assert plan.sharding == PIN_ROWS
+    write_plan(plan)
+    for shard in range(2):
+        scorer = Scorer.load(plan.model_uri, uri)
+        record = score_plan_shard(plan, shard, scorer)
+        opened = [f for f in sharded_export.opened_files(scorer.module) if "/pin_emb/" in f]
+        assert len(opened) == 1 and f"rows-{pin_files[shard][0]:012d}" in opened[0], opened
+        assert record["rows"] > 0
+    published = publish_plan(plan)
+    scores = read_table(root, "raw/pins", EVAL_DS, columns=["pin_id"])  # every pin, once
+    assert published["rows"] == scores.num_rows
+    parts = pq.read_table(tmp_path / "inference").to_pandas().set_index("pin_id").sort_index()
+
+    _, spec = load_model(sharded["model_uri"], uri)
+    family = Scorer.load(sharded["model_uri"], uri).family
+    # The gathered weights (the exported program of the run without tracking) in the family's serving module.
+    plain = family.model_from_serving(torch.export.load(gathered["model_uri"]).module()).eval()
+    pins = read_table(root, "raw/pins", EVAL_DS)
+    want = family.score_corpus(family.serving(plain), pins, spec, str(root), EVAL_DS)
+    want = want.to_pandas().set_index("pin_id").sort_index()
+    assert list(parts.index) == list(want.index)
+    for column in want.columns:
+        np.testing.assert_allclose(parts[column].to_numpy(), want[column].to_numpy(), rtol=0, atol=1e-6)

@@ -547,6 +547,7 @@ class PinRankerFamily(ModelFamily):
         [pa.field("pin_id", pa.int64(), nullable=False)]
         + [pa.field(f"p_{label}", pa.float32(), nullable=False) for label in LABELS]
     )
+    corpus_table = "pin_emb"
     params: RankerParams
 
     def __init__(self, params: RankerParams) -> None:
@@ -619,9 +620,24 @@ class PinRankerFamily(ModelFamily):
             models["model"], root, eval_ds, sequence_length=self.params.sequence_length, batch_size=batch_size,
             pins=pins, device=device, on_batch=on_batch, ablation=models.get("ablation"), surfaces=self.params.surfaces,
         )
-        aucs = [v for v in metrics["auc"].values() if v is not None]
-        metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
-        return metrics
+        return with_mean_auc(metrics)
+
+    def evaluate_part(
+        self, models: dict[str, nn.Module], root: str, eval_ds: str, context: Any, *, device: Any, batch_size: int,
+        rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        pins = context if latest_complete_day(root, RAW_PINS, eval_ds) == context.ds else None
+        return predict_day(
+            models["model"], root, eval_ds, sequence_length=self.params.sequence_length, batch_size=batch_size,
+            pins=pins, device=device, on_batch=on_batch, ablation=models.get("ablation"),
+            surfaces=self.params.surfaces, rank=rank, world_size=world_size,
+        )
+
+    def evaluate_parts(self, parts: list[Any], root: str, eval_ds: str, context: Any) -> dict[str, Any]:
+        """The ranks' predictions in impression order (a deterministic order whatever the ranks), then the metrics."""
+        out = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        order = np.argsort(out["impression_id"], kind="stable")
+        return with_mean_auc(metrics_of({key: value[order] for key, value in out.items()}, root, eval_ds))
 
     # --- serving --------------------------------------------------------------------------------
     def serving(self, model: nn.Module) -> nn.Module:
@@ -683,6 +699,11 @@ class PinRankerFamily(ModelFamily):
             self._windows = {key: _pin_window(root, ds)}
         pin_ids = pins.column("pin_id").to_numpy()
         return context_inputs(pins, context_dense(pin_ids, self._windows[key], spec.get("priors", {})), spec)
+
+    def corpus_rows(self, module: Any, pins: pa.Table) -> np.ndarray:
+        """Each pin's row of ``pin_emb`` in the serving ``module`` (hashed, or its managed mapping)."""
+        ids = torch.from_numpy(pins.column("pin_id").to_numpy().astype(np.int64))
+        return module.ranker.rows("pin_id", ids).numpy()  # type: ignore[no-any-return]
 
     def score_inputs(self, module: Any, inputs: dict[str, np.ndarray], spec: dict[str, Any]) -> pa.Table:
         with torch.no_grad():
@@ -870,6 +891,12 @@ def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> d
 
 
 
+def with_mean_auc(metrics: dict[str, Any]) -> dict[str, Any]:
+    aucs = [v for v in metrics["auc"].values() if v is not None]
+    metrics["mean_auc"] = sum(aucs) / len(aucs) if aucs else None
+    return metrics
+
+
 def load_truth(root: str, ds: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Sorted impression ids and their true probabilities [n, len(LABELS)], or None without truth."""
     if not is_complete(root, TRUTH, ds):
@@ -958,12 +985,37 @@ def evaluate(
     class only, no truth) is None. ``oracle_auc`` and ``oracle_ratio`` are ``{}`` without a ``truth``
     partition for ``eval_ds``.
     """
+    out = predict_day(model, root, eval_ds, sequence_length=sequence_length, batch_size=batch_size, pins=pins,
+                      device=device, on_batch=on_batch, ablation=ablation, surfaces=surfaces)
+    return metrics_of(out, root, eval_ds)
+
+
+def predict_day(
+    model: nn.Module,
+    root: str,
+    eval_ds: str,
+    *,
+    sequence_length: int,
+    batch_size: int = 1024,
+    pins: PinEmbeddings | None = None,
+    device: torch.device | str = "cpu",
+    on_batch: Callable[[int], None] | None = None,
+    ablation: nn.Module | None = None,
+    surfaces: tuple[str, ...] = SURFACES,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, np.ndarray]:
+    """:func:`predict` over the examples of ``eval_ds``: this rank's share of its row groups (all with one rank)."""
     pins = pins or PinEmbeddings.from_snapshot(root, eval_ds)
     stream = ExampleStream(
         root, [eval_ds], lambda table: encode_batch(table, pins, sequence_length, surfaces), batch_size=batch_size,
-        dataset=EXAMPLES, columns=EXAMPLE_COLUMNS, shuffle=False,
+        dataset=EXAMPLES, columns=EXAMPLE_COLUMNS, shuffle=False, rank=rank, world_size=world_size,
     )
-    out = predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)
+    return predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)
+
+
+def metrics_of(out: dict[str, np.ndarray], root: str, eval_ds: str) -> dict[str, Any]:
+    """:func:`evaluate`'s metrics of :func:`predict`'s output."""
     probs, labels, dense, users = out["probs"], out["labels"], out["dense"], out["user_id"]
     result: dict[str, Any] = {
         "auc": {},

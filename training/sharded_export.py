@@ -1,0 +1,305 @@
+"""The sharded export of a TorchRec-trained model: served without the whole model in one process.
+
+Above ``sharded_export_above_mib`` of tables (RUN.json; strategy ``torchrec`` only) the end of training does not
+gather the tables: every rank writes its own shards of each sharded table as ``.npy`` files of a row range (and,
+column-wise, a column range), rank 0 writes the rest of the model (``dense.pt``: a state dict without those
+tables, the managed-id buffers included) and ``MANIFEST.json`` (per table: rows, dim, dtype and each shard's
+``row_start``, ``row_end``, ``col_start``, ``col_end``, ``file``, ``sha256``), all inside one
+``core.storage.publish`` of the export folder: a half-written export is never visible.
+
+:func:`load` rebuilds the family's model with those tables on the meta device and puts a :class:`ShardedRows`
+in each table's place: a lookup that opens a shard file only when a looked-up row falls in it, after checking
+its SHA-256 against the manifest, and reads only the rows looked up. A scorer whose pins map to a few rows of the pin table (the corpus
+plan groups them so: ``training.inference``, sharding ``pin-rows-v1``) reads and maps only the shards of those
+rows. A missing shard, or one whose checksum differs, is a DataError naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import os
+import tempfile
+from typing import IO, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from core import storage
+from core.failures import DataError, InfraError
+
+FORMAT = "pinflow-sharded-v1"
+MANIFEST_FILE = "MANIFEST.json"
+DENSE_FILE = "dense.pt"
+_CHUNK = 1 << 22  # bytes hashed at a time
+
+
+def sha256_of(location: str) -> str:
+    """The SHA-256 of a file, read in chunks (a file of any size, in bounded memory)."""
+    digest = hashlib.sha256()
+    try:
+        if storage.is_remote(location):
+            fs, key = storage.filesystem(location)
+            with fs.open(key, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+        else:
+            with open(storage.local_path(location), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    digest.update(chunk)
+    except FileNotFoundError:
+        raise DataError(f"sharded model file {location} is missing: the export is incomplete or was removed") from None
+    return digest.hexdigest()
+
+
+class _Hashing(io.RawIOBase):
+    """A write-only stream that hashes what it passes to ``sink`` (np.save writes through it in chunks)."""
+
+    def __init__(self, sink: IO[bytes]) -> None:
+        self.sink, self.digest = sink, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.sink.write(view)
+        return len(view)
+
+
+def _write_npy(location: str, array: np.ndarray) -> str:
+    """``array`` as a .npy file at ``location``; its SHA-256."""
+    with storage.open_output(location) as f:
+        stream = _Hashing(f)
+        np.lib.format.write_array(stream, np.ascontiguousarray(array), allow_pickle=False)
+    return stream.digest.hexdigest()
+
+
+def tables_bytes(dmp: Any) -> int:
+    """Bytes of the float32 tables TorchRec shards in ``dmp`` (what the export threshold is compared with)."""
+    from training.torchrec_sharding import lookups
+
+    return sum(t.num_embeddings * t.embedding_dim * 4 for t in lookups(dmp).values())
+
+
+def export(dmp: Any, names: tuple[str, ...] | list[str], final: str) -> dict[str, Any] | None:
+    """Write the sharded export of ``dmp`` (its tables ``names``) to the folder ``final``; a collective.
+
+    Each rank writes its own shards; rank 0 the dense rest and the manifest, and publishes the folder once every
+    rank has written (a rank that failed fails the export on every rank, and nothing is published). Returns the
+    manifest on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from training import torchrec_sharding as ts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = ts.lookup_key_map(names)
+    tables = {t.name: t for t in ts.lookups(dmp).values()}
+    with storage.publish(final) if rank == 0 else contextlib.nullcontext("") as folder:
+        shared = [folder]
+        dist.broadcast_object_list(shared, src=0)  # where rank 0's publish is filled: a temporary or version folder
+        folder = str(shared[0])
+        entries: list[dict[str, Any]] = []
+        dense: dict[str, torch.Tensor] = {}
+        error: str | None = None
+        try:
+            for key, value in dmp.state_dict().items():
+                plain = keys.get(key)
+                if plain is None:
+                    dense[key] = value.detach().cpu()
+                    continue
+                table = plain.removesuffix(".weight")
+                lookup = tables[ts._table_name(table)]
+                for (row, col), tensor in ts.local_shards(value):
+                    array = tensor.detach().cpu().numpy()
+                    if lookup.padded and row == 0 and array.shape[0]:
+                        array = array.copy()
+                        array[0] = 0.0  # row 0 is "absent": zero, as padding_idx=0 keeps it
+                    rows, cols = array.shape
+                    name = f"{table}/rows-{row:012d}-{row + rows:012d}-cols-{col:05d}-{col + cols:05d}.npy"
+                    entries.append({"table": table, "row_start": row, "row_end": row + rows, "col_start": col,
+                                    "col_end": col + cols, "file": name,
+                                    "sha256": _write_npy(storage.join(folder, name), array), "bytes": array.nbytes})
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then each raises
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+            failure: Exception | None = e
+        else:
+            failure = None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (entries, error))
+        errors = [e for _, e in gathered if e]
+        if failure is not None:
+            raise failure
+        if errors:
+            raise InfraError(f"the sharded export to {final} failed on another rank: {'; '.join(errors)}")
+        if rank != 0:
+            return None
+        buffer = io.BytesIO()
+        torch.save(dense, buffer)
+        storage.write_bytes(storage.join(folder, DENSE_FILE), buffer.getvalue())
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "dense": {"file": DENSE_FILE, "sha256": hashlib.sha256(buffer.getvalue()).hexdigest()},
+            "world_size": world,
+            "tables": {},
+        }
+        for table in names:
+            lookup = tables[ts._table_name(table)]
+            shards = sorted((e for part, _ in gathered for e in part if e["table"] == table),
+                            key=lambda e: (e["row_start"], e["col_start"]))
+            manifest["tables"][table] = {
+                "rows": lookup.num_embeddings, "dim": lookup.embedding_dim, "dtype": "float32",
+                "shards": [{k: v for k, v in e.items() if k != "table"} for e in shards],
+            }
+        storage.write_json(storage.join(folder, MANIFEST_FILE), manifest)
+    return manifest
+
+
+def manifest_sha256(final: str) -> str:
+    """The SHA-256 of a published export's manifest (what the registered model records)."""
+    return sha256_of(storage.join(storage.resolve(final), MANIFEST_FILE))
+
+
+# --- loading ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+    location: str
+    sha256: str
+
+
+class ShardedRows(nn.Module):
+    """A table of the sharded export, called like ``nn.Embedding``: rows in, vectors out (float32, no gradient).
+
+    A shard file is opened (checked against its SHA-256) the first time a looked-up row falls in it, and only the
+    rows looked up are read from it: a process holds the rows it uses, never a shard."""
+
+    def __init__(self, name: str, rows: int, dim: int, shards: list[ShardFile], cache: str) -> None:
+        super().__init__()
+        self.name, self.num_embeddings, self.embedding_dim = name, rows, dim
+        self.shards, self.cache = shards, cache
+        self._open: dict[int, tuple[IO[bytes], int]] = {}
+        covered = np.zeros(rows, dtype=np.int64)
+        for s in shards:
+            covered[s.row_start:s.row_end] += s.col_end - s.col_start
+        if rows and not (covered == dim).all():
+            first = int(np.flatnonzero(covered != dim)[0])
+            raise DataError(f"sharded model table {name}: its shards do not cover every row and column exactly "
+                            f"(row {first} has {int(covered[first])} of {dim} columns)")
+
+    @property
+    def opened(self) -> list[str]:
+        """The shard files this table has opened so far."""
+        return [self.shards[i].location for i in sorted(self._open)]
+
+    def _open_file(self, i: int) -> tuple[IO[bytes], int]:
+        """Shard ``i``'s file, checked against its SHA-256 when first opened, and where its rows start."""
+        if i not in self._open:
+            shard = self.shards[i]
+            digest = sha256_of(shard.location)
+            if digest != shard.sha256:
+                raise DataError(f"sharded model file {shard.location} has SHA-256 {digest}, the manifest says "
+                                f"{shard.sha256}: the file was changed or damaged; export the model again")
+            path = shard.location
+            if storage.is_remote(path):  # mapped from a local copy (the scorer's cache), this file only
+                path = os.path.join(self.cache, f"{self.name}-{i}.npy")
+                storage.copy_file(shard.location, path)
+            f = open(path, "rb")  # noqa: SIM115 - kept open while the table is used (closed with it)
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = header(f)
+            want = (shard.row_end - shard.row_start, shard.col_end - shard.col_start)
+            if dtype != np.float32 or tuple(shape) != want or fortran:
+                f.close()
+                raise DataError(f"sharded model file {shard.location} holds {dtype} {shape}, the manifest says "
+                                f"float32 {want}")
+            self._open[i] = (f, f.tell())
+        return self._open[i]
+
+    def _read(self, i: int, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (local to shard ``i``) of its file, read with one ``pread`` per run of consecutive rows:
+        not memory-mapped, whose fault-around would make 64 KiB resident for every row of 128 bytes looked up."""
+        f, offset = self._open_file(i)
+        shard = self.shards[i]
+        width = shard.col_end - shard.col_start
+        row_bytes = width * 4
+        unique, inverse = np.unique(rows, return_inverse=True)
+        out = np.empty((len(unique), width), dtype=np.float32)
+        cuts = np.flatnonzero(np.diff(unique) != 1) + 1
+        for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(unique)], strict=True):
+            size = int(b - a) * row_bytes
+            data = os.pread(f.fileno(), size, offset + int(unique[a]) * row_bytes)
+            if len(data) != size:
+                raise DataError(f"sharded model file {shard.location} is shorter than its header says")
+            out[a:b] = np.frombuffer(data, dtype=np.float32).reshape(-1, width)
+        return out[inverse]
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        flat = rows.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
+            raise IndexError(f"{self.name}: rows outside [0, {self.num_embeddings})")
+        out = np.zeros((flat.size, self.embedding_dim), dtype=np.float32)
+        for i, s in enumerate(self.shards):
+            hit = (flat >= s.row_start) & (flat < s.row_end)
+            if hit.any():
+                out[hit, s.col_start:s.col_end] = self._read(i, flat[hit] - s.row_start)
+        return torch.from_numpy(out).reshape(*rows.shape, self.embedding_dim).to(rows.device)
+
+
+def read_manifest(final: str, sha256: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(the folder its files are in, the manifest) of the export published at ``final``; with ``sha256``, the
+    manifest must have that digest (what the registered model recorded)."""
+    base = storage.resolve(final)
+    location = storage.join(base, MANIFEST_FILE)
+    try:
+        raw = storage.read_bytes(location)
+    except FileNotFoundError:
+        raise DataError(f"sharded model manifest {location} is missing: the export was removed or never "
+                        "published") from None
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise DataError(f"sharded model manifest {location} is not the one the model was registered with "
+                        f"(SHA-256 {hashlib.sha256(raw).hexdigest()}, registered {sha256})")
+    import json
+
+    manifest = json.loads(raw)
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{location} is not a pinflow sharded export (format {manifest.get('format')!r})")
+    return base, manifest
+
+
+def load(final: str, family: Any, variant: str = "model", sha256: str | None = None) -> nn.Module:
+    """The family's ``variant`` model from the sharded export at ``final``: the dense part loaded, each sharded
+    table a :class:`ShardedRows` over its files (opened on first use)."""
+    from training.torchrec_sharding import build_meta
+
+    base, manifest = read_manifest(final, sha256)
+    tables = manifest["tables"]
+    model = build_meta(lambda: family.build_model(variant), list(tables))
+    cache = tempfile.mkdtemp(prefix="pinflow-shards-") if storage.is_remote(base) else ""
+    for table, info in tables.items():
+        shards = [ShardFile(int(s["row_start"]), int(s["row_end"]), int(s["col_start"]), int(s["col_end"]),
+                            storage.join(base, s["file"]), str(s["sha256"])) for s in info["shards"]]
+        parent, _, attr = table.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                ShardedRows(table, int(info["rows"]), int(info["dim"]), shards, cache))
+    dense_location = storage.join(base, manifest["dense"]["file"])
+    if sha256_of(dense_location) != manifest["dense"]["sha256"]:
+        raise DataError(f"sharded model file {dense_location} does not match its SHA-256 in the manifest: "
+                        "the file was changed or damaged; export the model again")
+    state = torch.load(io.BytesIO(storage.read_bytes(dense_location)), weights_only=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DataError(f"{dense_location} does not fit the family's model: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def opened_files(module: nn.Module) -> list[str]:
+    """Every shard file the sharded tables of ``module`` have opened."""
+    return [f for m in module.modules() if isinstance(m, ShardedRows) for f in m.opened]
