@@ -8,12 +8,15 @@ dataclass metadata, which is what ``python -m training.train --help`` prints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -190,12 +193,44 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run config") -> RunConfig:
-        config = dataclass_from_dict(cls, data, source, hint="see `python -m training.train --help`")
-        config.validate(source)
-        return config
+        with _naming(source):
+            return dataclass_from_dict(cls, data, source, hint="see `python -m training.train --help`")
 
-    def validate(self, source: str = "run config") -> None:
-        """The platform's fields here; the family's ``params`` by the family's own Params (``family()``)."""
+    @classmethod
+    def checked(cls, source: str, **values: Any) -> RunConfig:
+        """A run's settings from keyword values (the training operator builds them so), checked as RUN.json is:
+        a ConfigError names ``source`` and the field."""
+        with _naming(source):
+            return cls(**values)
+
+    def replace(self, source: str, **changes: Any) -> RunConfig:
+        """These settings with ``changes``, checked again (:meth:`checked`)."""
+        with _naming(source):
+            return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        # Construction validates: every value against its field's type (ints are taken for floats), then the ranges.
+        hints = _run_hints()
+        problems = []
+        for f in dataclasses.fields(self):
+            try:
+                object.__setattr__(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
+            except ConfigError as e:
+                problems.append(str(e))
+        if not problems:
+            problems = self.problems()
+        if problems:
+            raise _Invalid(problems)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write RUN.json (one atomic file, a local path or a URL): what the job reads with :meth:`from_json`."""
+        from core.storage import write_json
+
+        write_json(path, self.to_dict())
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values (the platform's fields; the family's ``params`` are checked by the
+        family's own Params, ``family_instance()``)."""
         problems = []
         if not self.train_days:
             problems.append("train_days is empty: give at least one day")
@@ -234,8 +269,7 @@ class RunConfig:
                     Pin.from_dict(dataset, ds, entry)
                 except ValueError as e:
                     problems.append(f"inputs: {e}")
-        if problems:
-            raise ConfigError(f"{source} is invalid: " + "; ".join(problems))
+        return problems
 
     # ----------------------------------------------------------------------------------------------
     def use_inputs(self) -> None:
@@ -266,6 +300,28 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class _Invalid(ConfigError):
+    """RunConfig's values are wrong (:meth:`RunConfig.__post_init__`); :func:`_naming` says where they came from."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("the run's settings are invalid: " + "; ".join(problems))
+        self.problems = problems
+
+
+@contextlib.contextmanager
+def _naming(source: str) -> Iterator[None]:
+    """Name ``source`` in a RunConfig's ConfigError (a USER error, like every ConfigError)."""
+    try:
+        yield
+    except _Invalid as e:
+        raise ConfigError(f"{source} is invalid: " + "; ".join(e.problems)) from None
+
+
+@functools.cache
+def _run_hints() -> dict[str, Any]:
+    return typing.get_type_hints(RunConfig)
 
 
 def dataclass_from_dict(cls: type[T], data: dict[str, Any], source: str, hint: str = "") -> T:
