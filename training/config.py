@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from core.config import TrainingConfig
 from core.failures import ConfigError
-from core.storage import Pin, parse_ds
+from core.storage import InputPins, Pin, parse_ds
 
 if typing.TYPE_CHECKING:
     from training.sdk import ModelFamily
@@ -272,12 +272,11 @@ class RunConfig:
         return problems
 
     # ----------------------------------------------------------------------------------------------
-    def use_inputs(self) -> None:
-        """Make this process read the pinned ``inputs`` wherever it reads ``root`` (``core.storage.use_pins``):
-        the job's entry points call it once, before they read anything."""
-        from core.storage import use_pins
-
-        use_pins(self.root, self.inputs)
+    @functools.cached_property
+    def input_root(self) -> InputPins:
+        """``root`` as this run reads it: its pinned ``inputs`` (:class:`core.storage.InputPins`). The job's code
+        passes it to every reader of the run's inputs; a reader given the plain ``root`` reads the live partitions."""
+        return InputPins.of(self.root, self.inputs)
 
     def input_versions(self) -> dict[str, dict[str, str]]:
         """The pinned version of each input partition: dataset -> day -> version."""

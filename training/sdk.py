@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from core.storage import Location
+
 
 
 class ModelFamily:
@@ -63,7 +65,7 @@ class ModelFamily:
         self.params = params
 
     # --- data -----------------------------------------------------------------------------------
-    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> Any:
+    def prepare(self, root: Location, train_days: list[str], eval_ds: str) -> Any:
         """What ``encode`` needs besides the rows (read once per process, e.g. a snapshot); None by default."""
         return None
 
@@ -118,7 +120,7 @@ class ModelFamily:
     def evaluate(
         self,
         models: dict[str, nn.Module],
-        root: str,
+        root: Location,
         eval_ds: str,
         context: Any,
         *,
@@ -155,7 +157,7 @@ class ModelFamily:
         model.load_state_dict(state, strict=True)
         return model
 
-    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+    def feature_spec(self, root: Location, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         """What a serving caller needs to build the inputs (stored with the registered model)."""
         return {}
 

@@ -333,9 +333,9 @@ class Trainer:
         from training.data import ExampleStream
 
         cfg, env, family = self.config, self.env, self.family
-        self.context = context = family.prepare(cfg.root, list(cfg.train_days), cfg.eval_ds)
+        self.context = context = family.prepare(cfg.input_root, list(cfg.train_days), cfg.eval_ds)
         self.stream = stream = ExampleStream(
-            cfg.root,
+            cfg.input_root,
             cfg.train_days,
             lambda table: family.encode(table, context),
             batch_size=cfg.batch_size,
@@ -763,7 +763,7 @@ class Trainer:
         hb.update(progress=0, force=True, phase="evaluating")
         metrics = family.evaluate(
             {name: model.to(device) for name, model in models.items()},
-            cfg.root,
+            cfg.input_root,
             cfg.eval_ds,
             self.context,
             device=device,
@@ -796,7 +796,7 @@ class Trainer:
             "params": dataclasses.asdict(family.params),
             "serving_inputs": list(family.serving_inputs),
             "outputs": list(family.outputs),
-            **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
+            **family.feature_spec(cfg.input_root, list(cfg.train_days), cfg.eval_ds, self.context),
         }
         # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
         lease.check(cfg.output_dir, cfg.lease_s)
@@ -846,7 +846,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.exit_code)
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
-    config.use_inputs()  # every read of a pinned partition reads the version pinned when the run was planned
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer = Trainer(config, env, heartbeat)
     try:

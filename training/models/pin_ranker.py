@@ -59,7 +59,7 @@ from core.contracts import (
     TRUTH,
 )
 from core.failures import DataError
-from core.storage import data_files, is_complete, parquet_file, read_parquet
+from core.storage import Location, data_files, is_complete, parquet_file, pins_of, read_parquet
 from training.data import ExampleStream, PinEmbeddings, fixed_width, latest_complete_day
 from training.evaluate import auc, calibration, finite, hit_at_k, log_loss, oracle_ratio
 from training.sdk import ModelFamily
@@ -555,7 +555,7 @@ class PinRankerFamily(ModelFamily):
         self.managed_ids: dict[str, np.ndarray] = {}  # id_tables managed: what prepare chose, build_model installs
 
     # --- data -----------------------------------------------------------------------------------
-    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinEmbeddings:
+    def prepare(self, root: Location, train_days: list[str], eval_ds: str) -> PinEmbeddings:
         """The content embeddings of the pin snapshot as of the last training day; the model takes their width."""
         pins = PinEmbeddings.from_snapshot(root, max(train_days))
         if self.params.embedding_dim is None:
@@ -606,7 +606,7 @@ class PinRankerFamily(ModelFamily):
     def evaluate(
         self,
         models: dict[str, nn.Module],
-        root: str,
+        root: Location,
         eval_ds: str,
         context: Any,
         *,
@@ -647,7 +647,7 @@ class PinRankerFamily(ModelFamily):
             "dense": np.zeros((rows, len(DENSE_FEATURES)), dtype=np.float32),
         }
 
-    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+    def feature_spec(self, root: Location, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         p = self.params
         return {
             "sequence_length": p.sequence_length,
@@ -695,7 +695,7 @@ class PinRankerFamily(ModelFamily):
 
 # --- the ranker's input, evaluation and scoring helpers ----------------------------------------------
 
-def id_counts(root: str, days: list[str], features: tuple[str, ...] = MANAGED_FEATURES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def id_counts(root: Location, days: list[str], features: tuple[str, ...] = MANAGED_FEATURES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per id feature, the distinct ids of the ``examples`` of ``days`` and how many examples hold each."""
     values: dict[str, list[np.ndarray]] = {feature: [] for feature in features}
     for ds in days:
@@ -710,7 +710,7 @@ def id_counts(root: str, days: list[str], features: tuple[str, ...] = MANAGED_FE
     return out
 
 
-def choose_managed_ids(root: str, train_days: list[str], config: ModelConfig) -> dict[str, np.ndarray]:
+def choose_managed_ids(root: Location, train_days: list[str], config: ModelConfig) -> dict[str, np.ndarray]:
     """The ids that get a row of their own in each managed table: the most frequent of the training days'
     examples, as many as the table has own rows (:func:`managed_layout`). The same on every rank (same data)."""
     chosen = {}
@@ -790,7 +790,7 @@ def with_sequence_embeddings(batch: dict[str, torch.Tensor], pins: PinEmbeddings
     return {"seq_pin_emb": torch.from_numpy(embeddings), **rest}
 
 
-def history_priors(root: str, ds: str) -> dict[str, float]:
+def history_priors(root: Location, ds: str) -> dict[str, float]:
     """The rate features the feature build gives a user or pin without history (its prior), as observed.
 
     Read from the first row group of the ``examples`` partition of ``ds``: the median rate of the rows
@@ -806,7 +806,7 @@ def history_priors(root: str, ds: str) -> dict[str, float]:
         "p_repin_rate": "p_impressions",
         "p_hide_rate": "p_impressions",
     }
-    with parquet_file(files[0]) as parquet:
+    with parquet_file(files[0], pins_of(root)) as parquet:
         table = parquet.read_row_group(0, columns=sorted({*rates, *rates.values()}))
     out = {}
     for rate, count in rates.items():
@@ -816,7 +816,7 @@ def history_priors(root: str, ds: str) -> dict[str, float]:
     return out
 
 
-def _pin_window(root: str, ds: str) -> pa.Table | None:
+def _pin_window(root: Location, ds: str) -> pa.Table | None:
     if not storage.is_complete(root, PIN_WINDOW, ds):
         log.info("no complete %s partition for ds=%s: every pin scored as a pin without history", PIN_WINDOW, ds)
         return None
@@ -870,7 +870,7 @@ def context_inputs(pins: pa.Table, dense: np.ndarray, spec: dict[str, Any]) -> d
 
 
 
-def load_truth(root: str, ds: str) -> tuple[np.ndarray, np.ndarray] | None:
+def load_truth(root: Location, ds: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Sorted impression ids and their true probabilities [n, len(LABELS)], or None without truth."""
     if not is_complete(root, TRUTH, ds):
         return None
@@ -939,7 +939,7 @@ def predict(
 
 def evaluate(
     model: nn.Module,
-    root: str,
+    root: Location,
     eval_ds: str,
     *,
     sequence_length: int,
