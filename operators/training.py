@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from core.failures import ConfigError, DataError, InfraError, UserError, as_typed
-from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
+from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch, job_folder
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
@@ -254,7 +254,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
     def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
         """The job spec and the run's RUN.json content (``settings``), checked by the job's own models."""
         from core import config, storage
-        from core.contracts import MODELS, RUNS
+        from core.contracts import MODELS
         from operators.backends import JobSpec
         from operators.jobs import job_name
         from training.config import RunConfig
@@ -271,8 +271,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
             )
         family = cfg.families[family_name]
         model_name = family.model_name or family_name
-        # The local backend's job writes under PINFLOW_HOME; remote jobs write to the shared storage root.
-        output_dir = storage.join(cfg.home if backend_name == "local" else cfg.storage_root, RUNS, name)
+        output_dir = job_folder(cfg, backend_name, name)
         procs = training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node)
         team = str(self.team or training.team)
         num_workers, num_threads = self._input_workers(cfg, backend_name, team, procs, self.overrides)
