@@ -275,7 +275,17 @@ class DistributedTrainingOperator(ComputeJobOperator):
         procs = training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node)
         team = str(self.team or training.team)
         num_workers, num_threads = self._input_workers(cfg, backend_name, team, procs, self.overrides)
-        tunable = {k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None}
+        # The family's own training defaults, else the platform's; a form value wins; the input workers as derived.
+        optimisation = {
+            "epochs": family.epochs or training.epochs, "batch_size": family.batch_size or training.batch_size,
+            "lr": family.lr or training.lr, "strategy": training.strategy, "sharding": training.sharding,
+            "max_steps": training.max_steps, "target_examples": training.target_examples, "min_steps": training.min_steps,
+            "prefetch_factor": training.prefetch_factor, "pin_memory": training.pin_memory,
+            "input_engine": training.input_engine, "data_bound_share": training.data_bound_share,
+            "ray_cpus": training.ray_cpus, "ray_task_cpus": training.ray_task_cpus,
+            **{k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None},
+            "num_workers": num_workers, "num_threads": num_threads,
+        }
         # The job's own typed settings, checked as they are built, before anything is submitted (a bad value: USER).
         run = RunConfig.checked(
             f"RUN.json of {name} (platform config and the run's params)",
@@ -300,15 +310,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
             lease_s=cfg.job_history.lease_s,  # the job registers its model only while a task renews its lease
             tags={"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
                   "job": name, "team": team, "family": family_name},
-            # The family's own training defaults, else the platform's; a form value wins.
-            **{"epochs": family.epochs or training.epochs, "batch_size": family.batch_size or training.batch_size,
-               "lr": family.lr or training.lr, "strategy": training.strategy, "sharding": training.sharding,
-               "max_steps": training.max_steps, "target_examples": training.target_examples,
-               "min_steps": training.min_steps, "prefetch_factor": training.prefetch_factor,
-               "pin_memory": training.pin_memory, "input_engine": training.input_engine,
-               "data_bound_share": training.data_bound_share, "ray_cpus": training.ray_cpus,
-               "ray_task_cpus": training.ray_task_cpus, **tunable,
-               "num_workers": num_workers, "num_threads": num_threads},
+            **optimisation,
         )
         run.family_instance()  # the family's params, by its own Params
         spec = JobSpec(

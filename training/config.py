@@ -200,11 +200,13 @@ class RunConfig:
     def checked(cls, source: str, **values: Any) -> RunConfig:
         """A run's settings from keyword values (the training operator builds them so), checked as RUN.json is:
         a ConfigError names ``source`` and the field."""
+        _known(cls, values, source)
         with _naming(source):
             return cls(**values)
 
     def replace(self, source: str, **changes: Any) -> RunConfig:
         """These settings with ``changes``, checked again (:meth:`checked`)."""
+        _known(type(self), changes, source)
         with _naming(source):
             return dataclasses.replace(self, **changes)
 
@@ -318,6 +320,18 @@ def _naming(source: str) -> Iterator[None]:
         raise ConfigError(f"{source} is invalid: " + "; ".join(e.problems)) from None
 
 
+def _known(cls: Any, data: dict[str, Any], source: str, hint: str = "") -> None:
+    """ConfigError naming the keys of ``data`` that are not fields of the dataclass ``cls`` (with the closest one)."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}" + (f"; {hint}" if hint else ""))
+
+
 @functools.cache
 def _run_hints() -> dict[str, Any]:
     return typing.get_type_hints(RunConfig)
@@ -332,13 +346,7 @@ def dataclass_from_dict(cls: type[T], data: dict[str, Any], source: str, hint: s
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}" + (f"; {hint}" if hint else ""))
+    _known(cls, data, source, hint)
     missing = [
         name
         for name, f in fields.items()
