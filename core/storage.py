@@ -720,8 +720,8 @@ def is_complete(root: Location, dataset: str, ds: str | dt.date) -> bool:
 
 
 def complete_days(root: Location, dataset: str) -> list[str]:
-    """The days of ``dataset`` whose partition is complete (has its marker), sorted (a dataset this process
-    pinned: its pinned days, :class:`InputPins`)."""
+    """The days of ``dataset`` whose partition is complete (has its marker), sorted (a dataset ``root`` pins, an
+    :class:`InputPins`: its pinned days)."""
     days = root.days(dataset) if isinstance(root, InputPins) else None
     if days is not None:
         return days
