@@ -720,9 +720,9 @@ def is_complete(root: Location, dataset: str, ds: str | dt.date) -> bool:
 
 
 def complete_days(root: Location, dataset: str) -> list[str]:
-    """The days of ``dataset`` whose partition is complete (has its marker), sorted (a dataset this process
-    pinned: its pinned days, :func:`use_pins`)."""
-    days = _pinned_days(root, dataset)
+    """The days of ``dataset`` whose partition is complete (has its marker), sorted (a dataset ``root`` pins, an
+    :class:`InputPins`: its pinned days)."""
+    days = root.days(dataset) if isinstance(root, InputPins) else None
     if days is not None:
         return days
     markers = glob(join(root, *dataset.split("/")), f"ds=*/{MARKER}")
@@ -731,7 +731,7 @@ def complete_days(root: Location, dataset: str) -> list[str]:
 
 def partition_folder(root: Location, dataset: str, ds: str | dt.date) -> str:
     """The folder that holds the files of the partition's published version (:func:`resolve`; a partition this
-    process pinned: its pin's location). No check that the partition is complete."""
+    pinned: its pin's location, :class:`InputPins`). No check that the partition is complete."""
     pin = pinned(root, dataset, ds)
     return pin.location if pin is not None else resolve(partition(root, dataset, ds))
 
@@ -739,8 +739,8 @@ def partition_folder(root: Location, dataset: str, ds: str | dt.date) -> str:
 def data_files(root: Location, dataset: str, ds: str | dt.date) -> list[str]:
     """The Parquet files of a complete partition; FileNotFoundError naming the partition if it is incomplete.
 
-    On an object store, those of the version folder its marker names (:func:`resolve`). A partition this process
-    pinned (:func:`use_pins`): the files of the pinned version (a DataError if it is gone, or if an object store's
+    On an object store, those of the version folder its marker names (:func:`resolve`). A partition pinned in
+    ``root`` (:class:`InputPins`): the files of the pinned version (a DataError if it is gone, or if an object store's
     unversioned partition holds another one now).
     """
     pin = pinned(root, dataset, ds)
@@ -876,7 +876,7 @@ def _read_local_partition(path: Path, dataset: str, ds: str | dt.date, columns: 
 
 def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, Any]:
     """The partition's ``_metadata.json``; {} if it has none (of the published version on an object store, of the
-    pinned version if this process pinned it)."""
+    pinned version if ``root`` pins it)."""
     pin = pinned(root, dataset, ds)
     try:
         if pin is not None:
@@ -891,11 +891,12 @@ def read_metadata(root: Location, dataset: str, ds: str | dt.date) -> dict[str, 
 
 
 @contextmanager
-def parquet_file(location: Location) -> Iterator[pq.ParquetFile]:
+def parquet_file(location: Location, pins: InputPins | None = None) -> Iterator[pq.ParquetFile]:
     """An open ``pyarrow.parquet.ParquetFile``: its footer is read now, row groups only when asked for.
 
     On an object store every read is one ranged GET of what the Parquet reader asks for (no read-ahead),
-    so reading one row group of a large file downloads that row group and the footer, not the file.
+    so reading one row group of a large file downloads that row group and the footer, not the file. A file of a
+    version pinned in ``pins`` must still be that version (else a DataError).
     """
     import pyarrow.parquet as pq
 
@@ -904,7 +905,7 @@ def parquet_file(location: Location) -> Iterator[pq.ParquetFile]:
             yield parquet
         return
     fs, key = filesystem(location)
-    entry = _PINNED_OBJECTS.get(os.fspath(location)) if _PINNED_OBJECTS else None
+    entry = pins.pinned_object(location) if pins is not None else None
     if entry is None:
         with fs.open(key, "rb", cache_type="none") as f, pq.ParquetFile(f) as parquet:
             yield parquet
@@ -1191,59 +1192,77 @@ def _rebuilt(pin: Pin, now: str) -> str:
     )
 
 
-# The pins of this process's readers: (root, dataset, day) -> Pin, installed by a training job (use_pins).
-_PINS: dict[tuple[str, str, str], Pin] = {}
-_PINNED_OBJECTS: dict[str, tuple[Pin, str]] = {}  # URL of a pinned file on an object store -> (its pin, name)
+@dataclass(frozen=True)
+class InputPins:
+    """A storage root as a training run reads it: the root, and the partitions the run pinned there.
+
+    Readers honour the pins only when they are given this value where they take a root (it is a path-like of the
+    root): :func:`is_complete`, :func:`data_files`, :func:`partition_folder`, :func:`read_metadata`,
+    :func:`read_table` and :func:`read_snapshot` resolve a pinned day to its pin's location (on an object store
+    they check its version, a DataError when it changed), :func:`complete_days` of a pinned dataset lists its
+    pinned days only (the view the run was planned on, e.g. of a snapshot dataset), and :func:`parquet_file`
+    checks a pinned object given ``pins``. Given the plain root, they read the live partitions. Writers are not
+    affected. Build it with :meth:`of`.
+    """
+
+    root: str
+    pins: dict[tuple[str, str], Pin] = field(default_factory=dict)  # (dataset, day) -> its pin
+
+    @classmethod
+    def of(cls, root: Location, inputs: dict[str, dict[str, dict[str, Any]]]) -> InputPins:
+        """The view of ``root`` with the pins of a manifest (``dataset -> day -> Pin.to_dict()``, RUN.json
+        ``inputs``; ValueError naming a bad entry). A pin of a partition under another root (a RUN.json copied to
+        another root) does not describe this root's partitions: it is left out, with a warning, and read live."""
+        pins = {}
+        for dataset, days in inputs.items():
+            for ds, entry in days.items():
+                pin = Pin.from_dict(dataset, ds, entry)
+                if _root_key(pin.source) != _root_key(partition(root, dataset, pin.ds)):
+                    import logging
+
+                    logging.getLogger(__name__).warning(
+                        "pinned input %s ds=%s comes from %s, not from root %s: its live partition is read",
+                        dataset, pin.ds, pin.source, root)
+                    continue
+                pins[dataset, pin.ds] = pin
+        return cls(os.fspath(root), pins)
+
+    def __fspath__(self) -> str:
+        return self.root
+
+    def __str__(self) -> str:
+        return self.root
+
+    def pin(self, dataset: str, ds: str | dt.date) -> Pin | None:
+        return self.pins.get((dataset, ds_str(ds)))
+
+    def days(self, dataset: str) -> list[str] | None:
+        """The pinned days of ``dataset``, None if none is pinned."""
+        return sorted(day for name, day in self.pins if name == dataset) or None
+
+    def pinned_object(self, location: Location) -> tuple[Pin, str] | None:
+        """(its pin, its name) for a file of a pinned version on an object store."""
+        url = os.fspath(location)
+        for pin in self.pins.values():
+            if is_remote(pin.location) and url.startswith(pin.location.rstrip("/") + "/"):
+                name = url[len(pin.location.rstrip("/")) + 1:]
+                if name in pin.files:
+                    return pin, name
+        return None
 
 
 def _root_key(root: Location) -> str:
     return os.fspath(root).rstrip("/") if is_remote(root) else os.path.realpath(local_path(root))
 
 
-def use_pins(root: Location, inputs: dict[str, dict[str, dict[str, Any]]]) -> None:
-    """From now on this process's readers of ``root`` read the pinned partitions of ``inputs`` (a pin manifest,
-    ``dataset -> day -> Pin.to_dict()``; {} removes them): :func:`is_complete`, :func:`data_files`,
-    :func:`read_metadata`, :func:`read_table` and :func:`parquet_file` resolve a pinned day to its pin's location
-    (on an object store they check its version, a DataError when it changed), and :func:`complete_days` of a
-    pinned dataset lists its pinned days only (the view the run was planned on, e.g. of a snapshot dataset).
-    Forked processes (DataLoader workers) inherit them. Writers are not affected.
-    """
-    key = _root_key(root)
-    for k in [k for k in _PINS if k[0] == key]:
-        del _PINS[k]
-    for url in [u for u, (pin, _) in _PINNED_OBJECTS.items() if _root_key(pin.source).startswith(key)]:
-        del _PINNED_OBJECTS[url]
-    for dataset, days in inputs.items():
-        for ds, entry in days.items():
-            pin = Pin.from_dict(dataset, ds, entry)
-            if _root_key(pin.source) != _root_key(partition(root, dataset, pin.ds)):
-                # A manifest pinned under another storage root (a RUN.json copied to another root): it does not
-                # describe this root's partitions, which are read live.
-                import logging
-
-                logging.getLogger(__name__).warning(
-                    "pinned input %s ds=%s comes from %s, not from root %s: its live partition is read",
-                    dataset, pin.ds, pin.source, root)
-                continue
-            _PINS[key, dataset, pin.ds] = pin
-            if is_remote(pin.location):
-                for name in pin.files:
-                    _PINNED_OBJECTS[join(pin.location, name)] = (pin, name)
+def pins_of(root: Location) -> InputPins | None:
+    """The pins a reader honours: those of ``root`` if it is an :class:`InputPins`."""
+    return root if isinstance(root, InputPins) else None
 
 
 def pinned(root: Location, dataset: str, ds: str | dt.date) -> Pin | None:
-    """The pin this process's readers use for a partition (:func:`use_pins`), None if it is not pinned."""
-    if not _PINS:
-        return None
-    return _PINS.get((_root_key(root), dataset, ds_str(ds)))
-
-
-def _pinned_days(root: Location, dataset: str) -> list[str] | None:
-    if not _PINS:
-        return None
-    key = _root_key(root)
-    days = sorted(day for (r, name, day) in _PINS if r == key and name == dataset)
-    return days or None
+    """The pin a reader given ``root`` reads a partition at, None if it is not pinned."""
+    return root.pin(dataset, ds) if isinstance(root, InputPins) else None
 
 
 def _pinned_files(pin: Pin) -> list[str]:

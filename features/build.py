@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
@@ -107,6 +107,9 @@ from core.storage import (
 )
 from features.validation.report import unvalidated_reason
 
+if TYPE_CHECKING:
+    from features.spec import BuildSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -123,8 +126,6 @@ FILE_BYTES = 64 * 1024 * 1024
 WRITER_THREADS = 2
 # The defaults of every build parameter: the platform configuration's, defined once in core.config.
 DEFAULTS = FeaturesConfig()
-
-Step = Literal["daily", "window", "sequences", "examples", "all"]
 
 
 class MissingInputError(DataError, FileNotFoundError):
@@ -1557,106 +1558,117 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
 def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m features.build",
-        description="Build the feature partitions of one day (daily aggregates, windows, sequences, examples). "
-        "Defaults come from the features: section of the platform configuration (python -m core.config).",
+        description="Build the feature partitions of one day (daily aggregates, windows, sequences, examples): as "
+        "--spec says (a BUILD.json, features.spec.BuildSpec, as the feature operator writes it), or as the flags "
+        "say, which build the same spec. Defaults come from the features: section of the platform configuration "
+        "(python -m core.config).",
     )
-    parser.add_argument("--root", required=True, help="storage root: a local folder, a file:// or an s3:// URL")
-    parser.add_argument("--ds", required=True, help="the partition day, YYYY-MM-DD")
-    parser.add_argument(
-        "--step",
-        choices=("daily", "window", "sequences", "examples", "all"),
-        default="all",
-        help="which output to build (default: all, in order)",
-    )
-    parser.add_argument("--window-days", type=int, default=defaults.window_days,
-                        help="days in the window features and sequences (default: %(default)s)")
-    parser.add_argument("--sequence-length", type=int, default=defaults.sequence_length,
-                        help="engagements kept per user (default: %(default)s)")
-    parser.add_argument("--prior-impressions", type=float, default=defaults.pin_prior_impressions,
-                        help="pseudo-impressions at the global rate that smooth each pin's rates (default: %(default)s)")
-    parser.add_argument("--negative-downsample", type=float, default=defaults.negative_downsample,
-                        help="probability of keeping an example without a positive label, in (0, 1] (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.negative_downsample_seed,
-                        help="seed of the negative downsampling hash (default: %(default)s)")
+    parser.add_argument("--spec", default="",
+                        help="the build's spec, BUILD.json (a local path or URL); the settings flags may not be given too")
+    # Settings flags default to None: given with --spec, they are refused, never silently ignored.
+    parser.add_argument("--root", help="storage root: a local folder, a file:// or an s3:// URL")
+    parser.add_argument("--ds", help="the partition day, YYYY-MM-DD")
+    parser.add_argument("--step", choices=("daily", "window", "sequences", "examples", "all"),
+                        help="which output to build (default: all, in order)")
+    parser.add_argument("--window-days", type=int,
+                        help=f"days in the window features and sequences (default: {defaults.window_days})")
+    parser.add_argument("--sequence-length", type=int,
+                        help=f"engagements kept per user (default: {defaults.sequence_length})")
+    parser.add_argument("--prior-impressions", type=float, help="pseudo-impressions at the global rate that smooth "
+                        f"each pin's rates (default: {defaults.pin_prior_impressions})")
+    parser.add_argument("--negative-downsample", type=float, help="probability of keeping an example without a "
+                        f"positive label, in (0, 1] (default: {defaults.negative_downsample})")
+    parser.add_argument("--seed", type=int,
+                        help=f"seed of the negative downsampling hash (default: {defaults.negative_downsample_seed})")
     parser.add_argument(
         "--recompute",
-        action="store_true",
+        action="store_true", default=None,
         help="build the window and the sequences from the raw events of the window's days (full recompute)",
     )
     parser.add_argument(
         "--skip-validation",
-        action="store_true",
+        action="store_true", default=None,
         help="build even from raw partitions without a passed validation report for their current contents "
         "(python -m features.validate); recorded as skip_validation in the outputs' metadata. For experts",
     )
     parser.add_argument(
-        "--shards", type=int, default=1,
+        "--shards", type=int,
         help="split the step into this many shards by user-id / pin-id hash (one --step, not all); each shard "
-        "writes under --staging, and --merge publishes the day from them (default: %(default)s, unsharded)",
+        "writes under --staging, and --merge publishes the day from them (default: 1, unsharded)",
     )
     parser.add_argument("--run-shards", default="",
                         help="the shards to build, e.g. 0,3,5-7 (default: all); in an array job the index picks one")
-    parser.add_argument("--staging", default="", help="the sharded build's staging folder (a local path or URL)")
-    parser.add_argument("--merge", action="store_true", help="publish the step's partitions from the shards in --staging")
-    parser.add_argument("--threads", type=int, default=defaults.duckdb_threads, help="DuckDB threads (default: %(default)s)")
-    parser.add_argument("--memory-limit", default=defaults.duckdb_memory_limit,
-                        help="DuckDB memory limit, e.g. 4GB (default: %(default)s)")
-    parser.add_argument(
-        "--temp-directory",
-        default=defaults.duckdb_temp_directory or None,
-        help="parent folder for DuckDB spill files (default: the system temporary folder)",
-    )
+    parser.add_argument("--staging", help="the sharded build's staging folder (a local path or URL)")
+    parser.add_argument("--merge", action="store_true", default=None,
+                        help="publish the step's partitions from the shards in --staging")
+    parser.add_argument("--threads", type=int, help=f"DuckDB threads (default: {defaults.duckdb_threads})")
+    parser.add_argument("--memory-limit", help=f"DuckDB memory limit, e.g. 4GB (default: {defaults.duckdb_memory_limit})")
+    parser.add_argument("--temp-directory", help="parent folder for DuckDB spill files (default: "
+                        f"{defaults.duckdb_temp_directory or 'the system temporary folder'})")
     return parser
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    engine = DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit, temp_directory=args.temp_directory)
-    require = not args.skip_validation
-    if args.skip_validation:
-        log.warning("--skip-validation: building %s from raw partitions that may not have passed validation", args.ds)
-    step: Step = args.step
-    if args.shards < 1:
-        raise ValueError(f"--shards {args.shards}: need at least 1")
-    check_root(args.root)
-    if args.shards > 1 or args.merge:
-        return _run_sharded(args, engine, require)
-    if step != "all":
-        return build_step(args.root, args.ds, step, _features(args), recompute=args.recompute, require_validation=require,
-                          engine=engine)
+# The settings flags and the spec's fields they set.
+_FLAGS = {"root": "root", "ds": "ds", "step": "step", "window_days": "window_days", "sequence_length": "sequence_length",
+          "prior_impressions": "pin_prior_impressions", "negative_downsample": "negative_downsample",
+          "seed": "negative_downsample_seed", "recompute": "recompute", "skip_validation": "skip_validation",
+          "shards": "shards", "staging": "staging", "merge": "merge", "threads": "duckdb_threads",
+          "memory_limit": "duckdb_memory_limit", "temp_directory": "duckdb_temp_directory"}
+
+
+def spec_of(args: argparse.Namespace, defaults: FeaturesConfig) -> BuildSpec:
+    """The build's spec: read from ``--spec``, or built from the flags over the configuration's defaults."""
+    from core.failures import ConfigError
+    from features.spec import FEATURE_FIELDS, BuildSpec
+
+    given = {field: getattr(args, flag) for flag, field in _FLAGS.items() if getattr(args, flag) is not None}
+    if args.spec:
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in _FLAGS if getattr(args, f) is not None)
+            raise ConfigError(f"--spec {args.spec} and {flags}: give the spec or the flags, not both (edit the spec)")
+        return BuildSpec.read(args.spec)
+    missing = [f"--{name}" for name in ("root", "ds") if name not in given]
+    if missing:
+        raise ConfigError(f"give --spec, or {' and '.join(missing)} (python -m features.build --help)")
+    return BuildSpec.checked("the command line", **{**{f: getattr(defaults, f) for f in FEATURE_FIELDS}, **given})
+
+
+def run(spec: BuildSpec, run_shards: str = "") -> dict[str, Any]:
+    engine = DuckDBSettings(threads=spec.duckdb_threads, memory_limit=spec.duckdb_memory_limit,
+                            temp_directory=spec.duckdb_temp_directory or None)
+    require = not spec.skip_validation
+    if spec.skip_validation:
+        log.warning("skip_validation: building %s from raw partitions that may not have passed validation", spec.ds)
+    check_root(spec.root)
+    if spec.shards > 1 or spec.merge:
+        return _run_sharded(spec, engine, require, run_shards)
+    if spec.step != "all":
+        return build_step(spec.root, spec.ds, spec.step, spec.features(), recompute=spec.recompute,
+                          require_validation=require, engine=engine)
     return build_day(
-        args.root,
-        args.ds,
-        window_days=args.window_days,
-        sequence_length=args.sequence_length,
-        prior_impressions=args.prior_impressions,
-        negative_downsample=args.negative_downsample,
-        seed=args.seed,
-        recompute=args.recompute,
+        spec.root,
+        spec.ds,
+        window_days=spec.window_days,
+        sequence_length=spec.sequence_length,
+        prior_impressions=spec.pin_prior_impressions,
+        negative_downsample=spec.negative_downsample,
+        seed=spec.negative_downsample_seed,
+        recompute=spec.recompute,
         require_validation=require, engine=engine,
     )
 
 
-def _features(args: argparse.Namespace) -> FeaturesConfig:
-    """The build settings of the command line (validated by the same model as the configuration)."""
-    return FeaturesConfig(
-        window_days=args.window_days, sequence_length=args.sequence_length, pin_prior_impressions=args.prior_impressions,
-        negative_downsample=args.negative_downsample, negative_downsample_seed=args.seed,
-    )
-
-
-def _run_sharded(args: argparse.Namespace, engine: DuckDBSettings, require: bool) -> dict[str, Any]:
+def _run_sharded(spec: BuildSpec, engine: DuckDBSettings, require: bool, run_shards: str) -> dict[str, Any]:
     from core.arrays import parse_shards, shards_of_this_process
 
-    if args.step == "all" or not args.staging:
-        raise ValueError("a sharded build needs one --step (daily, window, sequences or examples) and --staging")
-    if args.merge:
-        return merge_shards(args.root, args.ds, args.step, args.staging, args.shards)
-    features = _features(args)
+    if spec.merge:
+        return merge_shards(spec.root, spec.ds, spec.step, spec.staging, spec.shards)
+    features = spec.features()
     summary: dict[str, Any] = {}
-    for index in shards_of_this_process(parse_shards(args.run_shards) or list(range(args.shards))):
-        shard = Shard(index, args.shards, args.staging)
-        log.info("building %s of ds=%s, shard %d of %d", args.step, args.ds, index, args.shards)
-        built = build_step(args.root, args.ds, args.step, features, recompute=args.recompute, require_validation=require,
+    for index in shards_of_this_process(parse_shards(run_shards) or list(range(spec.shards))):
+        shard = Shard(index, spec.shards, spec.staging)
+        log.info("building %s of ds=%s, shard %d of %d", spec.step, spec.ds, index, spec.shards)
+        built = build_step(spec.root, spec.ds, spec.step, features, recompute=spec.recompute, require_validation=require,
                            engine=engine, shard=shard)
         summary[f"shard-{index:05d}"] = built
     return summary
@@ -1665,10 +1677,12 @@ def _run_sharded(args: argparse.Namespace, engine: DuckDBSettings, require: bool
 def main(argv: Sequence[str] | None = None) -> int:
     from core import config
 
-    args: argparse.Namespace | None = None
+    spec: BuildSpec | None = None
     try:
-        args = _parser(config.load().features).parse_args(argv)
-        summary = run(args)
+        defaults = config.load().features
+        args = _parser(defaults).parse_args(argv)
+        spec = spec_of(args, defaults)
+        summary = run(spec, args.run_shards)
     except PinflowError as exc:
         print(f"features.build: {exc.failure_class.value} error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -1681,9 +1695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Nothing was published (a partition appears only whole); the exit code tells the operator to retry or stop.
         log.error("failed", exc_info=exc)
         hint = ""
-        if disk_full(exc) and args is not None:
-            hint = (f" (the disk is full: free space under the storage root {args.root} or in DuckDB's temp directory "
-                    f"{args.temp_directory or tempfile.gettempdir()}; the task's retries build it again)")
+        if disk_full(exc) and spec is not None:
+            hint = (f" (the disk is full: free space under the storage root {spec.root} or in DuckDB's temp directory "
+                    f"{spec.duckdb_temp_directory or tempfile.gettempdir()}; the task's retries build it again)")
         print(f"features.build: {classify(exc).value} error: {exc}{hint}", file=sys.stderr)
         return int(exit_code_for(exc))
     print(json.dumps(summary, indent=2, sort_keys=True))

@@ -36,7 +36,18 @@ from core.failures import InfraError, PinflowError
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
 
+    from core.config import PlatformConfig
     from operators.backends import Backend, JobSpec, JobStatus
+
+
+def job_folder(cfg: PlatformConfig, backend: str, name: str) -> str:
+    """The folder of the job ``name``, where the task writes its typed settings file (RUN.json, BUILD.json) for it:
+    under PINFLOW_HOME for the local backend's jobs, which run on this machine; on the storage root for the others,
+    which every node reaches."""
+    from core import storage
+    from core.contracts import RUNS
+
+    return storage.join(cfg.home if backend == "local" else cfg.storage_root, RUNS, name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
     from core.config import FeaturesConfig, PlatformConfig
+    from features.spec import BuildSpec
 
 FEATURE_STEPS = ("daily", "window", "sequences", "examples")
 # The datasets each step writes (``core.contracts``; spelled out here so that parsing a DAG imports no pyarrow).
@@ -51,20 +52,13 @@ def memory_gb(limit: str) -> float:
     return float(match.group(1)) * _UNIT_GB[match.group(2).upper() if match.group(2) else None]
 
 
-def build_command(root: str, ds: str, step: str, features: FeaturesConfig, *, skip_validation: bool) -> list[str]:
-    """``features.build``'s arguments for one step with these settings (pure; every setting explicit)."""
-    command = [
-        "-m", "features.build", "--root", root, "--ds", ds, "--step", step,
-        "--window-days", str(features.window_days), "--sequence-length", str(features.sequence_length),
-        "--prior-impressions", repr(features.pin_prior_impressions),
-        "--negative-downsample", repr(features.negative_downsample), "--seed", str(features.negative_downsample_seed),
-        "--threads", str(features.duckdb_threads), "--memory-limit", features.duckdb_memory_limit,
-    ]
-    if features.duckdb_temp_directory:
-        command += ["--temp-directory", features.duckdb_temp_directory]
-    if skip_validation:
-        command.append("--skip-validation")
-    return command
+def build_spec(root: str, ds: str, step: str, features: FeaturesConfig, *, skip_validation: bool) -> BuildSpec:
+    """The typed spec of one step's build with these settings (pure; every setting explicit), unsharded."""
+    from features.spec import FEATURE_FIELDS, BuildSpec
+
+    return BuildSpec.checked(
+        f"the build spec of {step} ds={ds} (platform config and the run's params)", root=root, ds=ds, step=step,
+        skip_validation=skip_validation, **{name: getattr(features, name) for name in FEATURE_FIELDS})
 
 
 def staging_folder(root: str, step: str, ds: str, key: str) -> str:
@@ -97,14 +91,20 @@ def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg:
 
 @dataclasses.dataclass(frozen=True)
 class FeaturePlan:
-    """What a feature task builds, the same for every try of a run: the settings, the command, the shard count, the
-    backend, and (sharded) the staging folder the shards write to."""
+    """What a feature task builds, the same for every try of a run: the settings, the job's typed spec (the shard
+    count and, sharded, the staging folder the shards write to), the backend."""
 
     features: FeaturesConfig
-    command: tuple[str, ...]
-    shards: int
+    spec: BuildSpec
     backend: str
-    staging: str | None = None
+
+    @property
+    def shards(self) -> int:
+        return self.spec.shards
+
+    @property
+    def staging(self) -> str | None:
+        return self.spec.staging or None
 
 
 class FeatureBuildOperator(ComputeJobOperator):
@@ -168,16 +168,15 @@ class FeatureBuildOperator(ComputeJobOperator):
         from core import config
         cfg = config.load()
         features = self._features(cfg)
-        command = build_command(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
+        spec = build_spec(cfg.storage_root, self.ds, self.step, features, skip_validation=self.skip_validation)
         ti = context.get("ti")
         run = [ti.dag_id, ti.run_id, ti.task_id, str(getattr(ti, "map_index", -1))] if ti is not None else []
-        key = hashlib.sha1(json.dumps([*run, command, features.shards]).encode()).hexdigest()[:16]
+        key = hashlib.sha1(json.dumps([*run, spec.model_dump(), features.shards]).encode()).hexdigest()[:16]
         backend = self.backend or features.backend or cfg.training.backend
-        if features.shards <= 1:
-            return FeaturePlan(features, tuple(command), features.shards, backend)
-        staging = staging_folder(cfg.storage_root, self.step, self.ds, key)
-        return FeaturePlan(features, (*command, "--shards", str(features.shards), "--staging", staging),
-                           features.shards, backend, staging)
+        if features.shards > 1:
+            staging = staging_folder(cfg.storage_root, self.step, self.ds, key)
+            spec = spec.model_copy(update={"shards": features.shards, "staging": staging})
+        return FeaturePlan(features, spec, backend)
 
     # -- ComputeJobOperator --------------------------------------------------------------------------------------
     def name_parts(self, context: Context) -> tuple[str, ...]:
@@ -206,16 +205,26 @@ class FeatureBuildOperator(ComputeJobOperator):
         return self._publish(plan)
 
     def prepare(self, context: Context, name: str, todo: tuple[FeaturePlan, list[int]] | None = None) -> Submission:
-        from core import config
+        from core import config, storage
+        from features.spec import SPEC_FILE
+        from operators.compute_job import job_folder
         cfg = config.load()
         plan, missing = todo or self.todo(context)
         if self.skip_validation:
             self.log.warning("skip_validation: building %s ds=%s without checking validation reports", self.step, self.ds)
         shards = missing if plan.staging else []
-        spec = build_job_spec(list(plan.command), name=name, shards=shards, cfg=cfg, features=plan.features,
-                              backend=plan.backend)
+        # The job reads its spec from its folder (every backend the same way), as a training job its RUN.json.
+        spec_path = storage.join(job_folder(cfg, plan.backend, name), SPEC_FILE)
+        spec = build_job_spec(["-m", "features.build", "--spec", spec_path], name=name, shards=shards, cfg=cfg,
+                              features=plan.features, backend=plan.backend)
         what = f"shard(s) {shards} of {plan.shards}" if plan.staging else "unsharded"
-        return Submission(plan.backend, spec, shards=tuple(shards), summary=f"{self.step} ds={self.ds}, {what}")
+        return Submission(plan.backend, spec, shards=tuple(shards), summary=f"{self.step} ds={self.ds}, {what}",
+                          settings=(plan.spec, spec_path))
+
+    def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
+        """Write the job's BUILD.json."""
+        build, path = submission.settings
+        build.write(path)
 
     def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         return self._publish(self._plan(context))

@@ -55,12 +55,14 @@ class TrialMonitor:
         if self._run_id:
             return self._run_id
         from core import storage
+        from core.failures import ConfigError
+        from training.config import RunConfig
         from training.tracking import STATE_FILE
 
         try:
-            run = storage.read_json(storage.join(self.output_dir, "RUN.json"))
-            state = storage.read_json(storage.join(run["checkpoint_dir"], STATE_FILE))
-        except (OSError, KeyError, ValueError):
+            run = RunConfig.from_json(storage.join(self.output_dir, "RUN.json"))
+            state = storage.read_json(storage.join(run.checkpoint_dir, STATE_FILE))
+        except (OSError, ValueError, ConfigError):
             return None
         self._run_id = state.get("run_id")
         return self._run_id
@@ -213,18 +215,17 @@ class HpoTrialOperator(DistributedTrainingOperator):
 
     def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
         from core import config
-        from training.config import RunConfig
 
         submission = super().prepare(context, name, todo)
-        run_config, trial, ti = submission.settings, self.trial, context["ti"]
-        run_config.update({k: v for k, v in trial["run"].items() if k not in TUNABLE})
-        run_config.update(
+        run, trial, ti = submission.settings, self.trial, context["ti"]
+        submission.settings = run.replace(
+            f"RUN.json of trial {trial['number']} of study {trial['study']}",
+            **{k: v for k, v in trial["run"].items() if k not in TUNABLE},
             log_every=config.load().hpo.report_every_steps,  # the steps at which trials are compared
             register=False,  # only the best trial's model is registered
             run_name=f"{ti.run_id}-trial{trial['number']}-try{ti.try_number}",
-            tags={**run_config["tags"], "hpo_study": trial["study"], "hpo_trial": str(trial["number"])},
+            tags={**run.tags, "hpo_study": trial["study"], "hpo_trial": str(trial["number"])},
         )
-        RunConfig.from_dict(run_config, source=f"RUN.json of trial {trial['number']} of study {trial['study']}")
         return submission
 
     def trigger(self, job: JobRef, watch: Watch) -> BaseTrigger:

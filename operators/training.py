@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, BaseOperatorLink, Context
 
 from core.failures import ConfigError, DataError, InfraError, UserError, as_typed
-from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
+from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch, job_folder
 
 if TYPE_CHECKING:
     from airflow.sdk.types import TaskInstanceKey
 
     from core.config import PlatformConfig
+    from training.config import RunConfig
 
 # Fields of training.config.RunConfig a trigger-form param (or a test) may set.
 TUNABLE = (
@@ -253,7 +254,7 @@ class DistributedTrainingOperator(ComputeJobOperator):
     def prepare(self, context: Context, name: str, todo: Any = None) -> Submission:
         """The job spec and the run's RUN.json content (``settings``), checked by the job's own models."""
         from core import config, storage
-        from core.contracts import MODELS, RUNS
+        from core.contracts import MODELS
         from operators.backends import JobSpec
         from operators.jobs import job_name
         from training.config import RunConfig
@@ -270,56 +271,49 @@ class DistributedTrainingOperator(ComputeJobOperator):
             )
         family = cfg.families[family_name]
         model_name = family.model_name or family_name
-        # The local backend's job writes under PINFLOW_HOME; remote jobs write to the shared storage root.
-        output_dir = storage.join(cfg.home if backend_name == "local" else cfg.storage_root, RUNS, name)
-        run_config = {
-            "root": cfg.storage_root,
-            "train_days": list(self.plan["train_days"]),
-            "eval_ds": self.plan["eval_ds"],
-            "output_dir": output_dir,
+        output_dir = job_folder(cfg, backend_name, name)
+        procs = training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node)
+        team = str(self.team or training.team)
+        num_workers, num_threads = self._input_workers(cfg, backend_name, team, procs, self.overrides)
+        # The family's own training defaults, else the platform's; a form value wins; the input workers as derived.
+        optimisation = {
+            "epochs": family.epochs or training.epochs, "batch_size": family.batch_size or training.batch_size,
+            "lr": family.lr or training.lr, "strategy": training.strategy, "sharding": training.sharding,
+            "sharded_export_above_mib": training.sharded_export_above_mib,
+            "max_steps": training.max_steps, "target_examples": training.target_examples, "min_steps": training.min_steps,
+            "prefetch_factor": training.prefetch_factor, "pin_memory": training.pin_memory,
+            "input_engine": training.input_engine, "data_bound_share": training.data_bound_share,
+            "ray_cpus": training.ray_cpus, "ray_task_cpus": training.ray_task_cpus,
+            **{k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None},
+            "num_workers": num_workers, "num_threads": num_threads,
+        }
+        # The job's own typed settings, checked as they are built, before anything is submitted (a bad value: USER).
+        run = RunConfig.checked(
+            f"RUN.json of {name} (platform config and the run's params)",
+            root=cfg.storage_root,
+            train_days=list(self.plan["train_days"]),
+            eval_ds=self.plan["eval_ds"],
+            output_dir=output_dir,
             # Shared by every try of this DAG run: a retry resumes from the last checkpoint, on the inputs pinned
             # beside it (INPUTS_DIR).
-            "checkpoint_dir": storage.join(cfg.storage_root, MODELS, model_name, run_key, "checkpoints"),
-            "mlflow_tracking_uri": cfg.mlflow.tracking_uri,
-            "mlflow_artifact_location": cfg.mlflow.artifact_root,
-            "family": family_name,
-            "family_module": family.module,
-            "params": dict(family.params),
-            "experiment": family.experiment or family_name,
-            "model_name": model_name,
-            "register": True,
-            "run_name": f"{ti.run_id}-try{ti.try_number}",
-            # The family's own training defaults, else the platform's; a form value wins below.
-            "epochs": family.epochs or training.epochs,
-            "batch_size": family.batch_size or training.batch_size,
-            "lr": family.lr or training.lr,
-            "strategy": training.strategy,
-            "sharding": training.sharding,
-            "sharded_export_above_mib": training.sharded_export_above_mib,
-            "max_steps": training.max_steps,
-            "target_examples": training.target_examples,
-            "min_steps": training.min_steps,
-            "prefetch_factor": training.prefetch_factor,
-            "pin_memory": training.pin_memory,
-            "input_engine": training.input_engine,
-            "data_bound_share": training.data_bound_share,
-            "ray_cpus": training.ray_cpus,
-            "ray_task_cpus": training.ray_task_cpus,
-            "train_days_requested": int(self.plan.get("train_days_requested") or len(self.plan["train_days"])),
-            # The job registers its model only while a task renews its lease (core.lease).
-            "lease_s": cfg.job_history.lease_s,
-            "tags": {"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
-                     "job": name, "team": str(self.team or training.team), "family": family_name},
-        }
-        run_config.update({k: v for k, v in self.overrides.items() if k in TUNABLE and v is not None})
-        if isinstance(self.overrides.get("params"), dict):  # family hyperparameters over the configured ones
-            run_config["params"] = {**run_config["params"], **self.overrides["params"]}
-        procs = training.procs_per_node if self.procs_per_node in (None, "") else int(self.procs_per_node)
-        run_config["num_workers"], run_config["num_threads"] = self._input_workers(
-            cfg, backend_name, str(self.team or training.team), procs, self.overrides)
-        # The job's own models check RUN.json here, before anything is submitted (a bad value: USER, now).
-        source = f"RUN.json of {name} (platform config and the run's params)"
-        RunConfig.from_dict(run_config, source=source).family_instance()
+            checkpoint_dir=storage.join(cfg.storage_root, MODELS, model_name, run_key, "checkpoints"),
+            mlflow_tracking_uri=cfg.mlflow.tracking_uri,
+            mlflow_artifact_location=cfg.mlflow.artifact_root,
+            family=family_name,
+            family_module=family.module,
+            # Family hyperparameters from the form over the configured ones.
+            params={**family.params, **(self.overrides["params"] if isinstance(self.overrides.get("params"), dict) else {})},
+            experiment=family.experiment or family_name,
+            model_name=model_name,
+            register=True,
+            run_name=f"{ti.run_id}-try{ti.try_number}",
+            train_days_requested=int(self.plan.get("train_days_requested") or len(self.plan["train_days"])),
+            lease_s=cfg.job_history.lease_s,  # the job registers its model only while a task renews its lease
+            tags={"dag": ti.dag_id, "run": ti.run_id, "try": str(ti.try_number), "backend": backend_name,
+                  "job": name, "team": team, "family": family_name},
+            **optimisation,
+        )
+        run.family_instance()  # the family's params, by its own Params
         spec = JobSpec(
             name=name,
             command=["-m", "training.train", "--config", storage.join(output_dir, "RUN.json")],
@@ -330,16 +324,16 @@ class DistributedTrainingOperator(ComputeJobOperator):
             nodes=training.nodes if self.nodes in (None, "") else int(self.nodes),
             procs_per_node=procs,
             gpus_per_node=training.gpus_per_node,
-            checkpoint_dir=run_config["checkpoint_dir"],
+            checkpoint_dir=run.checkpoint_dir,
             # The nodes' health check (devices, all-reduce, disk, inputs, MLflow) as the job's first step.
             preflight=training.preflight,
         )
         summary = (f"{spec.nodes} node(s) × {spec.procs_per_node} process(es), team {spec.team}, train "
-                   f"{', '.join(run_config['train_days'])}, evaluate {run_config['eval_ds']}; output in {output_dir}")
-        return Submission(backend_name, spec, output_dir=output_dir, summary=summary, settings=run_config)
+                   f"{', '.join(run.train_days)}, evaluate {run.eval_ds}; output in {output_dir}")
+        return Submission(backend_name, spec, output_dir=output_dir, summary=summary, settings=run)
 
     def preflight(self, context: Context, backend: Any, submission: Submission) -> None:
-        self._preflight(backend, submission.settings.get("mlflow_tracking_uri") or "")
+        self._preflight(backend, submission.settings.mlflow_tracking_uri)
 
     def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
         """Wait (deferred, or polling) until the team's quota has room, recording the job in the history; pin the
@@ -347,11 +341,13 @@ class DistributedTrainingOperator(ComputeJobOperator):
         from core import lease, storage  # a local folder or s3://... (the job reads it the same way)
         from operators import quotas
 
-        run_config, output_dir = submission.settings, str(submission.output_dir)
-        quotas.admit_job(self, context, submission.spec, backend=backend.name, family=run_config["family"],
-                         output_dir=output_dir, checkpoint_dir=run_config["checkpoint_dir"])
-        run_config["inputs"] = self._pin_inputs(run_config)
-        storage.write_json(storage.join(output_dir, "RUN.json"), run_config)
+        run, output_dir = submission.settings, str(submission.output_dir)
+        quotas.admit_job(self, context, submission.spec, backend=backend.name, family=run.family,
+                         output_dir=output_dir, checkpoint_dir=run.checkpoint_dir)
+        pins_dir = storage.join(run.checkpoint_dir.rstrip("/").rsplit("/", 1)[0], INPUTS_DIR)
+        submission.settings = run = run.replace(f"RUN.json inputs pinned in {pins_dir}",
+                                                inputs=self._pin_inputs(run, pins_dir))
+        run.write(storage.join(output_dir, "RUN.json"))
         lease.renew(output_dir, submission.spec.name)  # before the job exists: a runner killed after submitting leaves a lease
 
     def submit(self, context: Context, backend: Any, submission: Submission) -> str:
@@ -427,8 +423,9 @@ class DistributedTrainingOperator(ComputeJobOperator):
         self.log.info("training finished: model %s version %s, metrics %s",
                       result.get("model_name"), result.get("model_version"), result.get("metrics"))
         try:  # the run is over: its frozen input copies go (the manifest stays, with the versions)
-            run_config = storage.read_json(storage.join(output_dir, "RUN.json"))
-            release_pinned_copies(str(run_config["checkpoint_dir"]))
+            from training.config import RunConfig
+
+            release_pinned_copies(RunConfig.from_json(storage.join(output_dir, "RUN.json")).checkpoint_dir)
         except Exception as err:  # noqa: BLE001 - a cleanup is not worth failing a finished run for
             self.log.warning("could not remove the pinned input copies of %s: %s", output_dir, err)
         for warning in result.get("warnings") or []:
@@ -467,17 +464,10 @@ class DistributedTrainingOperator(ComputeJobOperator):
                                          None if threads is None else int(threads), where=where)
         return (0 if engine == "ray" else workers), threads
 
-    def _pin_inputs(self, run_config: dict[str, Any]) -> dict[str, Any]:
+    def _pin_inputs(self, run: RunConfig, pins_dir: str) -> dict[str, Any]:
         """The run's input partitions, pinned by its first try and reused by the others (:func:`pin_inputs`)."""
-        from core import storage
-        from training.config import RunConfig
-
-        checkpoint_dir = str(run_config["checkpoint_dir"])
-        pins_dir = storage.join(checkpoint_dir.rstrip("/").rsplit("/", 1)[0], INPUTS_DIR)
-        dataset = RunConfig.from_dict(run_config).family_instance().dataset
-        inputs = pin_inputs(str(run_config["root"]), pins_dir, dataset, list(run_config["train_days"]),
-                            str(run_config["eval_ds"]))
-        RunConfig.from_dict({**run_config, "inputs": inputs}, source=f"RUN.json inputs pinned in {pins_dir}")
+        dataset = run.family_instance().dataset
+        inputs = pin_inputs(run.root, pins_dir, dataset, run.train_days, run.eval_ds)
         count = sum(len(days) for days in inputs.values())
         self.log.info("pinned %d input partition(s) in %s: %s", count, pins_dir, "; ".join(
             f"{dataset} " + ", ".join(f"{ds}@{entry['version']}" for ds, entry in sorted(days.items()))

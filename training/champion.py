@@ -62,8 +62,8 @@ def evaluate_champion(
         if champion_family.name != family.name:
             raise ValueError(f"it is a model of family {champion_family.name}, this run trains {family.name}")
         model = champion_family.model_from_serving(module).to(device)
-        context = champion_family.prepare(config.root, list(config.train_days), config.eval_ds)
-        metrics = champion_family.evaluate({"model": model}, config.root, config.eval_ds, context, device=device,
+        context = champion_family.prepare(config.input_root, list(config.train_days), config.eval_ds)
+        metrics = champion_family.evaluate({"model": model}, config.input_root, config.eval_ds, context, device=device,
                                            batch_size=config.eval_batch_size, on_batch=on_batch)
     except Exception as err:  # noqa: BLE001 - reported to the gate, which refuses to decide and says why
         log.warning("could not evaluate the champion %s version %s on %s: %s", name, version.version,

@@ -8,18 +8,21 @@ dataclass metadata, which is what ``python -m training.train --help`` prints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.config import TrainingConfig
 from core.failures import ConfigError
-from core.storage import Pin, parse_ds
+from core.storage import InputPins, Pin, parse_ds
 
 if typing.TYPE_CHECKING:
     from training.sdk import ModelFamily
@@ -195,12 +198,46 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run config") -> RunConfig:
-        config = dataclass_from_dict(cls, data, source, hint="see `python -m training.train --help`")
-        config.validate(source)
-        return config
+        with _naming(source):
+            return dataclass_from_dict(cls, data, source, hint="see `python -m training.train --help`")
 
-    def validate(self, source: str = "run config") -> None:
-        """The platform's fields here; the family's ``params`` by the family's own Params (``family()``)."""
+    @classmethod
+    def checked(cls, source: str, **values: Any) -> RunConfig:
+        """A run's settings from keyword values (the training operator builds them so), checked as RUN.json is:
+        a ConfigError names ``source`` and the field."""
+        _known(cls, values, source)
+        with _naming(source):
+            return cls(**values)
+
+    def replace(self, source: str, **changes: Any) -> RunConfig:
+        """These settings with ``changes``, checked again (:meth:`checked`)."""
+        _known(type(self), changes, source)
+        with _naming(source):
+            return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        # Construction validates: every value against its field's type (ints are taken for floats), then the ranges.
+        hints = _run_hints()
+        problems = []
+        for f in dataclasses.fields(self):
+            try:
+                object.__setattr__(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
+            except ConfigError as e:
+                problems.append(str(e))
+        if not problems:
+            problems = self.problems()
+        if problems:
+            raise _Invalid(problems)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write RUN.json (one atomic file, a local path or a URL): what the job reads with :meth:`from_json`."""
+        from core.storage import write_json
+
+        write_json(path, self.to_dict())
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values (the platform's fields; the family's ``params`` are checked by the
+        family's own Params, ``family_instance()``)."""
         problems = []
         if not self.train_days:
             problems.append("train_days is empty: give at least one day")
@@ -241,16 +278,14 @@ class RunConfig:
                     Pin.from_dict(dataset, ds, entry)
                 except ValueError as e:
                     problems.append(f"inputs: {e}")
-        if problems:
-            raise ConfigError(f"{source} is invalid: " + "; ".join(problems))
+        return problems
 
     # ----------------------------------------------------------------------------------------------
-    def use_inputs(self) -> None:
-        """Make this process read the pinned ``inputs`` wherever it reads ``root`` (``core.storage.use_pins``):
-        the job's entry points call it once, before they read anything."""
-        from core.storage import use_pins
-
-        use_pins(self.root, self.inputs)
+    @functools.cached_property
+    def input_root(self) -> InputPins:
+        """``root`` as this run reads it: its pinned ``inputs`` (:class:`core.storage.InputPins`). The job's code
+        passes it to every reader of the run's inputs; a reader given the plain ``root`` reads the live partitions."""
+        return InputPins.of(self.root, self.inputs)
 
     def input_versions(self) -> dict[str, dict[str, str]]:
         """The pinned version of each input partition: dataset -> day -> version."""
@@ -275,6 +310,40 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+class _Invalid(ConfigError):
+    """RunConfig's values are wrong (:meth:`RunConfig.__post_init__`); :func:`_naming` says where they came from."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("the run's settings are invalid: " + "; ".join(problems))
+        self.problems = problems
+
+
+@contextlib.contextmanager
+def _naming(source: str) -> Iterator[None]:
+    """Name ``source`` in a RunConfig's ConfigError (a USER error, like every ConfigError)."""
+    try:
+        yield
+    except _Invalid as e:
+        raise ConfigError(f"{source} is invalid: " + "; ".join(e.problems)) from None
+
+
+def _known(cls: Any, data: dict[str, Any], source: str, hint: str = "") -> None:
+    """ConfigError naming the keys of ``data`` that are not fields of the dataclass ``cls`` (with the closest one)."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}" + (f"; {hint}" if hint else ""))
+
+
+@functools.cache
+def _run_hints() -> dict[str, Any]:
+    return typing.get_type_hints(RunConfig)
+
+
 def dataclass_from_dict(cls: type[T], data: dict[str, Any], source: str, hint: str = "") -> T:
     """An instance of the dataclass ``cls`` from a JSON object, every value checked against its field's type.
 
@@ -284,13 +353,7 @@ def dataclass_from_dict(cls: type[T], data: dict[str, Any], source: str, hint: s
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}" + (f"; {hint}" if hint else ""))
+    _known(cls, data, source, hint)
     missing = [
         name
         for name, f in fields.items()

@@ -20,10 +20,11 @@ families that join the pin snapshot) come from a :class:`PinEmbeddings` table of
 The storage root is a local path or a URL (``s3://bucket/prefix``, through ``core.storage``): on
 an object store a row group is read with ranged GETs of its column chunks, never the whole file.
 
-A training job reads the versions of its inputs pinned when it was planned (RUN.json ``inputs``, installed by
-``RunConfig.use_inputs``): every ``core.storage`` read here (the examples' files and metadata, the referenced
-sequences, the pin snapshot) then resolves a pinned partition to its pinned copy, so a partition rebuilt during the
-run changes nothing read here (the units planned at start keep pointing at the pinned files).
+A training job reads the versions of its inputs pinned when it was planned (RUN.json ``inputs``): its code passes
+``RunConfig.input_root`` (a ``core.storage.InputPins``) where these readers take a root, and every ``core.storage``
+read here (the examples' files and metadata, the referenced sequences, the pin snapshot) then resolves a pinned
+partition to its pinned copy, so a partition rebuilt during the run changes nothing read here (the units planned at
+start keep pointing at the pinned files). Given a plain root they read the live partitions.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from core.storage import (
     is_complete,
     join,
     parquet_file,
+    pins_of,
     read_json,
     read_metadata,
 )
@@ -198,7 +200,7 @@ class SequenceResolver:
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = str(root)
+        self.root = root
         self._loaded: dict[str, _Sequences] = {}
 
     def sequences(self, seq_ds: str) -> _Sequences:
@@ -210,7 +212,7 @@ class SequenceResolver:
             digest = SequenceDigest()
             tables = []
             for path in files:
-                with parquet_file(path) as parquet:
+                with parquet_file(path, pins_of(self.root)) as parquet:
                     table = parquet.read().select(USER_SEQUENCE_SCHEMA.names).cast(USER_SEQUENCE_SCHEMA)
                 digest.update(table)
                 tables.append(table)
@@ -345,7 +347,7 @@ def read_examples(
     digest = read_metadata(root, dataset, ds).get("sequence_digest")
     tables = []
     for path in files:
-        with parquet_file(path) as parquet:
+        with parquet_file(path, pins_of(root)) as parquet:
             names = parquet.schema_arrow.names
             wanted = list(columns) or resolved_columns(names)
             table = parquet.read(columns=read_columns(wanted, names))
@@ -391,7 +393,7 @@ def example_units(
         if not files:
             raise DataError(f"{dataset} partition ds={ds} under {root} has a marker but no Parquet file")
         for path in files:
-            with parquet_file(path) as parquet:
+            with parquet_file(path, pins_of(root)) as parquet:
                 meta, names = parquet.metadata, parquet.schema_arrow.names
             missing = [c for c in columns if c not in names and not (c in SEQUENCE_COLUMNS and _has_refs(names))]
             if missing:
@@ -421,7 +423,7 @@ def read_unit(
 ) -> pa.Table:
     """The rows of one work unit as readers see them (sequence references resolved; ``columns`` as in
     :func:`read_examples`). For checks of a few rows (the preflight); training streams (:class:`ExampleStream`)."""
-    with parquet_file(unit.path) as parquet:
+    with parquet_file(unit.path, pins_of(root)) as parquet:
         names = parquet.schema_arrow.names
         wanted = list(columns) or resolved_columns(names)
         resolve = _needs_resolving(wanted, names)
@@ -533,9 +535,9 @@ class UnitReader:
     unit's number in its stream), their sequence references resolved. Picklable by :meth:`spec` (a Ray worker
     builds its own from it: ``training.ray_input``); sequence partitions and digests are loaded once per reader."""
 
-    def __init__(self, root: str, dataset: str = EXAMPLES, columns: Sequence[str] = (), seed: int = 0,
+    def __init__(self, root: str | os.PathLike[str], dataset: str = EXAMPLES, columns: Sequence[str] = (), seed: int = 0,
                  shuffle: bool = True) -> None:
-        self.root, self.dataset, self.columns = str(root), dataset, list(columns)
+        self.root, self.dataset, self.columns = root, dataset, list(columns)
         self.seed, self.shuffle = seed, shuffle
         self._digests: dict[str, str | None] = {}
         self._resolver = SequenceResolver(root)
@@ -545,7 +547,7 @@ class UnitReader:
                 "shuffle": self.shuffle}
 
     def read(self, unit: WorkUnit, epoch: int, key: int) -> pa.Table:
-        with parquet_file(unit.path) as parquet:
+        with parquet_file(unit.path, pins_of(self.root)) as parquet:
             names = parquet.schema_arrow.names
             wanted = self.columns or resolved_columns(names)
             resolve = _needs_resolving(wanted, names)
@@ -590,7 +592,7 @@ class ExampleStream(IterableDataset):
         super().__init__()
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.root = str(root)
+        self.root = root
         self.days = [ds_str(d) for d in days]
         self.encode = encode
         self.dataset = dataset

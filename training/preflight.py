@@ -161,16 +161,16 @@ def check_data(config: RunConfig) -> dict[str, Any]:
     from training.data import example_units, read_unit
 
     family = config.family_instance()
-    context = family.prepare(config.root, list(config.train_days), config.eval_ds)
-    units = example_units(config.root, config.train_days, dataset=family.dataset, columns=family.columns)
-    eval_units = example_units(config.root, [config.eval_ds], dataset=family.dataset, columns=family.columns)
+    context = family.prepare(config.input_root, list(config.train_days), config.eval_ds)
+    units = example_units(config.input_root, config.train_days, dataset=family.dataset, columns=family.columns)
+    eval_units = example_units(config.input_root, [config.eval_ds], dataset=family.dataset, columns=family.columns)
     if not units or not eval_units:
         from core.failures import DataError
 
         which = "train_days" if not units else "eval_ds"
         raise DataError(f"no rows in {family.dataset} of {which} under {config.root}")
     first = units[0]
-    table = read_unit(config.root, first, list(family.columns))  # examples' sequence references resolved
+    table = read_unit(config.input_root, first, list(family.columns))  # examples' sequence references resolved
     family.encode(table.slice(0, 8), context)  # the rows join what they need (pins of the snapshot)
     return {
         "dataset": family.dataset,
@@ -292,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
-    config.use_inputs()  # the data checks read the pinned versions, as training will
     try:
         report = preflight(config, env, args)
     except Exception as exc:  # the process group itself did not come up: a lost peer or a bad address

@@ -81,9 +81,8 @@ def _worker_state(run: dict[str, Any], reader: dict[str, Any]) -> tuple[UnitRead
     key = json.dumps({"run": run, "reader": reader}, sort_keys=True, default=str)
     if key not in _WORKER_STATE:
         config = RunConfig.from_dict(run)
-        config.use_inputs()  # the pinned versions of the run's inputs, as the trainer reads them
         family = config.family_instance()
-        context = family.prepare(config.root, list(config.train_days), config.eval_ds)
+        context = family.prepare(config.input_root, list(config.train_days), config.eval_ds)
         _WORKER_STATE.clear()  # one run at a time per worker: a new run's state replaces the last one's
         _WORKER_STATE[key] = (UnitReader(**reader), lambda table: family.encode(table, context))
     return _WORKER_STATE[key]

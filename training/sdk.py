@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from core.storage import Location
+
 
 
 class ModelFamily:
@@ -66,7 +68,7 @@ class ModelFamily:
         self.params = params
 
     # --- data -----------------------------------------------------------------------------------
-    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> Any:
+    def prepare(self, root: Location, train_days: list[str], eval_ds: str) -> Any:
         """What ``encode`` needs besides the rows (read once per process, e.g. a snapshot); None by default."""
         return None
 
@@ -121,7 +123,7 @@ class ModelFamily:
     def evaluate(
         self,
         models: dict[str, nn.Module],
-        root: str,
+        root: Location,
         eval_ds: str,
         context: Any,
         *,
@@ -133,7 +135,7 @@ class ModelFamily:
         raise NotImplementedError
 
     def evaluate_part(
-        self, models: dict[str, nn.Module], root: str, eval_ds: str, context: Any, *, device: Any, batch_size: int,
+        self, models: dict[str, nn.Module], root: Location, eval_ds: str, context: Any, *, device: Any, batch_size: int,
         rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
     ) -> Any:
         """Optional, with ``evaluate_parts``: this rank's share of what ``evaluate`` computes before its metrics
@@ -141,7 +143,7 @@ class ModelFamily:
         the training world; ``evaluate_parts`` (rank 0) turns the ranks' parts into ``evaluate``'s metrics."""
         raise NotImplementedError(f"model family {self.name} does not split its evaluation")
 
-    def evaluate_parts(self, parts: list[Any], root: str, eval_ds: str, context: Any) -> dict[str, Any]:
+    def evaluate_parts(self, parts: list[Any], root: Location, eval_ds: str, context: Any) -> dict[str, Any]:
         raise NotImplementedError(f"model family {self.name} does not split its evaluation")
 
     @property
@@ -175,7 +177,7 @@ class ModelFamily:
         model.load_state_dict(state, strict=True)
         return model
 
-    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+    def feature_spec(self, root: Location, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         """What a serving caller needs to build the inputs (stored with the registered model)."""
         return {}
 

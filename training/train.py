@@ -335,9 +335,9 @@ class Trainer:
         from training.data import ExampleStream
 
         cfg, env, family = self.config, self.env, self.family
-        self.context = context = family.prepare(cfg.root, list(cfg.train_days), cfg.eval_ds)
+        self.context = context = family.prepare(cfg.input_root, list(cfg.train_days), cfg.eval_ds)
         self.stream = stream = ExampleStream(
-            cfg.root,
+            cfg.input_root,
             cfg.train_days,
             lambda table: family.encode(table, context),
             batch_size=cfg.batch_size,
@@ -748,14 +748,14 @@ class Trainer:
         self.phase("evaluating")
         models = {name: sharded_export.load(folder, family, name).to(self.device)
                   for name, folder in self.sharded_exports.items()}
-        part = family.evaluate_part(models, cfg.root, cfg.eval_ds, self.context, device=self.device,
+        part = family.evaluate_part(models, cfg.input_root, cfg.eval_ds, self.context, device=self.device,
                                     batch_size=cfg.eval_batch_size, rank=self.env.rank,
                                     world_size=self.env.world_size, on_batch=lambda _: hb.update(phase="evaluating"))
         parts: list[Any] | None = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object(part, parts, dst=0)
         if parts is None:
             return None
-        return family.evaluate_parts(parts, cfg.root, cfg.eval_ds, self.context)
+        return family.evaluate_parts(parts, cfg.input_root, cfg.eval_ds, self.context)
 
     def sharded_table_rows(self) -> int | None:
         """Rows of the family's corpus table in the model's sharded export (None: not exported sharded)."""
@@ -835,7 +835,7 @@ class Trainer:
             hb.update(progress=0, force=True, phase="evaluating")
             metrics = family.evaluate(
                 {name: model.to(device) for name, model in models.items()},
-                cfg.root,
+                cfg.input_root,
                 cfg.eval_ds,
                 self.context,
                 device=device,
@@ -869,7 +869,7 @@ class Trainer:
             "params": dataclasses.asdict(family.params),
             "serving_inputs": list(family.serving_inputs),
             "outputs": list(family.outputs),
-            **family.feature_spec(cfg.root, list(cfg.train_days), cfg.eval_ds, self.context),
+            **family.feature_spec(cfg.input_root, list(cfg.train_days), cfg.eval_ds, self.context),
             **({"corpus_table": family.corpus_table} if "model" in sharded else {}),
         }
         # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
@@ -926,7 +926,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.exit_code)
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
-    config.use_inputs()  # every read of a pinned partition reads the version pinned when the run was planned
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer = Trainer(config, env, heartbeat)
     try:

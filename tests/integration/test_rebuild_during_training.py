@@ -212,30 +212,27 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
     assert storage.list_names(pins_dir) == [storage.PINS_FILE]
     assert pin_inputs(root, pins_dir, EXAMPLES, DAYS[:2], DAYS[2]) == inputs  # every try reuses them
 
-    storage.use_pins(root, inputs)
-    try:
-        files = storage.data_files(root, EXAMPLES, DAYS[0])
-        assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000
-        assert storage.read_metadata(root, EXAMPLES, DAYS[0]) == {"rows": 1000}
-        with storage.parquet_file(files[0]) as parquet:  # opened on the pinned version ...
-            storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(7)}))  # ... rebuilt meanwhile
-            assert parquet.read_row_group(0).num_rows == 1000  # the pinned version is still there
-        assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000  # and still read after the rebuild
-        assert storage.read_metadata(root, EXAMPLES, DAYS[0]) == {"rows": 1000}
-        storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(6)}))  # a second rebuild soon after:
-        assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 1000  # the grace keeps the pinned version
-        monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)  # a rebuild after the grace removes it
-        with pytest.raises(DataError, match=rf"examples partition ds={DAYS[0]} .* changed during this run"):
-            with storage.parquet_file(files[0]) as parquet:  # opened on the pinned version ...
-                storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(5)}))  # ... which this removes
-                parquet.read_row_group(0)
-        for read in (storage.data_files, storage.read_table, storage.read_metadata):
-            with pytest.raises(DataError, match="the run pinned version .* version folder was removed by later"):
-                read(root, EXAMPLES, DAYS[0])
-        with pytest.raises(DataError, match="start a new run of the training"):
-            with storage.parquet_file(files[0]):
-                pass
-        assert storage.read_table(root, EXAMPLES, DAYS[1]).num_rows == 1000  # the other days are as pinned
-    finally:
-        storage.use_pins(root, {})
+    run = storage.InputPins.of(root, inputs)  # the root as the run reads it
+    files = storage.data_files(run, EXAMPLES, DAYS[0])
+    assert storage.read_table(run, EXAMPLES, DAYS[0]).num_rows == 1000
+    assert storage.read_metadata(run, EXAMPLES, DAYS[0]) == {"rows": 1000}
+    with storage.parquet_file(files[0], run) as parquet:  # opened on the pinned version ...
+        storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(7)}))  # ... rebuilt meanwhile
+        assert parquet.read_row_group(0).num_rows == 1000  # the pinned version is still there
+    assert storage.read_table(run, EXAMPLES, DAYS[0]).num_rows == 1000  # and still read after the rebuild
+    assert storage.read_metadata(run, EXAMPLES, DAYS[0]) == {"rows": 1000}
+    storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(6)}))  # a second rebuild soon after:
+    assert storage.read_table(run, EXAMPLES, DAYS[0]).num_rows == 1000  # the grace keeps the pinned version
+    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)  # a rebuild after the grace removes it
+    with pytest.raises(DataError, match=rf"examples partition ds={DAYS[0]} .* changed during this run"):
+        with storage.parquet_file(files[0], run) as parquet:  # opened on the pinned version ...
+            storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(5)}))  # ... which this removes
+            parquet.read_row_group(0)
+    for read in (storage.data_files, storage.read_table, storage.read_metadata):
+        with pytest.raises(DataError, match="the run pinned version .* version folder was removed by later"):
+            read(run, EXAMPLES, DAYS[0])
+    with pytest.raises(DataError, match="start a new run of the training"):
+        with storage.parquet_file(files[0], run):
+            pass
+    assert storage.read_table(run, EXAMPLES, DAYS[1]).num_rows == 1000  # the other days are as pinned
     assert storage.read_table(root, EXAMPLES, DAYS[0]).num_rows == 5

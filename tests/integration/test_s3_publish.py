@@ -212,32 +212,29 @@ def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(
     pin = storage.pin_partition(root, DATASET, DAY, str(tmp_path / "pins"))
     assert pin.frozen and pin.location == storage.join(pin.source, current(root))
     assert not (tmp_path / "pins").exists()  # nothing copied
-    storage.use_pins(root, {DATASET: {DAY: pin.to_dict()}})
-    try:
-        files = storage.data_files(root, DATASET, DAY)
-        publish(root, "two")  # a rebuild during the run
-        assert storage.is_complete(root, DATASET, DAY)
-        assert storage.data_files(root, DATASET, DAY) == files
-        assert tokens(storage.read_table(root, DATASET, DAY)) == {"one"}
-        assert storage.read_metadata(root, DATASET, DAY) == {"token": "one"}
-        with storage.parquet_file(files[0]) as parquet:
-            assert parquet.read().num_rows == ROWS
-        assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
+    run = storage.InputPins.of(root, {DATASET: {DAY: pin.to_dict()}})  # the root as the run reads it
+    files = storage.data_files(run, DATASET, DAY)
+    publish(root, "two")  # a rebuild during the run
+    assert storage.is_complete(run, DATASET, DAY)
+    assert storage.data_files(run, DATASET, DAY) == files
+    assert tokens(storage.read_table(run, DATASET, DAY)) == {"one"}
+    assert storage.read_metadata(run, DATASET, DAY) == {"token": "one"}
+    with storage.parquet_file(files[0], run) as parquet:
+        assert parquet.read().num_rows == ROWS
+    assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
 
-        publish(root, "three")  # two publishes old, within the grace: still there
-        assert tokens(storage.read_table(root, DATASET, DAY)) == {"one"}
-        assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
+    publish(root, "three")  # two publishes old, within the grace: still there
+    assert tokens(storage.read_table(run, DATASET, DAY)) == {"one"}
+    assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
 
-        monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
-        publish(root, "four")  # after the grace: the pinned version is removed
-        for read in (storage.data_files, storage.read_table, storage.read_metadata):
-            with pytest.raises(DataError, match=rf"{DATASET} partition ds={DAY} .* version folder was removed"):
-                read(root, DATASET, DAY)
-        with pytest.raises(DataError, match="start a new run of the training"):
-            with storage.parquet_file(files[0]):
-                pass
-    finally:
-        storage.use_pins(root, {})
+    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    publish(root, "four")  # after the grace: the pinned version is removed
+    for read in (storage.data_files, storage.read_table, storage.read_metadata):
+        with pytest.raises(DataError, match=rf"{DATASET} partition ds={DAY} .* version folder was removed"):
+            read(run, DATASET, DAY)
+    with pytest.raises(DataError, match="start a new run of the training"):
+        with storage.parquet_file(files[0], run):
+            pass
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"four"}
 
 

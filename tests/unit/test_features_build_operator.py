@@ -1,5 +1,5 @@
 """FeatureBuildOperator: each step is a job on a compute backend (a local process here), config and param overrides
-reach ``features.build`` as explicit arguments, a sharded step is an array job whose shards are merged, a retry
+reach ``features.build`` in its typed spec (BUILD.json, ``features.spec.BuildSpec``), a sharded step is an array job whose shards are merged, a retry
 builds only the missing shards, and the job's failure class reaches the task."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 from core import config, contracts, storage
 from core.config import FeaturesConfig, PlatformConfig
 from core.failures import ConfigError, DataError, FailureClass
+from features.spec import BuildSpec
 from features.synthetic import WorldConfig, generate_world
-from operators.features import FeatureBuildOperator, build_command, build_job_spec, memory_gb
+from operators.features import FeatureBuildOperator, build_job_spec, build_spec, memory_gb
 
 DAY = "2026-11-01"
 SETTINGS = {
@@ -55,16 +56,46 @@ def context(try_number: int = 1) -> Any:
 
 
 @pytest.mark.unit
-def test_the_command_carries_every_setting_and_the_overrides() -> None:
+def test_the_spec_carries_every_setting_and_the_overrides_and_the_flags_build_the_same(tmp_path: Path) -> None:
+    from features import build
+
     features = FeaturesConfig(**SETTINGS).model_copy(update={"negative_downsample": 0.25, "duckdb_temp_directory": "/spill"})
-    assert build_command("/data", DAY, "examples", features, skip_validation=True) == [
-        "-m", "features.build", "--root", "/data", "--ds", DAY, "--step", "examples", "--window-days", "14",
-        "--sequence-length", "50", "--prior-impressions", "10.0", "--negative-downsample", "0.25", "--seed", "5",
-        "--threads", "1", "--memory-limit", "1GB", "--temp-directory", "/spill", "--skip-validation",
-    ]
+    spec = build_spec("/data", DAY, "examples", features, skip_validation=True)
+    assert spec.model_dump() == {
+        "root": "/data", "ds": DAY, "step": "examples", "window_days": 14, "sequence_length": 50,
+        "pin_prior_impressions": 10.0, "negative_downsample": 0.25, "negative_downsample_seed": 5, "duckdb_threads": 1,
+        "duckdb_memory_limit": "1GB", "duckdb_temp_directory": "/spill", "recompute": False, "skip_validation": True,
+        "shards": 1, "staging": "", "merge": False,
+    }
+    path = str(tmp_path / "BUILD.json")
+    spec.write(path)
+    flags = ["--root", "/data", "--ds", DAY, "--step", "examples", "--window-days", "14", "--sequence-length", "50",
+             "--prior-impressions", "10", "--negative-downsample", "0.25", "--seed", "5", "--threads", "1",
+             "--memory-limit", "1GB", "--temp-directory", "/spill", "--skip-validation"]
+    parser = build._parser(features)
+    assert build.spec_of(parser.parse_args(["--spec", path]), features) == spec == build.spec_of(
+        parser.parse_args(flags), features)
+    with pytest.raises(ConfigError, match="give the spec or the flags, not both"):
+        build.spec_of(parser.parse_args(["--spec", path, "--ds", DAY]), features)
+    (tmp_path / "BUILD.json").write_text('{"root": "/data", "ds": "2026-11-31", "windowdays": 3}')
+    with pytest.raises(ConfigError, match=r"BUILD.json is invalid: unknown key 'windowdays'"):
+        BuildSpec.read(path)
+    with pytest.raises(ConfigError, match=r"x is invalid: negative_downsample = 0.0: Input should be greater than 0"):
+        BuildSpec.checked("x", root="/data", ds=DAY, negative_downsample=0)
+    with pytest.raises(ConfigError, match="a sharded build needs one step"):
+        BuildSpec.checked("x", root="/data", ds=DAY, shards=2)
     assert memory_gb("4GB") == 4.0 and memory_gb("512MiB") == pytest.approx(0.537, abs=1e-3)
     with pytest.raises(ConfigError, match="features.duckdb_memory_limit = 'lots'"):
         memory_gb("lots")
+
+
+def run_shards(plan: Any, shards: str, folder: Path) -> int:
+    """The build job of a plan's shards, run here: its BUILD.json written as the operator writes it."""
+    from features import build
+
+    path = folder / f"BUILD-{shards}.json"
+    plan.spec.write(str(path))
+    return build.main(["--spec", str(path), "--run-shards", shards])
 
 
 @pytest.mark.unit
@@ -73,15 +104,14 @@ def test_a_sharded_step_is_an_array_job_of_the_missing_shards() -> None:
     from operators.backends.resources import Catalog
 
     cfg = PlatformConfig(storage_root="s3://bucket/pinflow", features=FeaturesConfig(**SETTINGS))
-    command = [*build_command(cfg.storage_root, DAY, "daily", cfg.features, skip_validation=False),
-               "--shards", "8", "--staging", "s3://bucket/pinflow/_staging/x"]
+    command = ["-m", "features.build", "--spec", "s3://bucket/pinflow/runs/features-x/BUILD.json"]
     spec = build_job_spec(command, name="features-x", shards=[0, 2, 3, 7], cfg=cfg, features=cfg.features, backend="batch")
     assert (spec.array_size, spec.command[-2:]) == (4, ["--run-shards", "0,2-3,7"])
     assert (spec.cpus_per_node, spec.memory_gb_per_node, spec.instance_type) == (1, 1.5, "m5.2xlarge")
     submit = BatchBackend(cfg.batch, cfg.teams, Catalog.from_config(cfg)).dry_run(spec)["submit"]
     assert submit["arrayProperties"] == {"size": 4}
     assert submit["containerOverrides"]["command"] == ["python", *spec.command]
-    unsharded = build_job_spec(command[:-4], name="features-x", shards=[], cfg=cfg, features=cfg.features, backend="batch")
+    unsharded = build_job_spec(command, name="features-x", shards=[], cfg=cfg, features=cfg.features, backend="batch")
     assert unsharded.array_size == 0 and "--run-shards" not in unsharded.command
 
 
@@ -106,7 +136,7 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
 
 
 @pytest.mark.unit
-def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> None:
+def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig, tmp_path: Path) -> None:
     from features import build
 
     root = platform.storage_root
@@ -114,7 +144,7 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> Non
                               deferrable=False)
     plan = op._plan(context())
     # The first try built shard 1 and then was lost.
-    build.main([*plan.command[2:], "--run-shards", "1"])
+    assert run_shards(plan, "1", tmp_path) == 0
     built = Path(build.shard_folder(plan.staging, contracts.USER_DAILY, 1), build.shard_file(1))
     before = built.stat().st_mtime_ns
     op.execute(context(try_number=2))
@@ -125,11 +155,11 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig) -> Non
 
 
 @pytest.mark.unit
-def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones(platform: PlatformConfig) -> None:
+def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones(platform: PlatformConfig,
+                                                                                 tmp_path: Path) -> None:
     import os
     import time
 
-    from features import build
 
     def staged_by(run_id: str, written_s_ago: float) -> Path:
         """Shard 0 of the same step and day built by another run (which then failed), last written that long ago."""
@@ -138,7 +168,7 @@ def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones
         plan = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=2,
                                     deferrable=False)._plan(ctx)
         assert plan.staging is not None
-        build.main([*plan.command[2:], "--run-shards", "0"])
+        assert run_shards(plan, "0", tmp_path) == 0
         stamp = time.time() - written_s_ago
         for path in [Path(plan.staging), *Path(plan.staging).rglob("*")]:
             os.utime(path, (stamp, stamp))
@@ -154,16 +184,17 @@ def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones
 
 
 @pytest.mark.unit
-def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: PlatformConfig) -> None:
+def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: PlatformConfig, tmp_path: Path) -> None:
 
     from operators.backends import get_backend
     from operators.jobs import job_name
 
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
-    command = list(op._plan(context()).command)
+    path = str(tmp_path / "BUILD.json")
+    op._plan(context()).spec.write(path)
     # Try 1 submitted its job (slowed down, so that it still runs when try 2 starts) and then its worker was lost.
     slow = ["-c", "import runpy, sys, time; time.sleep(2); sys.argv = ['features.build', *sys.argv[1:]]; "
-            "runpy.run_module('features.build', run_name='__main__')", *command[2:]]
+            "runpy.run_module('features.build', run_name='__main__')", "--spec", path]
     spec = build_job_spec(slow, name=job_name("features", "pin_daily_features", "manual__1", "daily_aggregates", "try1"),
                           shards=[], cfg=platform, features=platform.features, backend="local")
     get_backend("local", platform).submit(spec)
@@ -198,7 +229,7 @@ def test_the_job_runs_with_this_interpreter() -> None:
     from operators.backends.local import LocalBackend
 
     cfg = PlatformConfig(storage_root="/data", features=FeaturesConfig(**SETTINGS))
-    spec = build_job_spec(build_command("/data", DAY, "daily", cfg.features, skip_validation=False), name="features-y",
+    spec = build_job_spec(["-m", "features.build", "--spec", "/data/runs/features-y/BUILD.json"], name="features-y",
                           shards=[], cfg=cfg, features=cfg.features, backend="local")
     request = LocalBackend("/tmp/unused").dry_run(spec)
     assert request["nodes"][0]["argv"][:3] == [sys.executable, "-m", "features.build"]

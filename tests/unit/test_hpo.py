@@ -13,6 +13,7 @@ import pytest
 from core import config
 from core.failures import ConfigError, FailureClass
 from operators import hpo, hpo_space, hpo_trial
+from training.config import RunConfig
 
 pytestmark = pytest.mark.unit
 
@@ -216,7 +217,9 @@ def test_a_trial_whose_loss_is_above_the_median_is_pruned(study_storage, tmp_pat
 
     def monitor(number: int) -> hpo_trial.TrialMonitor:
         out = tmp_path / f"job{number}"
-        storage.write_json(storage.join(str(out), "RUN.json"), {"checkpoint_dir": str(tmp_path / f"ckpt{number}")})
+        RunConfig.checked("RUN.json", root=str(tmp_path), train_days=["2026-01-01"], eval_ds="2026-01-02",
+                          output_dir=str(out), checkpoint_dir=str(tmp_path / f"ckpt{number}"),
+                          mlflow_tracking_uri="").write(storage.join(str(out), "RUN.json"))
         storage.write_json(storage.join(str(tmp_path / f"ckpt{number}"), "mlflow_run.json"), {"run_id": f"run{number}"})
         return hpo_trial.TrialMonitor(name, number, str(out))
 
@@ -250,7 +253,7 @@ def test_a_trials_tries_share_its_checkpoints_and_trials_do_not(study_storage):
     name = hpo.create_study("pinflow_hpo", "manual__7", form(baseline=False))["study"]
     first, second = hpo.ask_round(name, 0)
 
-    def prepared(trial: dict, try_number: int) -> tuple[str, dict]:
+    def prepared(trial: dict, try_number: int) -> tuple[str, RunConfig]:
         op = hpo_trial.HpoTrialOperator(task_id="trial", trial=trial, model="pin_content", backend="local")
         op._bind()
         ti = SimpleNamespace(dag_id="pinflow_hpo", run_id="manual__7", try_number=try_number)
@@ -260,9 +263,9 @@ def test_a_trials_tries_share_its_checkpoints_and_trials_do_not(study_storage):
 
     (job1, run1), (job2, run2), (other_job, other) = prepared(first, 1), prepared(first, 2), prepared(second, 1)
     assert len({job1, job2, other_job}) == 3
-    assert run1["checkpoint_dir"] == run2["checkpoint_dir"] != other["checkpoint_dir"]
-    assert run1["lr"] == first["params"]["lr"] and run1["params"]["width"] == first["params"]["width"]
-    assert run1["register"] is False and run1["tags"]["hpo_trial"] == str(first["number"])
+    assert run1.checkpoint_dir == run2.checkpoint_dir != other.checkpoint_dir
+    assert run1.lr == first["params"]["lr"] and run1.params["width"] == first["params"]["width"]
+    assert run1.register is False and run1.tags["hpo_trial"] == str(first["number"])
 
 
 # -- the DAG -------------------------------------------------------------------------------------------------

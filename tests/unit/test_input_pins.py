@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,16 +24,6 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 DAYS = ["2026-01-01", "2026-01-02", "2026-01-03"]
-
-
-@pytest.fixture(autouse=True)
-def no_pins_left() -> Iterator[None]:
-    """Pins are process-wide (a training job installs them once): each test starts and ends without any."""
-    storage._PINS.clear()
-    storage._PINNED_OBJECTS.clear()
-    yield
-    storage._PINS.clear()
-    storage._PINNED_OBJECTS.clear()
 
 
 def table(day: str, rows: int, tag: int = 0) -> pa.Table:
@@ -90,24 +79,26 @@ def test_readers_of_a_pinned_root_read_the_pinned_versions(root: Path, tmp_path:
     storage.write_table(root, USER_SEQUENCE, DAYS[1], table(DAYS[1], 7, tag=700))
     storage.write_table(root, RAW_PINS, DAYS[1], table(DAYS[1], 8, tag=800), {"snapshot": "full"})
 
-    storage.use_pins(root, inputs)
-    assert storage.read_table(root, EXAMPLES, DAYS[1]).column("x").to_pylist() == list(range(11))
-    assert storage.read_metadata(root, EXAMPLES, DAYS[1])["sequence_ds"] == DAYS[0]
-    assert storage.read_table(root, USER_SEQUENCE, DAYS[1]).num_rows == 3
-    assert all(f.startswith(str(pins_dir(tmp_path))) for f in storage.data_files(root, EXAMPLES, DAYS[2]))
-    assert storage.is_complete(root, EXAMPLES, DAYS[0])
-    assert storage.complete_days(root, RAW_PINS) == DAYS  # the pinned view, not the rebuilt full day
-    assert storage.snapshot_days(root, RAW_PINS, DAYS[2]) == DAYS
-    snap, newest = storage.read_snapshot(root, RAW_PINS, DAYS[2], "x")
+    run = storage.InputPins.of(root, inputs)  # the root as the run reads it
+    assert storage.read_table(run, EXAMPLES, DAYS[1]).column("x").to_pylist() == list(range(11))
+    assert storage.read_metadata(run, EXAMPLES, DAYS[1])["sequence_ds"] == DAYS[0]
+    assert storage.read_table(run, USER_SEQUENCE, DAYS[1]).num_rows == 3
+    assert all(f.startswith(str(pins_dir(tmp_path))) for f in storage.data_files(run, EXAMPLES, DAYS[2]))
+    assert storage.is_complete(run, EXAMPLES, DAYS[0])
+    assert storage.complete_days(run, RAW_PINS) == DAYS  # the pinned view, not the rebuilt full day
+    assert storage.snapshot_days(run, RAW_PINS, DAYS[2]) == DAYS
+    snap, newest = storage.read_snapshot(run, RAW_PINS, DAYS[2], "x")
     assert newest == DAYS[2] and snap.num_rows == 4
     # A path spelled otherwise (file://, a trailing slash) is the same root.
-    assert storage.read_table(f"file://{root}/", EXAMPLES, DAYS[0]).num_rows == 10
+    assert storage.read_table(storage.InputPins.of(f"file://{root}/", inputs), EXAMPLES, DAYS[0]).num_rows == 10
     # Partitions the run did not pin are read live; writers write the live partitions.
-    assert storage.read_table(root, RAW_PINS, "2025-12-30").num_rows == 4
+    assert storage.read_table(run, RAW_PINS, "2025-12-30").num_rows == 4
 
-    storage.use_pins(root, {})  # removed: the live partitions again
+    # Nothing is installed anywhere: the plain root reads the live partitions, before and after.
     assert storage.read_table(root, EXAMPLES, DAYS[1]).num_rows == 50
     assert storage.complete_days(root, RAW_PINS) == ["2025-12-30", *DAYS]
+    assert storage.pinned(root, EXAMPLES, DAYS[1]) is None
+    assert storage.read_table(run, EXAMPLES, DAYS[1]).num_rows == 11
 
 
 def test_pin_inputs_pins_the_days_their_sequences_and_the_snapshot_views(root: Path, tmp_path: Path):
@@ -164,10 +155,9 @@ def test_a_missing_input_fails_as_data_naming_it_and_pins_nothing(root: Path, tm
 
 def test_a_pinned_copy_removed_by_hand_is_named_when_read(root: Path, tmp_path: Path):
     inputs = pin(root, tmp_path)
-    storage.use_pins(root, inputs)
     storage.remove_tree(inputs[EXAMPLES][DAYS[0]]["location"])
     with pytest.raises(FileNotFoundError, match="pinned copy of examples partition ds=2026-01-01 is missing"):
-        storage.data_files(root, EXAMPLES, DAYS[0])
+        storage.data_files(storage.InputPins.of(root, inputs), EXAMPLES, DAYS[0])
 
 
 def test_files_are_copied_where_hard_links_fail(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -235,8 +225,8 @@ def test_run_config_takes_a_pin_manifest_and_refuses_a_malformed_one(root: Path,
         RunConfig.from_dict({**base, "inputs": {EXAMPLES: {DAYS[0]: {"version": "abc"}}}})
     with pytest.raises(ConfigError, match=r"inputs\['examples'\]"):
         RunConfig.from_dict({**base, "inputs": {EXAMPLES: ["2026-01-01"]}})
-    config.use_inputs()
-    assert storage.pinned(root, EXAMPLES, DAYS[0]) is not None
+    assert storage.pinned(config.input_root, EXAMPLES, DAYS[0]) is not None
+    assert storage.pinned(RunConfig.from_dict(base).input_root, EXAMPLES, DAYS[0]) is None
 
 
 def test_the_operator_writes_the_pins_to_run_json_and_every_try_reuses_them(root: Path, tmp_path: Path, monkeypatch):
@@ -286,6 +276,6 @@ def test_pins_of_another_root_do_not_apply(root: Path, tmp_path: Path):
     inputs = pin(root, tmp_path)
     other = tmp_path / "other-storage"
     storage.write_table(other, EXAMPLES, DAYS[0], table(DAYS[0], 5, tag=50))
-    storage.use_pins(other, inputs)
-    assert storage.pinned(other, EXAMPLES, DAYS[0]) is None
-    assert storage.read_table(other, EXAMPLES, DAYS[0]).column("x").to_pylist() == list(range(50, 55))
+    view = storage.InputPins.of(other, inputs)
+    assert storage.pinned(view, EXAMPLES, DAYS[0]) is None
+    assert storage.read_table(view, EXAMPLES, DAYS[0]).column("x").to_pylist() == list(range(50, 55))

@@ -323,6 +323,19 @@ def test_config_checks_types_and_values():
     assert config.family_instance().params.sequence_length == 50
 
 
+def test_constructing_a_run_config_validates_it_and_names_the_source():
+    run = RunConfig.checked("RUN.json of job-1", **REQUIRED, lr=1)
+    assert run.lr == 1.0 and isinstance(run.lr, float) and RunConfig.from_dict(run.to_dict()) == run
+    with pytest.raises(ConfigError, match=r"^RUN.json of job-1 is invalid: epochs=0 must be positive; lr=-1.0 must be positive$"):
+        RunConfig.checked("RUN.json of job-1", **REQUIRED, lr=-1, epochs=0)
+    with pytest.raises(ConfigError, match=r"RUN.json of job-1: unknown key\(s\) 'batchsize' \(did you mean 'batch_size'"):
+        RunConfig.checked("RUN.json of job-1", **REQUIRED, batchsize=8)
+    with pytest.raises(ConfigError, match=r"trial 3 is invalid: strategy: 'zero3' is not one of"):
+        run.replace("trial 3", strategy="zero3")
+    with pytest.raises(ConfigError, match=r"the run.s settings are invalid: batch_size: expected an integer"):
+        RunConfig(**REQUIRED, batch_size="64")  # type: ignore[arg-type]
+
+
 def test_help_documents_every_field():
     import dataclasses
 

@@ -323,7 +323,7 @@ def test_the_operator_defers_while_its_team_is_full_and_submits_when_there_is_ro
     backend = FakeBackend()
     monkeypatch.setattr("operators.backends.get_backend", lambda name, cfg=None, home=None: backend)
     monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend, tracking_uri: None)
-    monkeypatch.setattr(DistributedTrainingOperator, "_pin_inputs", lambda self, run_config: {})  # no partitions here
+    monkeypatch.setattr(DistributedTrainingOperator, "_pin_inputs", lambda self, run, pins_dir: {})  # no partitions here
     monkeypatch.setattr("core.storage.write_json", lambda path, payload: None)
 
     def op():

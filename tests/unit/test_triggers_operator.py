@@ -72,7 +72,7 @@ def backend(monkeypatch):
     fake = Backend()
     monkeypatch.setattr("operators.backends.get_backend", lambda name, cfg=None, home=None: fake)
     monkeypatch.setattr(DistributedTrainingOperator, "_preflight", lambda self, backend, tracking_uri: None)
-    monkeypatch.setattr(DistributedTrainingOperator, "_pin_inputs", lambda self, run_config: {})  # no partitions here
+    monkeypatch.setattr(DistributedTrainingOperator, "_pin_inputs", lambda self, run, pins_dir: {})  # no partitions here
     monkeypatch.setattr("core.storage.write_json", lambda path, payload: None)
     return fake
 

@@ -24,6 +24,7 @@ from torch import nn
 from core import storage
 from core.contracts import IMAGE_DIM, RAW_PIN_LABELS, RAW_PINS, TEXT_VOCAB, TOPICS, TRUTH_PINS
 from core.failures import ConfigError, DataError
+from core.storage import Location
 from training.data import ExampleStream, fixed_width, snapshot
 from training.evaluate import auc, average_precision, finite, macro_f1, macro_ovr_auc, oracle_ratio
 from training.sdk import ModelFamily
@@ -110,7 +111,7 @@ class PinContent:
         self.category = inputs["category"]
 
     @classmethod
-    def from_snapshot(cls, root: str, ds: str, max_tokens: int) -> PinContent:
+    def from_snapshot(cls, root: Location, ds: str, max_tokens: int) -> PinContent:
         """The pin snapshot as of ``ds`` (a full one and any increments after it)."""
         table, day = snapshot(root, RAW_PINS, ds, "pin_id", ["image_embedding", "text_tokens", "category"])
         return cls(table, max_tokens, day)
@@ -167,7 +168,7 @@ class PinContentFamily(ModelFamily):
         ])
 
     # --- data -----------------------------------------------------------------------------------
-    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinContent:
+    def prepare(self, root: Location, train_days: list[str], eval_ds: str) -> PinContent:
         """The pin snapshot as of the evaluation day: a pin's content does not change, so the labels of every
         training day find their pins in it (and no label of a later day is read). The model takes the width
         of its image embeddings."""
@@ -214,7 +215,7 @@ class PinContentFamily(ModelFamily):
     def evaluate(
         self,
         models: dict[str, nn.Module],
-        root: str,
+        root: Location,
         eval_ds: str,
         context: Any,
         *,
@@ -271,7 +272,7 @@ class PinContentFamily(ModelFamily):
             "category": np.ones(rows, dtype=np.int64),
         }
 
-    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+    def feature_spec(self, root: Location, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         return {"max_tokens": self.params.max_tokens, "topics": TOPICS, "image_dim": self.params.image_dim,
                 "pins_snapshot_ds": context.ds, "text_vocab": TEXT_VOCAB}
 
@@ -308,7 +309,7 @@ def _report(p_unsafe: np.ndarray, topic_probs: np.ndarray, unsafe: np.ndarray, t
     }
 
 
-def _truth(root: str, ds: str, pin_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _truth(root: Location, ds: str, pin_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """The oracle's p_unsafe and topic distribution of each reviewed pin, from ``truth_pins`` (None without it)."""
     if not storage.is_complete(root, TRUTH_PINS, ds):
         return None

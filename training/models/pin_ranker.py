@@ -59,7 +59,7 @@ from core.contracts import (
     TRUTH,
 )
 from core.failures import DataError
-from core.storage import data_files, is_complete, parquet_file, read_parquet
+from core.storage import Location, data_files, is_complete, parquet_file, pins_of, read_parquet
 from training.data import ExampleStream, PinEmbeddings, fixed_width, latest_complete_day
 from training.evaluate import auc, calibration, finite, hit_at_k, log_loss, oracle_ratio
 from training.sdk import ModelFamily
@@ -556,7 +556,7 @@ class PinRankerFamily(ModelFamily):
         self.managed_ids: dict[str, np.ndarray] = {}  # id_tables managed: what prepare chose, build_model installs
 
     # --- data -----------------------------------------------------------------------------------
-    def prepare(self, root: str, train_days: list[str], eval_ds: str) -> PinEmbeddings:
+    def prepare(self, root: Location, train_days: list[str], eval_ds: str) -> PinEmbeddings:
         """The content embeddings of the pin snapshot as of the last training day; the model takes their width."""
         pins = PinEmbeddings.from_snapshot(root, max(train_days))
         if self.params.embedding_dim is None:
@@ -607,7 +607,7 @@ class PinRankerFamily(ModelFamily):
     def evaluate(
         self,
         models: dict[str, nn.Module],
-        root: str,
+        root: Location,
         eval_ds: str,
         context: Any,
         *,
@@ -623,7 +623,7 @@ class PinRankerFamily(ModelFamily):
         return with_mean_auc(metrics)
 
     def evaluate_part(
-        self, models: dict[str, nn.Module], root: str, eval_ds: str, context: Any, *, device: Any, batch_size: int,
+        self, models: dict[str, nn.Module], root: Location, eval_ds: str, context: Any, *, device: Any, batch_size: int,
         rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
     ) -> dict[str, np.ndarray]:
         pins = context if latest_complete_day(root, RAW_PINS, eval_ds) == context.ds else None
@@ -633,7 +633,7 @@ class PinRankerFamily(ModelFamily):
             surfaces=self.params.surfaces, rank=rank, world_size=world_size,
         )
 
-    def evaluate_parts(self, parts: list[Any], root: str, eval_ds: str, context: Any) -> dict[str, Any]:
+    def evaluate_parts(self, parts: list[Any], root: Location, eval_ds: str, context: Any) -> dict[str, Any]:
         """The ranks' predictions in impression order (a deterministic order whatever the ranks), then the metrics."""
         out = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
         order = np.argsort(out["impression_id"], kind="stable")
@@ -663,7 +663,7 @@ class PinRankerFamily(ModelFamily):
             "dense": np.zeros((rows, len(DENSE_FEATURES)), dtype=np.float32),
         }
 
-    def feature_spec(self, root: str, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
+    def feature_spec(self, root: Location, train_days: list[str], eval_ds: str, context: Any) -> dict[str, Any]:
         p = self.params
         return {
             "sequence_length": p.sequence_length,
@@ -716,7 +716,7 @@ class PinRankerFamily(ModelFamily):
 
 # --- the ranker's input, evaluation and scoring helpers ----------------------------------------------
 
-def id_counts(root: str, days: list[str], features: tuple[str, ...] = MANAGED_FEATURES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def id_counts(root: Location, days: list[str], features: tuple[str, ...] = MANAGED_FEATURES) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per id feature, the distinct ids of the ``examples`` of ``days`` and how many examples hold each."""
     values: dict[str, list[np.ndarray]] = {feature: [] for feature in features}
     for ds in days:
@@ -731,7 +731,7 @@ def id_counts(root: str, days: list[str], features: tuple[str, ...] = MANAGED_FE
     return out
 
 
-def choose_managed_ids(root: str, train_days: list[str], config: ModelConfig) -> dict[str, np.ndarray]:
+def choose_managed_ids(root: Location, train_days: list[str], config: ModelConfig) -> dict[str, np.ndarray]:
     """The ids that get a row of their own in each managed table: the most frequent of the training days'
     examples, as many as the table has own rows (:func:`managed_layout`). The same on every rank (same data)."""
     chosen = {}
@@ -811,7 +811,7 @@ def with_sequence_embeddings(batch: dict[str, torch.Tensor], pins: PinEmbeddings
     return {"seq_pin_emb": torch.from_numpy(embeddings), **rest}
 
 
-def history_priors(root: str, ds: str) -> dict[str, float]:
+def history_priors(root: Location, ds: str) -> dict[str, float]:
     """The rate features the feature build gives a user or pin without history (its prior), as observed.
 
     Read from the first row group of the ``examples`` partition of ``ds``: the median rate of the rows
@@ -827,7 +827,7 @@ def history_priors(root: str, ds: str) -> dict[str, float]:
         "p_repin_rate": "p_impressions",
         "p_hide_rate": "p_impressions",
     }
-    with parquet_file(files[0]) as parquet:
+    with parquet_file(files[0], pins_of(root)) as parquet:
         table = parquet.read_row_group(0, columns=sorted({*rates, *rates.values()}))
     out = {}
     for rate, count in rates.items():
@@ -837,7 +837,7 @@ def history_priors(root: str, ds: str) -> dict[str, float]:
     return out
 
 
-def _pin_window(root: str, ds: str) -> pa.Table | None:
+def _pin_window(root: Location, ds: str) -> pa.Table | None:
     if not storage.is_complete(root, PIN_WINDOW, ds):
         log.info("no complete %s partition for ds=%s: every pin scored as a pin without history", PIN_WINDOW, ds)
         return None
@@ -897,7 +897,7 @@ def with_mean_auc(metrics: dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def load_truth(root: str, ds: str) -> tuple[np.ndarray, np.ndarray] | None:
+def load_truth(root: Location, ds: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Sorted impression ids and their true probabilities [n, len(LABELS)], or None without truth."""
     if not is_complete(root, TRUTH, ds):
         return None
@@ -966,7 +966,7 @@ def predict(
 
 def evaluate(
     model: nn.Module,
-    root: str,
+    root: Location,
     eval_ds: str,
     *,
     sequence_length: int,
@@ -992,7 +992,7 @@ def evaluate(
 
 def predict_day(
     model: nn.Module,
-    root: str,
+    root: Location,
     eval_ds: str,
     *,
     sequence_length: int,
@@ -1014,7 +1014,7 @@ def predict_day(
     return predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)
 
 
-def metrics_of(out: dict[str, np.ndarray], root: str, eval_ds: str) -> dict[str, Any]:
+def metrics_of(out: dict[str, np.ndarray], root: Location, eval_ds: str) -> dict[str, Any]:
     """:func:`evaluate`'s metrics of :func:`predict`'s output."""
     probs, labels, dense, users = out["probs"], out["labels"], out["dense"], out["user_id"]
     result: dict[str, Any] = {

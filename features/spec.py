@@ -1,0 +1,102 @@
+"""What one feature build job builds: :class:`BuildSpec`, the typed hand-off from the feature operator to the job.
+
+The operator (``operators.features``) builds it from the platform configuration and the run's params, writes it as
+``BUILD.json`` in the job's folder and starts ``python -m features.build --spec <BUILD.json>`` on every backend (a
+local process, an AWS Batch or Kubernetes job), as the training operator hands a run its RUN.json. The command
+line's flags build the same spec by hand. Light on purpose (no DuckDB, no pyarrow): the operator imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.config import FeaturesConfig
+from core.failures import ConfigError
+from core.storage import parse_ds
+
+Step = Literal["daily", "window", "sequences", "examples", "all"]
+SPEC_FILE = "BUILD.json"
+
+_FEATURES = FeaturesConfig()  # the defaults of a spec written by hand: the configuration's, defined once there
+# The spec's fields that are settings of the ``features:`` section, checked by its model.
+FEATURE_FIELDS = ("window_days", "sequence_length", "pin_prior_impressions", "negative_downsample",
+                  "negative_downsample_seed", "duckdb_threads", "duckdb_memory_limit", "duckdb_temp_directory")
+
+
+class BuildSpec(BaseModel):
+    """One build of one day: where, which step, the ``features:`` settings it uses, and how it is split."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    root: str = Field(description="storage root: a local folder, a file:// or an s3:// URL")
+    ds: str = Field(description="the partition day, YYYY-MM-DD")
+    step: Step = Field("all", description="which output to build (all: every step, in order)")
+    window_days: int = _FEATURES.window_days
+    sequence_length: int = _FEATURES.sequence_length
+    pin_prior_impressions: float = _FEATURES.pin_prior_impressions
+    negative_downsample: float = _FEATURES.negative_downsample
+    negative_downsample_seed: int = _FEATURES.negative_downsample_seed
+    duckdb_threads: int = _FEATURES.duckdb_threads
+    duckdb_memory_limit: str = _FEATURES.duckdb_memory_limit
+    duckdb_temp_directory: str = _FEATURES.duckdb_temp_directory
+    recompute: bool = Field(False, description="build the window and the sequences from the raw events of the window")
+    skip_validation: bool = Field(False, description="build even from raw partitions without a passed validation report")
+    shards: int = Field(1, ge=1, description="split the step into this many shards by user-id / pin-id hash")
+    staging: str = Field("", description="a sharded build's staging folder (a local path or URL)")
+    merge: bool = Field(False, description="publish the step's partitions from the shards in staging")
+
+    @model_validator(mode="after")
+    def _check(self) -> BuildSpec:
+        parse_ds(self.ds)  # a ValueError naming the day
+        self.features()
+        if (self.shards > 1 or self.merge) and (self.step == "all" or not self.staging):
+            raise ValueError("a sharded build needs one step (daily, window, sequences or examples) and a staging folder")
+        return self
+
+    def features(self) -> FeaturesConfig:
+        """The ``features:`` settings of this build, checked by the configuration's own model."""
+        values = {name: getattr(self, name) for name in FEATURE_FIELDS}
+        try:
+            return FeaturesConfig.model_validate(values)
+        except ValidationError as err:
+            raise ValueError("; ".join(f"{e['loc'][0]} = {e.get('input')!r}: {e['msg']}" for e in err.errors())) from None
+
+    @classmethod
+    def checked(cls, source: str, **values: Any) -> BuildSpec:
+        """A spec from keyword values; a ConfigError (USER) names ``source``, each bad field and what it expects."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as err:
+            raise ConfigError(f"{source} is invalid: " + "; ".join(_problem(e) for e in err.errors())) from None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> BuildSpec:
+        """``BUILD.json`` (a local path or a URL), checked; a ConfigError naming the file and the field."""
+        from core.storage import read_json
+
+        try:
+            data = read_json(path)
+        except FileNotFoundError:
+            raise ConfigError(f"build spec {path} does not exist") from None
+        except ValueError as err:
+            raise ConfigError(f"build spec {path} is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"build spec {path} must hold a JSON object, got {type(data).__name__}")
+        return cls.checked(f"build spec {path}", **data)
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Write it as one atomic file (a local path or a URL): what :meth:`read` reads."""
+        from core.storage import write_json
+
+        write_json(path, self.model_dump())
+
+
+def _problem(error: Any) -> str:
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {where!r} (the keys: {', '.join(BuildSpec.model_fields)})"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where} = {error.get('input')!r}: {message}" if where else message
