@@ -100,7 +100,10 @@ def main() -> None:
         print(json.dumps({"rev": "working tree", **measure(REPO)}))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.rev, *FOLDERS], capture_output=True, check=True)
+        top = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", args.rev], capture_output=True,
+                             text=True, check=True).stdout.split()
+        folders = [folder for folder in FOLDERS if folder in top]  # services/ is newer than some revisions
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.rev, *folders], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         print(json.dumps({"rev": args.rev, **measure(Path(tmp))}))
 
