@@ -236,13 +236,17 @@ class ShardedRows(nn.Module):
         self.name, self.num_embeddings, self.embedding_dim = name, rows, dim
         self.shards, self.cache = shards, cache
         self._open: dict[int, tuple[IO[bytes], int]] = {}
-        covered = np.zeros(rows, dtype=np.int64)
-        for s in shards:
-            covered[s.row_start:s.row_end] += s.col_end - s.col_start
-        if rows and not (covered == dim).all():
-            first = int(np.flatnonzero(covered != dim)[0])
-            raise DataError(f"sharded model table {name}: its shards do not cover every row and column exactly "
-                            f"(row {first} has {int(covered[first])} of {dim} columns)")
+        # Checked per run of rows between shard boundaries (not with an array of every row: the table's rows
+        # may be many more than a process may hold): each run's shards must tile its columns exactly.
+        bounds = sorted({0, rows, *(min(b, rows) for s in shards for b in (s.row_start, s.row_end))})
+        for first, stop in zip(bounds, bounds[1:], strict=False):
+            spans = sorted((s.col_start, s.col_end) for s in shards if s.row_start <= first and stop <= s.row_end)
+            at = 0
+            for start, end in spans:
+                at = end if start == at else -1
+            if at != dim:
+                raise DataError(f"sharded model table {name}: its shards do not cover every row and column exactly "
+                                f"(row {first} has {sum(e - s for s, e in spans)} of {dim} columns)")
 
     @property
     def opened(self) -> list[str]:
