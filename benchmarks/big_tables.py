@@ -14,8 +14,8 @@ Memory is measured, not limited (``RLIMIT_AS`` fails torch, which reserves far m
 every heartbeat of a rank carries its process's peak resident set so far (``peak_rss_bytes``, ``VmHWM``); the
 benchmark follows both ranks' heartbeats, reads ``/proc/<pid>/status`` just before the kill, and credits each
 rise of the peak to the phase it happened in (build, resume, train, checkpoint, export, evaluate); each scorer's
-part records its own peak (``peak_rss_mib``). A process's base (python, torch, torchrec, MLflow: about 0.5 to 0.6 GiB)
-counts against the budget.
+part records its own peak (``peak_rss_mib``). A process's own memory counts against the budget (python, torch,
+TorchRec, MLflow: 0.38 GiB before the build; 0.6 to 0.7 GiB beside the rank's rows once built and training).
 
 The last line printed is one JSON object: ``table_bytes``, ``rank_budget_bytes``, ``peak_rss_bytes_per_rank`` (max
 over ranks and phases), ``peak_rss_bytes_by_phase`` (each the max over ranks of the process's peak at that phase's

@@ -2,7 +2,7 @@
 
 Two ranks, a budget of 4 GiB of peak RSS each, a pin table of 25,200,000 x 64 float32 (6.0 GiB, 1.5x the budget):
 trained, checkpointed, killed, resumed, exported sharded, the corpus scored; every phase's peak within the budget.
-Heavy (minutes, about 8 GiB of memory and 21 GiB of disk under the test's tmp folder): ``slow`` and ``extended``,
+Heavy (about 3 minutes, 8 GiB of memory and 21 GiB of disk under the test's tmp folder): ``slow`` and ``extended``,
 so ``make test`` leaves it out; ``make test-extended`` runs it.
 """
 
