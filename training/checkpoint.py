@@ -34,11 +34,13 @@ and the job says that its checkpoints are not signed.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import random
 from typing import Any
@@ -63,6 +65,9 @@ SIGNATURE = "signature"
 PREFIX = "step-"
 # Read in pieces of this size when hashing, so that a checkpoint file of any size fits in memory.
 _CHUNK = 8 * 1024 * 1024
+# A sharded table's rows are saved in items of at most this many bytes: DCP's load reads a saved item whole before
+# copying it into place, so one item of a rank's whole shard would hold that shard twice at a resume.
+SAVE_ITEM_BYTES = 16 * 1024 * 1024
 
 
 
@@ -278,11 +283,46 @@ def _state(parts: dict[str, Part], loading: bool = False) -> dict[str, Any]:
                     if not child.state or len(child.state) < len(child.params):
                         init_optimizer_state(child)
             model_sd, optim_sd = dict(model.state_dict()), dict(optimizer.state_dict())
+            if not loading:
+                model_sd, optim_sd = _in_items(model_sd), _in_items(optim_sd)
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
         p = _prefix(name)
         state.update({f"{p}model": model_sd, f"{p}optim": optim_sd, f"{p}scheduler": scheduler.state_dict()})
     return state
+
+
+def _in_items(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every ShardedTensor's shards cut by rows into views of at most
+    ``SAVE_ITEM_BYTES`` (no copy), so that DCP saves, and a resume reads, a sharded table a bounded item at a time.
+    The cut depends only on the global shard layout, so every rank computes the same metadata without talking."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(value, dict):
+        return {k: _in_items(v) for k, v in value.items()}
+    if not isinstance(value, ShardedTensor) or not value.size() or value.size()[0] == 0:
+        return value
+    meta = value.metadata()
+    element = torch.empty((), dtype=meta.tensor_properties.dtype).element_size()
+
+    def row_bytes(md: ShardMetadata) -> int:
+        return element * math.prod(md.shard_sizes[1:])
+
+    def cut(md: ShardMetadata) -> list[tuple[int, ShardMetadata]]:
+        step = max(1, SAVE_ITEM_BYTES // max(1, row_bytes(md)))
+        rows = md.shard_sizes[0]
+        return [(start, ShardMetadata([md.shard_offsets[0] + start, *md.shard_offsets[1:]],
+                                      [min(step, rows - start), *md.shard_sizes[1:]], md.placement))
+                for start in range(0, rows, step)] or [(0, md)]
+
+    if all(md.shard_sizes[0] * row_bytes(md) <= SAVE_ITEM_BYTES for md in meta.shards_metadata):
+        return value  # nothing to cut: the layout saved stays one item per shard
+    local = [Shard(shard.tensor[start:start + piece.shard_sizes[0]], piece)
+             for shard in value.local_shards() for start, piece in cut(shard.metadata)]
+    meta = copy.copy(meta)
+    meta.shards_metadata = [piece for md in value.metadata().shards_metadata for _, piece in cut(md)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=value._process_group)
 
 
 def rng_state() -> dict[str, Any]:

@@ -66,13 +66,29 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far: ``VmHWM`` (Linux; this program's own, since its exec), else
+    ``ru_maxrss`` (which may count the memory of the process it was forked from)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
 class Heartbeat:
     """``<output_dir>/heartbeat-rank{r}.json``, rewritten atomically at most every ``every_s`` seconds.
 
     Fields: rank, world_size, phase (starting | training | checkpointing | evaluating | logging | done |
     failed), step, epoch, loss (absent before the first step), examples_per_s (since the previous beat),
     progress (a counter that grows with any work: training steps, evaluation batches), time (ISO),
-    unix_time, host, pid; once training: total_steps, epochs, percent, steps_per_s and eta_s (from the steps
+    unix_time, host, pid, peak_rss_bytes (the process's peak resident set so far); once training: total_steps, epochs, percent, steps_per_s and eta_s (from the steps
     of this try so far), input_wait_share (of this try's step time, waiting for the next batch) and
     data_bound_share (the threshold of the data-bound verdict), and on rank 0 loss_history, ``[step, loss]`` pairs thinned to at most
     ``LOSS_POINTS`` (the training page's loss curve).
@@ -119,6 +135,7 @@ class Heartbeat:
             "unix_time": time.time(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "peak_rss_bytes": peak_rss_bytes(),
         }
         try:
             storage.write_json(self.path, payload)

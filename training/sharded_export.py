@@ -71,11 +71,19 @@ class _Hashing(io.RawIOBase):
         return len(view)
 
 
-def _write_npy(location: str, array: np.ndarray) -> str:
-    """``array`` as a .npy file at ``location``; its SHA-256."""
+def _write_npy(location: str, array: np.ndarray, zero_first_row: bool = False) -> str:
+    """``array`` (2-D, C-contiguous) as a .npy file at ``location``, its first row written as zeros if
+    ``zero_first_row``; its SHA-256. Written from the array itself in chunks, never copied: a rank's shard may be
+    most of its memory."""
     with storage.open_output(location) as f:
         stream = _Hashing(f)
-        np.lib.format.write_array(stream, np.ascontiguousarray(array), allow_pickle=False)
+        np.lib.format.write_array_header_1_0(stream, np.lib.format.header_data_from_array_1_0(array))
+        body = memoryview(array.reshape(-1).view(np.uint8).data)
+        if zero_first_row and array.shape[0]:
+            stream.write(bytes(array.strides[0]))
+            body = body[array.strides[0]:]
+        for start in range(0, len(body), _CHUNK):
+            stream.write(body[start:start + _CHUNK])
     return stream.digest.hexdigest()
 
 
@@ -90,72 +98,114 @@ def export(dmp: Any, names: tuple[str, ...] | list[str], final: str) -> dict[str
     """Write the sharded export of ``dmp`` (its tables ``names``) to the folder ``final``; a collective.
 
     Each rank writes its own shards; rank 0 the dense rest and the manifest, and publishes the folder once every
-    rank has written (a rank that failed fails the export on every rank, and nothing is published). Returns the
-    manifest on rank 0, None elsewhere."""
+    rank has written (a rank that failed fails the export on every rank, and nothing is published). No rank returns
+    before the folder is published (the evaluation reads it next). Returns the manifest on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    from training import torchrec_sharding as ts
+
+    rank = dist.get_rank()
+    keys = ts.lookup_key_map(names)
+    tables = {t.name: t for t in ts.lookups(dmp).values()}
+    manifest: dict[str, Any] | None = None
+    together = False  # past the point where every rank raises together
+    try:
+        with storage.publish(final) if rank == 0 else contextlib.nullcontext("") as folder:
+            manifest = _write(dmp, names, final, folder, keys, tables)
+            together = True
+            if rank == 0:
+                manifest = _write_rest(manifest, names, folder, tables)
+    except Exception as e:  # noqa: BLE001 - rank 0's own failure to finish or publish: the others learn of it below
+        if not together:
+            raise
+        published: str | None = f"{type(e).__name__}: {e}"
+        failure: Exception | None = e
+    else:
+        published, failure = None, None
+    word = [published]
+    dist.broadcast_object_list(word, src=0)  # rank 0 has published (or failed to): now the others may read it
+    if failure is not None:
+        raise failure
+    if word[0] is not None:
+        raise InfraError(f"the sharded export to {final} was not published: rank 0: {word[0]}")
+    return manifest if rank == 0 else None
+
+
+def _write(dmp: Any, names: tuple[str, ...] | list[str], final: str, folder: str, keys: dict[str, str],
+           tables: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: write this rank's shards into rank 0's ``folder``; every rank raises if any rank failed.
+    Returns what rank 0 needs for the rest (the dense state dict and every rank's shard entries)."""
     import torch.distributed as dist
 
     from training import torchrec_sharding as ts
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    keys = ts.lookup_key_map(names)
-    tables = {t.name: t for t in ts.lookups(dmp).values()}
-    with storage.publish(final) if rank == 0 else contextlib.nullcontext("") as folder:
-        shared = [folder]
-        dist.broadcast_object_list(shared, src=0)  # where rank 0's publish is filled: a temporary or version folder
-        folder = str(shared[0])
-        entries: list[dict[str, Any]] = []
-        dense: dict[str, torch.Tensor] = {}
-        error: str | None = None
-        try:
-            for key, value in dmp.state_dict().items():
-                plain = keys.get(key)
-                if plain is None:
-                    dense[key] = value.detach().cpu()
-                    continue
-                table = plain.removesuffix(".weight")
-                lookup = tables[ts._table_name(table)]
-                for (row, col), tensor in ts.local_shards(value):
-                    array = tensor.detach().cpu().numpy()
-                    if lookup.padded and row == 0 and array.shape[0]:
-                        array = array.copy()
-                        array[0] = 0.0  # row 0 is "absent": zero, as padding_idx=0 keeps it
-                    rows, cols = array.shape
-                    name = f"{table}/rows-{row:012d}-{row + rows:012d}-cols-{col:05d}-{col + cols:05d}.npy"
-                    entries.append({"table": table, "row_start": row, "row_end": row + rows, "col_start": col,
-                                    "col_end": col + cols, "file": name,
-                                    "sha256": _write_npy(storage.join(folder, name), array), "bytes": array.nbytes})
-        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then each raises
-            error = f"rank {rank}: {type(e).__name__}: {e}"
-            failure: Exception | None = e
-        else:
-            failure = None
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (entries, error))
-        errors = [e for _, e in gathered if e]
-        if failure is not None:
-            raise failure
-        if errors:
-            raise InfraError(f"the sharded export to {final} failed on another rank: {'; '.join(errors)}")
-        if rank != 0:
-            return None
-        buffer = io.BytesIO()
-        torch.save(dense, buffer)
-        storage.write_bytes(storage.join(folder, DENSE_FILE), buffer.getvalue())
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "dense": {"file": DENSE_FILE, "sha256": hashlib.sha256(buffer.getvalue()).hexdigest()},
-            "world_size": world,
-            "tables": {},
-        }
-        for table in names:
+    shared = [folder]
+    dist.broadcast_object_list(shared, src=0)  # where rank 0's publish is filled: a temporary or version folder
+    folder = str(shared[0])
+    entries: list[dict[str, Any]] = []
+    dense: dict[str, torch.Tensor] = {}
+    error: str | None = None
+    try:
+        for key, value in dmp.state_dict().items():
+            plain = keys.get(key)
+            if plain is None:
+                dense[key] = value.detach().cpu()
+                continue
+            table = plain.removesuffix(".weight")
             lookup = tables[ts._table_name(table)]
-            shards = sorted((e for part, _ in gathered for e in part if e["table"] == table),
-                            key=lambda e: (e["row_start"], e["col_start"]))
-            manifest["tables"][table] = {
-                "rows": lookup.num_embeddings, "dim": lookup.embedding_dim, "dtype": "float32",
-                "shards": [{k: v for k, v in e.items() if k != "table"} for e in shards],
-            }
-        storage.write_json(storage.join(folder, MANIFEST_FILE), manifest)
+            for (row, col), tensor in ts.local_shards(value):
+                array = np.ascontiguousarray(tensor.detach().cpu().numpy())  # a view, as TorchRec holds it
+                rows, cols = array.shape
+                name = f"{table}/rows-{row:012d}-{row + rows:012d}-cols-{col:05d}-{col + cols:05d}.npy"
+                entries.append({"table": table, "row_start": row, "row_end": row + rows, "col_start": col,
+                                "col_end": col + cols, "file": name,
+                                # Row 0 is "absent": zero, as padding_idx=0 keeps it.
+                                "sha256": _write_npy(storage.join(folder, name), array,
+                                                     zero_first_row=lookup.padded and row == 0),
+                                "bytes": array.nbytes})
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then each raises
+        error = f"rank {rank}: {type(e).__name__}: {e}"
+        failure: Exception | None = e
+    else:
+        failure = None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (entries, error))
+    errors = [e for _, e in gathered if e]
+    if failure is not None:
+        raise failure
+    if errors:
+        raise InfraError(f"the sharded export to {final} failed on another rank: {'; '.join(errors)}")
+    return {"dense": dense, "gathered": gathered}
+
+
+def _write_rest(written: dict[str, Any], names: tuple[str, ...] | list[str], folder: str,
+                tables: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the dense rest and the manifest of every rank's shards (``_write``'s); returns the manifest."""
+    import torch.distributed as dist
+
+    from training import torchrec_sharding as ts
+
+    world = dist.get_world_size()
+    dense, gathered = written["dense"], written["gathered"]
+    buffer = io.BytesIO()
+    torch.save(dense, buffer)
+    storage.write_bytes(storage.join(folder, DENSE_FILE), buffer.getvalue())
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "dense": {"file": DENSE_FILE, "sha256": hashlib.sha256(buffer.getvalue()).hexdigest()},
+        "world_size": world,
+        "tables": {},
+    }
+    for table in names:
+        lookup = tables[ts._table_name(table)]
+        shards = sorted((e for part, _ in gathered for e in part if e["table"] == table),
+                        key=lambda e: (e["row_start"], e["col_start"]))
+        manifest["tables"][table] = {
+            "rows": lookup.num_embeddings, "dim": lookup.embedding_dim, "dtype": "float32",
+            "shards": [{k: v for k, v in e.items() if k != "table"} for e in shards],
+        }
+    storage.write_json(storage.join(folder, MANIFEST_FILE), manifest)
     return manifest
 
 
@@ -186,13 +236,17 @@ class ShardedRows(nn.Module):
         self.name, self.num_embeddings, self.embedding_dim = name, rows, dim
         self.shards, self.cache = shards, cache
         self._open: dict[int, tuple[IO[bytes], int]] = {}
-        covered = np.zeros(rows, dtype=np.int64)
-        for s in shards:
-            covered[s.row_start:s.row_end] += s.col_end - s.col_start
-        if rows and not (covered == dim).all():
-            first = int(np.flatnonzero(covered != dim)[0])
-            raise DataError(f"sharded model table {name}: its shards do not cover every row and column exactly "
-                            f"(row {first} has {int(covered[first])} of {dim} columns)")
+        # Checked per run of rows between shard boundaries (not with an array of every row: the table's rows
+        # may be many more than a process may hold): each run's shards must tile its columns exactly.
+        bounds = sorted({0, rows, *(min(b, rows) for s in shards for b in (s.row_start, s.row_end))})
+        for first, stop in zip(bounds, bounds[1:], strict=False):
+            spans = sorted((s.col_start, s.col_end) for s in shards if s.row_start <= first and stop <= s.row_end)
+            at = 0
+            for start, end in spans:
+                at = end if start == at else -1
+            if at != dim:
+                raise DataError(f"sharded model table {name}: its shards do not cover every row and column exactly "
+                                f"(row {first} has {sum(e - s for s, e in spans)} of {dim} columns)")
 
     @property
     def opened(self) -> list[str]:

@@ -100,12 +100,17 @@ def flat(state: Any, prefix: str = "") -> dict[str, Any]:
 
 @pytest.mark.parametrize(("ranks", "sharding"), [(3, "row_wise"), (1, "table_wise")])
 def test_a_two_rank_row_wise_checkpoint_reshards_bit_for_bit(tmp_path: Path, ranks: int, sharding: str):
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from training.checkpoint import complete_checkpoints
 
     launch(2, "save", tmp_path / "ckpt", "row_wise")
     step, path = complete_checkpoints(tmp_path / "ckpt")[-1]
+    # Saved in items of 5 rows (checkpoint.SAVE_ITEM_BYTES, set small by the worker): 41 rows, 21 + 20 per rank.
+    chunks = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata[
+        "model.ids.ebc.embedding_bags.ids.weight"].chunks
+    assert sorted(c.offsets[0] for c in chunks) == [0, 5, 10, 15, 20, 21, 26, 31, 36], chunks
     dcp_to_torch_save(str(path), str(tmp_path / "saved.pt"))
     saved = flat(torch.load(tmp_path / "saved.pt", weights_only=False))
     launch(ranks, "load", tmp_path / "ckpt", sharding, tmp_path / "loaded")

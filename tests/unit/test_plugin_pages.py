@@ -30,6 +30,7 @@ def test_heartbeats_carry_total_percent_rate_eta_and_the_loss_curve(tmp_path):
     beat.update(progress=0, force=True, phase="training", step=0, total_steps=100, epochs=2)
     first = json.loads((tmp_path / "heartbeat-rank0.json").read_text())
     assert first["percent"] == 0 and "loss" not in first and "eta_s" not in first
+    assert first["peak_rss_bytes"] >= 10 * 2**20  # this process's peak so far (VmHWM): at least the interpreter
     assert progress_line([first]) == "step 0/100 (0.0%), epoch 1/2 (1 rank(s) reporting)"  # no loss before a step
     for step in range(1, 41):
         beat.update(examples=32, step=step, epoch=0, loss=1.0 / step)
