@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import logging
 import math
@@ -216,13 +215,24 @@ EVENT_BUCKETS: dict[str, tuple[str, str]] = {
 }
 
 
-@functools.cache
+# This process's probe: taken on its first connection (``connect``), as a DuckDB instance costs ~15 ms of CPU.
+_HASH_PROBE: list[int] = []
+
+
+def _probe(con: duckdb.DuckDBPyConnection) -> int:
+    if not _HASH_PROBE:
+        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
+        _HASH_PROBE.append(int(value))
+    return _HASH_PROBE[0]
+
+
 def hash_probe() -> int:
     """A digest of this DuckDB's ``hash()`` of fixed ids (the same in every process of one DuckDB version)."""
+    if _HASH_PROBE:
+        return _HASH_PROBE[0]
     con = duckdb.connect()
     try:
-        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
-        return int(value)
+        return _probe(con)
     finally:
         con.close()
 
@@ -334,6 +344,7 @@ def connect(
             # DuckDB materialises a subplan used twice (the day's events in the user aggregates) instead of scanning
             # the Parquet files again; the copy cost ~4x the scan here.
             con.execute("SET disabled_optimizers = 'common_subplan'")
+            _probe(con)
             if root is not None and is_remote(root):
                 con.register_filesystem(filesystem(root)[0])
             yield con
