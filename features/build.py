@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -241,40 +241,56 @@ def hash_layout(key: str, count: int) -> dict[str, Any]:
     return {"key": key, "count": count, "probe": hash_probe()}
 
 
-def shard_files(
+class ShardPart(NamedTuple):
+    """What a shard reads of a partition: ``files``, and ``keeps``, the SQL condition that picks its rows of them."""
+
+    files: list[str]
+    keeps: str
+
+
+def shard_part(
     root: str | os.PathLike[str], dataset: str, day: str, shard: Shard | None, files: Sequence[str] | None = None
-) -> list[str]:
+) -> ShardPart:
     """The Parquet files of partition ``dataset/day`` that can hold ``shard``'s rows (every file without a shard, or
-    when the partition records no usable ``hash_buckets`` layout)."""
+    when the partition records no usable ``hash_buckets`` layout), and the condition that keeps its rows: TRUE when
+    the files hold exactly those (the shard count divides the layout's), as the filter costs a hash per row."""
     files = list(data_files(root, dataset, day) if files is None else files)
+    key = DATASET_KEYS[dataset]
     if shard is None:
-        return files
+        return ShardPart(files, "TRUE")
+    whole = ShardPart(files, shard.keeps(key))
     layout = read_metadata(root, dataset, day).get("hash_buckets")
-    key = DATASET_KEYS.get(dataset)
     if not isinstance(layout, dict) or layout.get("key") != key or layout.get("probe") != hash_probe():
-        return files
+        return whole
     count = int(layout["count"])
     group = math.gcd(count, shard.count)
     by_name = {name_of(f): f for f in files}
     picked = [by_name.get(shard_file(b)) for b in range(count) if b % group == shard.index % group]
     if len(by_name) != count or None in picked:  # not the recorded layout: read every file
-        return files
-    return [f for f in picked if f is not None]
+        return whole
+    return ShardPart([f for f in picked if f is not None], "TRUE" if group == shard.count else whole.keeps)
 
 
-def _events_files(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> list[str]:
-    """The files of the raw events of ``day`` that a shard reads: its buckets of the bucketed copy by ``key`` when
-    that copy was made from the raw partition as it is now (its publish stamp), else the raw files."""
+def shard_files(
+    root: str | os.PathLike[str], dataset: str, day: str, shard: Shard | None, files: Sequence[str] | None = None
+) -> list[str]:
+    """The files of :func:`shard_part`, for a reader that joins them to rows already the shard's."""
+    return shard_part(root, dataset, day, shard, files).files
+
+
+def _events_part(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> ShardPart:
+    """What a shard reads of the raw events of ``day``: its buckets of the bucketed copy by ``key`` when that copy
+    was made from the raw partition as it is now (its publish stamp), else the raw files, filtered."""
     raw = data_files(root, RAW_EVENTS, day)
     if shard is None:
-        return raw
+        return ShardPart(raw, "TRUE")
     dataset = EVENTS_BY_USER if key == "user_id" else EVENTS_BY_PIN
     if not is_complete(root, dataset, day):
-        return raw
+        return ShardPart(raw, shard.keeps(key))
     current = _input_versions(root, [_ref(RAW_EVENTS, day)])[_ref(RAW_EVENTS, day)]
     if current is None or read_metadata(root, dataset, day).get("source_version") != current:
-        return raw
-    return shard_files(root, dataset, day, shard)
+        return ShardPart(raw, shard.keeps(key))
+    return shard_part(root, dataset, day, shard)
 
 
 def write_event_buckets(
@@ -283,7 +299,7 @@ def write_event_buckets(
 ) -> dict[str, Any]:
     """Write the raw events of ``ds`` bucketed by hash(user_id) (every column) and by hash(pin_id) (pin_id, user_id,
     action) into ``count`` files each (EVENTS_BY_USER, EVENTS_BY_PIN), so that a shard of a build reads only its part
-    (``shard_files``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
+    (``shard_part``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
     buckets. Called by validation when the build is sharded; the summaries by dataset."""
     ds = ds_str(ds)
     if count < 1:
@@ -523,7 +539,7 @@ SELECT e.user_id, e.pin_id,
        e.ts
 FROM read_parquet([{{events}}], hive_partitioning = false) AS e
 LEFT JOIN {{pins}} AS p ON p.pin_id = e.pin_id
-WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end
+WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end AND {{keeps}}
 """
 
 _SEQ_LISTS = ("seq_pin_ids", "seq_actions", "seq_categories", "seq_ts")
@@ -572,10 +588,13 @@ ORDER BY user_id
 def _engagements_sql(
     con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str], shard: Shard | None = None
 ) -> str:
-    """The engagements of ``days`` (raw events and pins of each day; a shard's buckets), as one UNION ALL query."""
+    """The engagements of ``days`` (raw events and pins of each day; a shard's), as one UNION ALL query."""
+    parts = {day: _events_part(root, day, shard) for day in days}
     return "\nUNION ALL\n".join(
-        ENGAGEMENTS_OF_DAY_SQL.format(events=_quoted(_events_files(root, day, shard)), pins=_pins_source(con, root, day))
-        for day in days
+        ENGAGEMENTS_OF_DAY_SQL.format(
+            events=_quoted(part.files), pins=_pins_source(con, root, day), keeps=part.keeps
+        )
+        for day, part in parts.items()
     )
 
 
@@ -995,7 +1014,7 @@ def build_daily(
     a window over such a day is always a full sum.
     """
     ds = ds_str(ds)
-    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    _require(root, RAW_EVENTS, ds, _events_hint(ds))
     _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     base: dict[str, Any] = {
         "step": "daily",
@@ -1012,8 +1031,9 @@ def build_daily(
             key = "user_id" if dataset == USER_DAILY else "pin_id"
             # A shard reads its buckets of the day (by user for users, by pin for pins) and counts its own events
             # (the sums of its rows' counts): the merge sums them (each event is in one shard of each side).
-            _view(con, "events_all", events if shard is None else _events_files(root, ds, shard, key), EVENTS_SCHEMA)
-            con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, key)}")
+            part = _events_part(root, ds, shard, key)
+            _view(con, "events_all", part.files, EVENTS_SCHEMA)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {part.keeps}")
             summary[dataset] = _write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
@@ -1158,13 +1178,14 @@ def build_window(
                 signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
                 if plan["leaving"]:
                     signed.append((daily, plan["leaving"], -1))
-                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts_src", shard)):
+                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts", shard)):
+                    parts = [(shard_part(root, dataset, day, of_shard), sign) for dataset, day, sign in signed]
                     selects = [
                         f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
-                        f"FROM read_parquet([{_quoted(shard_files(root, dataset, day, of_shard))}], hive_partitioning = false)"
-                        for dataset, day, sign in signed
+                        f"FROM read_parquet([{_quoted(part.files)}], hive_partitioning = false) WHERE {part.keeps}"
+                        for part, sign in parts
                     ]
-                    # A shard reads only the files of its users / pins (``shard_files``); the pin totals every pin.
+                    # A shard reads only the files of its users / pins (``shard_part``); the pin totals every pin.
                     con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS " + "\nUNION ALL\n".join(selects))
                 inputs[name] = [_ref(dataset, day) for dataset, day, _ in signed]
         else:
@@ -1187,16 +1208,14 @@ def build_window(
                     f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
                     f"FROM {name}_daily"
                 )
-                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts_src AS SELECT * FROM {name}_parts_all")
+                con.execute(
+                    f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_all "
+                    f"WHERE {_keeps(shard, f'{name}_id')}"
+                )
                 daily = USER_DAILY if name == "user" else PIN_DAILY
                 inputs[name] = [_ref(daily, d) for d in stored] + [
                     ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
                 ]
-        for name in ("user", "pin"):
-            con.execute(
-                f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_src "
-                f"WHERE {_keeps(shard, f'{name}_id')}"
-            )
         if missing:
             log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
         mode = "incremental" if plan is not None else "recompute" if recompute else "full"
@@ -1297,8 +1316,9 @@ def build_sequences(
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         if mode == "incremental":
-            _view(con, "previous_all", shard_files(root, USER_SEQUENCE, previous_ds, shard), USER_SEQUENCE_SCHEMA)
-            con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {_keeps(shard, 'user_id')}")
+            previous = shard_part(root, USER_SEQUENCE, previous_ds, shard)
+            _view(con, "previous_all", previous.files, USER_SEQUENCE_SCHEMA)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {previous.keeps}")
             validation = _check_validated(root, [ds], require_validation=require_validation)
             engagements = _engagements_sql(con, root, [ds], shard)
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
@@ -1333,8 +1353,6 @@ def build_sequences(
             "sequence_length": sequence_length,
             "unknown": UNKNOWN_ID,
         }
-        if shard is not None:
-            engagements = f"SELECT * FROM ({engagements}) WHERE {shard.keeps('user_id')}"
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
         summary = _write_query(
             con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest(),
@@ -1372,7 +1390,7 @@ def build_examples(
             f"negative_downsample must be in [0, 1], got {negative_downsample!r}; set --negative-downsample"
         )
     features_ds = shift_ds(ds, -1)
-    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    _require(root, RAW_EVENTS, ds, _events_hint(ds))
     _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     feature_inputs = (
         ("user_window", USER_WINDOW, USER_WINDOW_SCHEMA),
@@ -1391,9 +1409,10 @@ def build_examples(
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
-        _view(con, "events_all", events if shard is None else _events_files(root, ds, shard), EVENTS_SCHEMA)
+        events = _events_part(root, ds, shard)
+        _view(con, "events_all", events.files, EVENTS_SCHEMA)
         # An impression and its engagements have one user: a shard's labels are complete.
-        con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, 'user_id')}")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {events.keeps}")
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds)
         sequence_digest: str | None = None
@@ -1557,7 +1576,7 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
         if "positives" in metas[0]:
             merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
         merged["shards"] = count
-        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_files``).
+        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
         merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
         with write_partition(root, dataset, ds) as out:
             for i, folder in enumerate(folders):

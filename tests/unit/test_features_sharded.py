@@ -196,23 +196,27 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     day = BUILT[1]
     names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
     # 6 buckets, shard 1 of 3: buckets 1 and 4; of 2: 1, 3, 5; of 4 (gcd 2): the odd ones, filtered.
-    assert names(build._events_files(bucketed, day, build.Shard(1, 3, "s"))) == ["part-00001.parquet", "part-00004.parquet"]
-    assert names(build._events_files(bucketed, day, build.Shard(1, 2, "s"), "pin_id")) == [
+    assert names(build._events_part(bucketed, day, build.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
+    assert names(build._events_part(bucketed, day, build.Shard(1, 2, "s"), "pin_id").files) == [
         "part-00001.parquet", "part-00003.parquet", "part-00005.parquet"]
-    assert len(build._events_files(bucketed, day, build.Shard(1, 4, "s"))) == 3
+    assert len(build._events_part(bucketed, day, build.Shard(1, 4, "s")).files) == 3
+    # Exactly its rows when the shard count divides the buckets' (no hash per row), else filtered.
+    assert build._events_part(bucketed, day, build.Shard(1, 3, "s")).keeps == "TRUE"
+    assert build._events_part(bucketed, day, build.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
     # The previous day's state merged from 3 shards: shard i of 3 reads part-i only; unsharded readers read all.
     assert names(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(2, 3, "s"))) == ["part-00002.parquet"]
     assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
     assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(0, 2, "s"))) == 3
     # Unsharded readers never read the buckets; a raw partition re-landed since it was bucketed is read whole.
     raw = storage.data_files(bucketed, contracts.RAW_EVENTS, day)
-    assert build._events_files(bucketed, day, None) == raw
+    assert build._events_part(bucketed, day, None).files == raw
     root = tmp_path / "root"
     shutil.copytree(bucketed, root)
     storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
-    assert build._events_files(root, day, build.Shard(1, 3, "s")) == storage.data_files(root, contracts.RAW_EVENTS, day)
+    assert build._events_part(root, day, build.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
+                                                                    "hash(user_id) % 3 = 1")
     # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
     meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
-    assert len(build._events_files(root, BUILT[2], build.Shard(1, 3, "s"))) == 6
+    assert len(build._events_part(root, BUILT[2], build.Shard(1, 3, "s")).files) == 6
