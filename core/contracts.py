@@ -10,6 +10,8 @@ its schema is ``<NAME>_SCHEMA``, and the Airflow asset that announces it lives i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -284,6 +286,16 @@ def _fixed_width_bytes(array: pa.Array) -> pa.Buffer:
     data = array.buffers()[1]
     assert data is not None, "a fixed-width array has a data buffer"
     return data.slice(array.offset * width, len(array) * width)
+
+
+def combined_digest(digests: Sequence[str]) -> str:
+    """The content digest of a partition merged from shards, one file each: of its files' digests, in file order (the
+    merge reads no data). A reader accepts it or the digest of the rows as one stream."""
+    import hashlib
+
+    if len(digests) == 1:  # one file: the rows' own digest
+        return digests[0]
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:32]
 
 
 def sequence_digest(sequences: pa.Table) -> str:

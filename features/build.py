@@ -64,6 +64,7 @@ from core.contracts import (
     USER_WINDOW,
     USER_WINDOW_SCHEMA,
     SequenceDigest,
+    combined_digest,
 )
 from core.failures import (
     DataError,
@@ -1575,6 +1576,8 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
                 merged[key] = sum(int(m[key]) for m in metas)
         if "positives" in metas[0]:
             merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
+        if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
+            merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
         merged["shards"] = count
         # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
         merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)

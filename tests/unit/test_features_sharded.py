@@ -95,6 +95,17 @@ def test_training_reads_sharded_examples_like_unsharded_ones(roots: tuple[Path, 
 
 
 @pytest.mark.unit
+def test_merged_sequences_record_the_digest_the_next_examples_reference(roots: tuple[Path, Path]) -> None:
+    _, sharded = roots
+    day, before = BUILT[-1], BUILT[-2]
+    tables = [storage.read_parquet(f) for f in storage.data_files(sharded, contracts.USER_SEQUENCE, before)]
+    digest = contracts.combined_digest([contracts.sequence_digest(t.cast(contracts.USER_SEQUENCE_SCHEMA)) for t in tables])
+    assert read_metadata(sharded, contracts.USER_SEQUENCE, before)["content_digest"] == digest
+    # No examples shard digested the sequences again; training accepts the reference (the test above).
+    assert read_metadata(sharded, contracts.EXAMPLES, day)["sequence_digest"] == digest
+
+
+@pytest.mark.unit
 def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
     _, sharded = roots
     root = tmp_path / "root"
