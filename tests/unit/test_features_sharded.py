@@ -106,6 +106,20 @@ def test_merged_sequences_record_the_digest_the_next_examples_reference(roots: t
 
 
 @pytest.mark.unit
+def test_duplicated_pins_fail_shard_0_and_nothing_is_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    whole, _ = roots
+    root, day, staging = tmp_path / "root", BUILT[-1], str(tmp_path / "staging")
+    shutil.copytree(whole / "raw", root / "raw")
+    pins = read_table(root, contracts.RAW_PINS, day)
+    storage.write_table(root, contracts.RAW_PINS, day, pa.concat_tables([pins, pins.slice(0, 1)]))
+    build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(1, 2, staging))
+    with pytest.raises(build.InputDataError, match="1 duplicated pin_id rows"):  # the check is shard 0's
+        build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(0, 2, staging))
+    with pytest.raises(InfraError, match=r"shard\(s\) \[0\] have no output"):
+        build.merge_shards(root, day, "daily", staging, 2)
+
+
+@pytest.mark.unit
 def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
     _, sharded = roots
     root = tmp_path / "root"
