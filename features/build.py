@@ -392,20 +392,12 @@ _WINDOW_SUMS = _indent([f"sum({c})::BIGINT AS {c}" for c in COUNT_COLUMNS], 9)
 _ACTION_INDEX = " ".join(f"WHEN '{a}' THEN {i}" for i, a in enumerate(ACTIONS))
 
 # Daily aggregates of one day's events. Input views: events (raw/events of ds), pins (raw/pins of ds).
-# Per-category engagement takes each pin's category from the same day's pins snapshot. Each row also counts its
-# events and those with an action outside the contract (not in the schema: summed into the metadata, instead of
-# a scan of the day for them).
-_EVENT_COUNTS = _indent(
-    ["count(*) AS events",
-     f"count(*) FILTER (WHERE action IS NULL OR action NOT IN ({_sql_list(ACTIONS)})) AS unknown_action_events"],
-    7,
-)
+# Per-category engagement takes each pin's category from the same day's pins snapshot.
 USER_DAILY_SQL = f"""
 WITH counts AS (
   SELECT user_id,
          {_DAILY_COUNTS},
-         count(DISTINCT pin_id) AS distinct_pins,
-         {_EVENT_COUNTS}
+         count(DISTINCT pin_id) AS distinct_pins
   FROM events
   GROUP BY user_id
 ),
@@ -435,8 +427,7 @@ ORDER BY c.user_id
 PIN_DAILY_SQL = f"""
 SELECT pin_id,
        {_DAILY_COUNTS},
-       count(DISTINCT user_id) AS distinct_users,
-       {_EVENT_COUNTS}
+       count(DISTINCT user_id) AS distinct_users
 FROM events
 GROUP BY pin_id
 ORDER BY pin_id
@@ -788,7 +779,7 @@ def _write_query(
     metadata: dict[str, Any],
     *,
     sums: Sequence[str] = (),
-    sums_key: str | None = "sums",
+    sums_key: str = "sums",
     transform: Callable[[pa.Table], pa.Table] | None = None,
     digest: SequenceDigest | None = None,
     shard: Shard | None = None,
@@ -797,8 +788,7 @@ def _write_query(
 
     Batches (passed through ``transform`` first, if given) are cast to the contract ``schema`` as they
     come, so the result never sits whole in memory.
-    Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, or as keys of their
-    own when it is None: a ``sums`` column need not be in the ``schema``; and the
+    Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
     ``content_digest`` of what was written when a ``digest`` is given). A ``shard`` writes its own folder in
     the build's staging area instead (:class:`Shard`).
     """
@@ -817,12 +807,11 @@ def _write_query(
                 if not batch.num_rows:
                     continue
                 table = pa.Table.from_batches([batch])
-                table = transform(table) if transform else table
-                conformed = _conform(table, schema)
+                conformed = _conform(transform(table) if transform else table, schema)
                 files.write(conformed)
                 rows += conformed.num_rows
                 for column in sums:
-                    totals[column] += int(pc.sum(table[column]).as_py() or 0)
+                    totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
                 if digest is not None:
                     digest.update(conformed)
         changed = [ref for ref, version in _input_versions(root, inputs).items() if versions.get(ref) != version]
@@ -831,9 +820,7 @@ def _write_query(
                 f"{', '.join(changed)} {'was' if len(changed) == 1 else 'were'} republished while {dataset} ds={ds} was "
                 "built from it: nothing was published; a retry builds from the new version"
             )
-        summary = {**metadata, "rows": rows, "input_versions": versions}
-        if sums:
-            summary |= totals if sums_key is None else {sums_key: totals}
+        summary = {**metadata, "rows": rows, "input_versions": versions} | ({sums_key: totals} if sums else {})
         if shard is not None:
             summary |= {"shard": shard.index, "shards": shard.count}
         if digest is not None:
@@ -1061,20 +1048,27 @@ def build_daily(
         **_check_validated(root, [ds], require_validation=require_validation),
     }
     summary: dict[str, Any] = {}
+    counts = (
+        "SELECT count(*), count(*) FILTER (WHERE action IS NULL OR action NOT IN "
+        f"({_sql_list(ACTIONS)})) FROM events"
+    )
     with connect(engine, root) as con:
         _pins_view(con, root, ds)
         _check_unique_pins(con, ds, shard)
         for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
             key = "user_id" if dataset == USER_DAILY else "pin_id"
-            # A shard reads its buckets of the day (by user for users, by pin for pins) and counts its own events
-            # (the sums of its rows' counts): the merge sums them (each event is in one shard of each side).
+            # A shard reads its buckets of the day (by user for users, by pin for pins) and counts its own events:
+            # the merge sums the counts (each event is in one shard of each side).
             part = _events_part(root, ds, shard, key)
             _view(con, "events_all", part.files, EVENTS_SCHEMA)
             con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {part.keeps}")
+            if shard is not None or dataset == USER_DAILY:
+                events_rows, unknown = _row(con, counts)
+                base["events"] = int(events_rows)
+                base["unknown_action_events"] = int(unknown)
             summary[dataset] = _write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
-                sums=("events", "unknown_action_events"), sums_key=None,
             )
     return summary
 
