@@ -223,6 +223,11 @@ def relay_state(source: Path, target: Path, shards: int, window_days: int) -> No
                                       ORDER BY {key}) TO '{dst / build.shard_file(i)}' (FORMAT parquet)""")
             meta = read_metadata(source, dataset, day) | {"shards": shards,
                                                           "hash_buckets": build.hash_layout(key, shards)}
+            if "content_digest" in meta:  # as the merge records it: of the shards' digests
+                tables = [pq.read_table(dst / build.shard_file(i)) for i in range(shards)]
+                meta["content_digest"] = contracts.combined_digest([
+                    contracts.sequence_digest(t.select(USER_SEQUENCE_SCHEMA.names).cast(USER_SEQUENCE_SCHEMA)) for t in tables
+                ])
             (dst / "_metadata.json").write_text(json.dumps(meta))
             shutil.copy(src / "_SUCCESS", dst / "_SUCCESS")
 

@@ -74,8 +74,10 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         poke_interval=_cfg.validation.sensor_poke_seconds,
         timeout=_cfg.validation.sensor_timeout_seconds,
     )
+    shards = "{{ params.shards }}"
     validations = [
-        ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0)
+        # The events' validation also writes them bucketed when the run's build is sharded (its shards read those).
+        ValidatePartitionOperator(task_id=f"validate_{name}", dataset=name, ds=DS, retries=0, shards=shards)
         for name in ("events", "pins", "users")
     ] + [WindowGapCheckOperator(task_id="validate_window", ds=DS, retries=0)]
     # The review labels feed the content model, not these features: a bad day of labels is quarantined
@@ -85,7 +87,6 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
     }
-    shards = "{{ params.shards }}"
     daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS, shards=shards)
     # The window of ds is that of ds-1 plus ds minus the day that leaves (a full sum when ds-1's is missing, or when
     # a day it summed is not there yet and has to be computed from raw): in a backfill, wait for the day before.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import logging
 import math
@@ -31,9 +30,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -65,6 +64,7 @@ from core.contracts import (
     USER_WINDOW,
     USER_WINDOW_SCHEMA,
     SequenceDigest,
+    combined_digest,
 )
 from core.failures import (
     DataError,
@@ -121,9 +121,10 @@ DEFAULT_GLOBAL_RATES: dict[str, float] = {"ctr": 0.0, "repin_rate": 0.0, "hide_r
 BATCH_ROWS = 256 * 1024
 # Parquet encoding is single-threaded and was about half of a large step (the examples): an unsharded output is cut
 # into files of about FILE_BYTES of Arrow data in the query's order (part-00000, part-00001, ...), WRITER_THREADS
-# encoded at once. A shard writes one file (shards already run side by side).
+# encoded at once. A shard writes one file (shards already run side by side), each batch encoded as it comes.
 FILE_BYTES = 64 * 1024 * 1024
 WRITER_THREADS = 2
+ROW_GROUP_ROWS = 64 * 1024
 # The defaults of every build parameter: the platform configuration's, defined once in core.config.
 DEFAULTS = FeaturesConfig()
 
@@ -217,13 +218,24 @@ EVENT_BUCKETS: dict[str, tuple[str, str]] = {
 }
 
 
-@functools.cache
+# This process's probe: taken on its first connection (``connect``), as a DuckDB instance costs ~15 ms of CPU.
+_HASH_PROBE: list[int] = []
+
+
+def _probe(con: duckdb.DuckDBPyConnection) -> int:
+    if not _HASH_PROBE:
+        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
+        _HASH_PROBE.append(int(value))
+    return _HASH_PROBE[0]
+
+
 def hash_probe() -> int:
     """A digest of this DuckDB's ``hash()`` of fixed ids (the same in every process of one DuckDB version)."""
+    if _HASH_PROBE:
+        return _HASH_PROBE[0]
     con = duckdb.connect()
     try:
-        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
-        return int(value)
+        return _probe(con)
     finally:
         con.close()
 
@@ -232,40 +244,56 @@ def hash_layout(key: str, count: int) -> dict[str, Any]:
     return {"key": key, "count": count, "probe": hash_probe()}
 
 
-def shard_files(
+class ShardPart(NamedTuple):
+    """What a shard reads of a partition: ``files``, and ``keeps``, the SQL condition that picks its rows of them."""
+
+    files: list[str]
+    keeps: str
+
+
+def shard_part(
     root: str | os.PathLike[str], dataset: str, day: str, shard: Shard | None, files: Sequence[str] | None = None
-) -> list[str]:
+) -> ShardPart:
     """The Parquet files of partition ``dataset/day`` that can hold ``shard``'s rows (every file without a shard, or
-    when the partition records no usable ``hash_buckets`` layout)."""
+    when the partition records no usable ``hash_buckets`` layout), and the condition that keeps its rows: TRUE when
+    the files hold exactly those (the shard count divides the layout's), as the filter costs a hash per row."""
     files = list(data_files(root, dataset, day) if files is None else files)
+    key = DATASET_KEYS[dataset]
     if shard is None:
-        return files
+        return ShardPart(files, "TRUE")
+    whole = ShardPart(files, shard.keeps(key))
     layout = read_metadata(root, dataset, day).get("hash_buckets")
-    key = DATASET_KEYS.get(dataset)
     if not isinstance(layout, dict) or layout.get("key") != key or layout.get("probe") != hash_probe():
-        return files
+        return whole
     count = int(layout["count"])
     group = math.gcd(count, shard.count)
     by_name = {name_of(f): f for f in files}
     picked = [by_name.get(shard_file(b)) for b in range(count) if b % group == shard.index % group]
     if len(by_name) != count or None in picked:  # not the recorded layout: read every file
-        return files
-    return [f for f in picked if f is not None]
+        return whole
+    return ShardPart([f for f in picked if f is not None], "TRUE" if group == shard.count else whole.keeps)
 
 
-def _events_files(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> list[str]:
-    """The files of the raw events of ``day`` that a shard reads: its buckets of the bucketed copy by ``key`` when
-    that copy was made from the raw partition as it is now (its publish stamp), else the raw files."""
+def shard_files(
+    root: str | os.PathLike[str], dataset: str, day: str, shard: Shard | None, files: Sequence[str] | None = None
+) -> list[str]:
+    """The files of :func:`shard_part`, for a reader that joins them to rows already the shard's."""
+    return shard_part(root, dataset, day, shard, files).files
+
+
+def _events_part(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> ShardPart:
+    """What a shard reads of the raw events of ``day``: its buckets of the bucketed copy by ``key`` when that copy
+    was made from the raw partition as it is now (its publish stamp), else the raw files, filtered."""
     raw = data_files(root, RAW_EVENTS, day)
     if shard is None:
-        return raw
+        return ShardPart(raw, "TRUE")
     dataset = EVENTS_BY_USER if key == "user_id" else EVENTS_BY_PIN
     if not is_complete(root, dataset, day):
-        return raw
+        return ShardPart(raw, shard.keeps(key))
     current = _input_versions(root, [_ref(RAW_EVENTS, day)])[_ref(RAW_EVENTS, day)]
     if current is None or read_metadata(root, dataset, day).get("source_version") != current:
-        return raw
-    return shard_files(root, dataset, day, shard)
+        return ShardPart(raw, shard.keeps(key))
+    return shard_part(root, dataset, day, shard)
 
 
 def write_event_buckets(
@@ -274,7 +302,7 @@ def write_event_buckets(
 ) -> dict[str, Any]:
     """Write the raw events of ``ds`` bucketed by hash(user_id) (every column) and by hash(pin_id) (pin_id, user_id,
     action) into ``count`` files each (EVENTS_BY_USER, EVENTS_BY_PIN), so that a shard of a build reads only its part
-    (``shard_files``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
+    (``shard_part``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
     buckets. Called by validation when the build is sharded; the summaries by dataset."""
     ds = ds_str(ds)
     if count < 1:
@@ -335,6 +363,7 @@ def connect(
             # DuckDB materialises a subplan used twice (the day's events in the user aggregates) instead of scanning
             # the Parquet files again; the copy cost ~4x the scan here.
             con.execute("SET disabled_optimizers = 'common_subplan'")
+            _probe(con)
             if root is not None and is_remote(root):
                 con.register_filesystem(filesystem(root)[0])
             yield con
@@ -504,7 +533,7 @@ SELECT e.user_id, e.pin_id,
        e.ts
 FROM read_parquet([{{events}}], hive_partitioning = false) AS e
 LEFT JOIN {{pins}} AS p ON p.pin_id = e.pin_id
-WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end
+WHERE e.action IN ({_sql_list(ENGAGEMENTS)}) AND e.ts >= $window_start AND e.ts < $window_end AND {{keeps}}
 """
 
 _SEQ_LISTS = ("seq_pin_ids", "seq_actions", "seq_categories", "seq_ts")
@@ -553,10 +582,13 @@ ORDER BY user_id
 def _engagements_sql(
     con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], days: Sequence[str], shard: Shard | None = None
 ) -> str:
-    """The engagements of ``days`` (raw events and pins of each day; a shard's buckets), as one UNION ALL query."""
+    """The engagements of ``days`` (raw events and pins of each day; a shard's), as one UNION ALL query."""
+    parts = {day: _events_part(root, day, shard) for day in days}
     return "\nUNION ALL\n".join(
-        ENGAGEMENTS_OF_DAY_SQL.format(events=_quoted(_events_files(root, day, shard)), pins=_pins_source(con, root, day))
-        for day in days
+        ENGAGEMENTS_OF_DAY_SQL.format(
+            events=_quoted(part.files), pins=_pins_source(con, root, day), keeps=part.keeps
+        )
+        for day, part in parts.items()
     )
 
 
@@ -770,8 +802,8 @@ def _write_query(
     target = publish(shard.folder(dataset)) if shard is not None else write_partition(root, dataset, ds)
     with target as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
-        names = [shard_file(shard.index)] if shard is not None else None
-        with _ParquetFiles(staging, schema, FILE_BYTES if shard is None else None, names) as files:
+        files = _ParquetFile(join(staging, shard_file(shard.index)), schema) if shard else _ParquetFiles(staging, schema)
+        with files:
             for batch in reader:
                 if not batch.num_rows:
                     continue
@@ -798,16 +830,52 @@ def _write_query(
     return summary
 
 
+def _parquet_writer(sink: Any, schema: pa.Schema) -> pq.ParquetWriter:
+    # Dictionary encoding only for strings: on ids, counts and lists it costs 3x the write time for
+    # nothing (it falls back to plain encoding on high-cardinality columns anyway).
+    return pq.ParquetWriter(sink, schema, use_dictionary=[f.name for f in schema if pa.types.is_string(f.type)])
+
+
+class _ParquetFile:
+    """Tables written in order into the one file ``path``, each encoded on a writer thread as it comes (pyarrow
+    releases the GIL): the encoding overlaps the query instead of following it (it was 10-15% of a shard's time).
+    At most WRITER_THREADS + 1 tables are held. No table at all still writes the file (the schema)."""
+
+    def __init__(self, path: str, schema: pa.Schema):
+        self.path, self.schema = path, schema
+        self.files = ExitStack()
+        self.running: list[Future[None]] = []
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-writer")  # one file: its tables in order
+
+    def __enter__(self) -> _ParquetFile:
+        self.writer = self.files.enter_context(_parquet_writer(self.files.enter_context(open_output(self.path)), self.schema))
+        return self
+
+    def write(self, table: pa.Table) -> None:
+        if len(self.running) > WRITER_THREADS:
+            self.running.pop(0).result()
+        self.running.append(self.pool.submit(self.writer.write_table, table, row_group_size=ROW_GROUP_ROWS))
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        try:
+            if kind is None:
+                for running in self.running:
+                    running.result()  # an encoding error fails the output (nothing is published)
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.files.close()
+
+
 class _ParquetFiles:
     """Tables written in order into ``part-00000.parquet``, ``part-00001.parquet``, ... of ``folder``, a new file
-    after about ``file_bytes`` of Arrow data (None: one file, named ``names[0]``), WRITER_THREADS encoded at once.
+    after about FILE_BYTES of Arrow data, WRITER_THREADS encoded at once.
 
     A file's tables are collected, then encoded on a thread (pyarrow releases the GIL) while the next file fills;
     at most WRITER_THREADS + 1 files' tables are held. No table at all still writes one empty file (the schema).
     """
 
-    def __init__(self, folder: str, schema: pa.Schema, file_bytes: int | None, names: Sequence[str] | None = None):
-        self.folder, self.schema, self.file_bytes, self.names = folder, schema, file_bytes, names
+    def __init__(self, folder: str, schema: pa.Schema):
+        self.folder, self.schema, self.file_bytes = folder, schema, FILE_BYTES
         self.pending: list[pa.Table] = []
         self.pending_bytes = 0
         self.written = 0
@@ -818,7 +886,7 @@ class _ParquetFiles:
         return self
 
     def write(self, table: pa.Table) -> None:
-        while self.file_bytes is not None and self.pending_bytes + table.nbytes > self.file_bytes:
+        while self.pending_bytes + table.nbytes > self.file_bytes:
             rows = max(1, table.num_rows * (self.file_bytes - self.pending_bytes) // max(table.nbytes, 1))
             self.pending.append(table.slice(0, rows))
             table = table.slice(rows)
@@ -828,7 +896,7 @@ class _ParquetFiles:
             self.pending_bytes += table.nbytes
 
     def _flush(self) -> None:
-        name = self.names[self.written] if self.names else shard_file(self.written)
+        name = shard_file(self.written)
         self.written += 1
         if len(self.running) >= WRITER_THREADS:
             self.running.pop(0).result()  # the oldest file is done before another one starts
@@ -836,12 +904,9 @@ class _ParquetFiles:
         self.pending, self.pending_bytes = [], 0
 
     def _encode(self, path: str, tables: list[pa.Table]) -> None:
-        # Dictionary encoding only for strings: on ids, counts and lists it costs 3x the write time for
-        # nothing (it falls back to plain encoding on high-cardinality columns anyway).
-        strings = [f.name for f in self.schema if pa.types.is_string(f.type)]
-        with open_output(path) as sink, pq.ParquetWriter(sink, self.schema, use_dictionary=strings) as writer:
+        with open_output(path) as sink, _parquet_writer(sink, self.schema) as writer:
             for table in tables:
-                writer.write_table(table, row_group_size=64 * 1024)
+                writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         try:
@@ -891,7 +956,9 @@ def _check_positive(name: str, value: float, flag: str, *, allow_zero: bool = Fa
         raise ValueError(f"{name} must be {bound}, got {value!r}; set {flag}")
 
 
-def _check_unique_pins(con: duckdb.DuckDBPyConnection, ds: str) -> None:
+def _check_unique_pins(con: duckdb.DuckDBPyConnection, ds: str, shard: Shard | None = None) -> None:
+    if shard is not None and shard.index != 0:
+        return  # the same snapshot for every shard: shard 0's failure alone keeps the step from being merged
     (duplicates,) = _row(con, "SELECT count(*) - count(DISTINCT pin_id) FROM pins")
     if duplicates:
         raise InputDataError(
@@ -972,7 +1039,7 @@ def build_daily(
     a window over such a day is always a full sum.
     """
     ds = ds_str(ds)
-    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    _require(root, RAW_EVENTS, ds, _events_hint(ds))
     _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     base: dict[str, Any] = {
         "step": "daily",
@@ -988,13 +1055,14 @@ def build_daily(
     )
     with connect(engine, root) as con:
         _pins_view(con, root, ds)
-        _check_unique_pins(con, ds)
+        _check_unique_pins(con, ds, shard)
         for dataset, sql, schema in ((USER_DAILY, USER_DAILY_SQL, USER_DAILY_SCHEMA), (PIN_DAILY, PIN_DAILY_SQL, PIN_DAILY_SCHEMA)):
             key = "user_id" if dataset == USER_DAILY else "pin_id"
             # A shard reads its buckets of the day (by user for users, by pin for pins) and counts its own events:
             # the merge sums the counts (each event is in one shard of each side).
-            _view(con, "events_all", events if shard is None else _events_files(root, ds, shard, key), EVENTS_SCHEMA)
-            con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, key)}")
+            part = _events_part(root, ds, shard, key)
+            _view(con, "events_all", part.files, EVENTS_SCHEMA)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {part.keeps}")
             if shard is not None or dataset == USER_DAILY:
                 events_rows, unknown = _row(con, counts)
                 base["events"] = int(events_rows)
@@ -1142,13 +1210,14 @@ def build_window(
                 signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
                 if plan["leaving"]:
                     signed.append((daily, plan["leaving"], -1))
-                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts_src", shard)):
+                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts", shard)):
+                    parts = [(shard_part(root, dataset, day, of_shard), sign) for dataset, day, sign in signed]
                     selects = [
                         f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
-                        f"FROM read_parquet([{_quoted(shard_files(root, dataset, day, of_shard))}], hive_partitioning = false)"
-                        for dataset, day, sign in signed
+                        f"FROM read_parquet([{_quoted(part.files)}], hive_partitioning = false) WHERE {part.keeps}"
+                        for part, sign in parts
                     ]
-                    # A shard reads only the files of its users / pins (``shard_files``); the pin totals every pin.
+                    # A shard reads only the files of its users / pins (``shard_part``); the pin totals every pin.
                     con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS " + "\nUNION ALL\n".join(selects))
                 inputs[name] = [_ref(dataset, day) for dataset, day, _ in signed]
         else:
@@ -1171,16 +1240,14 @@ def build_window(
                     f"CREATE OR REPLACE TEMP VIEW {name}_parts_all AS SELECT {_PART_COLUMNS[name]}, 1 AS part_sign "
                     f"FROM {name}_daily"
                 )
-                con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_parts_src AS SELECT * FROM {name}_parts_all")
+                con.execute(
+                    f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_all "
+                    f"WHERE {_keeps(shard, f'{name}_id')}"
+                )
                 daily = USER_DAILY if name == "user" else PIN_DAILY
                 inputs[name] = [_ref(daily, d) for d in stored] + [
                     ref for d in computed for ref in (_ref(RAW_EVENTS, d), _ref(RAW_PINS, d))
                 ]
-        for name in ("user", "pin"):
-            con.execute(
-                f"CREATE OR REPLACE TEMP VIEW {name}_parts AS SELECT * FROM {name}_parts_src "
-                f"WHERE {_keeps(shard, f'{name}_id')}"
-            )
         if missing:
             log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
         mode = "incremental" if plan is not None else "recompute" if recompute else "full"
@@ -1279,10 +1346,11 @@ def build_sequences(
 
     with connect(engine, root) as con:
         _pins_view(con, root, ds)
-        _check_unique_pins(con, ds)
+        _check_unique_pins(con, ds, shard)
         if mode == "incremental":
-            _view(con, "previous_all", shard_files(root, USER_SEQUENCE, previous_ds, shard), USER_SEQUENCE_SCHEMA)
-            con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {_keeps(shard, 'user_id')}")
+            previous = shard_part(root, USER_SEQUENCE, previous_ds, shard)
+            _view(con, "previous_all", previous.files, USER_SEQUENCE_SCHEMA)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW previous_sequence AS SELECT * FROM previous_all WHERE {previous.keeps}")
             validation = _check_validated(root, [ds], require_validation=require_validation)
             engagements = _engagements_sql(con, root, [ds], shard)
             inputs = [_ref(USER_SEQUENCE, previous_ds), _ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
@@ -1317,8 +1385,6 @@ def build_sequences(
             "sequence_length": sequence_length,
             "unknown": UNKNOWN_ID,
         }
-        if shard is not None:
-            engagements = f"SELECT * FROM ({engagements}) WHERE {shard.keeps('user_id')}"
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
         summary = _write_query(
             con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest(),
@@ -1356,7 +1422,7 @@ def build_examples(
             f"negative_downsample must be in [0, 1], got {negative_downsample!r}; set --negative-downsample"
         )
     features_ds = shift_ds(ds, -1)
-    events = _require(root, RAW_EVENTS, ds, _events_hint(ds))
+    _require(root, RAW_EVENTS, ds, _events_hint(ds))
     _require(root, RAW_PINS, ds, _pins_hint(ds))  # the day's snapshot (or increment) has landed
     feature_inputs = (
         ("user_window", USER_WINDOW, USER_WINDOW_SCHEMA),
@@ -1375,11 +1441,12 @@ def build_examples(
     inputs = [_ref(RAW_EVENTS, ds), _ref(RAW_PINS, ds)]
     global_rates, rates_source = dict(DEFAULT_GLOBAL_RATES), "defaults"
     with connect(engine, root) as con:
-        _view(con, "events_all", events if shard is None else _events_files(root, ds, shard), EVENTS_SCHEMA)
+        events = _events_part(root, ds, shard)
+        _view(con, "events_all", events.files, EVENTS_SCHEMA)
         # An impression and its engagements have one user: a shard's labels are complete.
-        con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {_keeps(shard, 'user_id')}")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW events AS SELECT * FROM events_all WHERE {events.keeps}")
         _pins_view(con, root, ds)
-        _check_unique_pins(con, ds)
+        _check_unique_pins(con, ds, shard)
         sequence_digest: str | None = None
         for name, dataset, schema in feature_inputs:
             files = [] if _ref(dataset, features_ds) in missing_inputs else data_files(root, dataset, features_ds)
@@ -1540,8 +1607,10 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
                 merged[key] = sum(int(m[key]) for m in metas)
         if "positives" in metas[0]:
             merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
+        if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
+            merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
         merged["shards"] = count
-        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_files``).
+        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
         merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
         with write_partition(root, dataset, ds) as out:
             for i, folder in enumerate(folders):

@@ -67,6 +67,15 @@ def staging_folder(root: str, step: str, ds: str, key: str) -> str:
     return join(root, STAGING, "features", step, f"ds={ds}", key)
 
 
+def with_run_params(features: FeaturesConfig, overrides: dict[str, Any], shards: Any) -> FeaturesConfig:
+    """The ``features:`` settings of a run: the configuration's with the run's params (``shards`` empty: the
+    configuration's ``features.shards``)."""
+    from core import config
+    return config.with_overrides(
+        features, {**overrides, "shards": shards if shards not in ("", None) else None}, "the run's params"
+    )
+
+
 def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg: PlatformConfig,
                    features: FeaturesConfig, backend: str) -> Any:
     """The job of one build step (pure): one process (``shards`` empty: unsharded), or an array job with one child
@@ -159,9 +168,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         self._built: dict[str, Any] | None = None
 
     def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
-        from core import config
-        overrides = {**self.overrides, "shards": self.shards if self.shards not in ("", None) else None}
-        return config.with_overrides(cfg.features, overrides, "the run's params")
+        return with_run_params(cfg.features, self.overrides, self.shards)
 
     def _plan(self, context: Context) -> FeaturePlan:
         """What this task builds (the same for every try of a run)."""

@@ -66,25 +66,30 @@ class ValidatePartitionOperator(BaseOperator):
 
     :param dataset: ``events``, ``pins`` or ``users``.
     :param ds: the partition day (templated).
+    :param shards: the feature build's shard count of the run (templated; empty: ``features.shards``): above 1,
+        a passed events partition is also written bucketed for the shards (``features.event_buckets`` files).
     """
 
-    template_fields: Sequence[str] = ("ds",)
+    template_fields: Sequence[str] = ("ds", "shards")
     ui_color = "#fde8c8"
     operator_extra_links = (DataDocsLink(),)
 
-    def __init__(self, *, dataset: str, ds: str, **kwargs: Any) -> None:
+    def __init__(self, *, dataset: str, ds: str, shards: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dataset = dataset
         self.ds = ds
+        self.shards = shards
         self.data_docs_url: str | None = None
         self._checks: list[tuple[str, bool]] = []
 
     def execute(self, context: Context) -> dict[str, Any]:
         from core import config
         from features.validate import validate_partition
+        from operators.features import with_run_params
 
         cfg = config.load()
         section = cfg.validation
+        shards = with_run_params(cfg.features, {}, self.shards).shards  # a bad form value: a USER error, before any check
         report = validate_partition(
             cfg.storage_root,
             self.dataset,
@@ -92,7 +97,7 @@ class ValidatePartitionOperator(BaseOperator):
             config=section,
             data_docs=section.data_docs,
             quarantine=section.quarantine,
-            event_buckets=cfg.features.event_buckets if cfg.features.shards > 1 else 0,
+            event_buckets=cfg.features.event_buckets if shards > 1 else 0,
         )
         self.data_docs_url = data_docs_url(cfg.storage_root, self.dataset, self.ds)
         self._checks = [(c.name, bool(c.success)) for c in report.checks if c.success is not None]

@@ -52,6 +52,7 @@ from core.contracts import (
     USER_SEQUENCE,
     USER_SEQUENCE_SCHEMA,
     SequenceDigest,
+    combined_digest,
 )
 from core.failures import DataError
 from core.storage import (
@@ -184,7 +185,7 @@ class _Sequences:
     offsets: np.ndarray  # int64 [n + 1], into the values, in user_ids order
     values: dict[str, pa.Array]  # seq_pin_ids, seq_actions, seq_categories values
     ts_us: np.ndarray  # int64 microseconds of each value
-    digest: str
+    digests: tuple[str, ...]  # of the rows as one stream, and of the files' (a merged sharded partition's)
 
 
 class SequenceResolver:
@@ -210,11 +211,14 @@ class SequenceResolver:
             except FileNotFoundError as e:
                 raise DataError(f"examples reference the sequences of ds={seq_ds}, but {e}") from None
             digest = SequenceDigest()
+            file_digests = []
             tables = []
             for path in files:
                 with parquet_file(path, pins_of(self.root)) as parquet:
                     table = parquet.read().select(USER_SEQUENCE_SCHEMA.names).cast(USER_SEQUENCE_SCHEMA)
                 digest.update(table)
+                if len(files) > 1:
+                    file_digests.append(SequenceDigest().update(table).hexdigest())
                 tables.append(table)
             table = pa.concat_tables(tables) if tables else USER_SEQUENCE_SCHEMA.empty_table()
             user_ids = table.column("user_id").to_numpy()
@@ -235,7 +239,7 @@ class SequenceResolver:
                 offsets=offsets - base,
                 values={name: values[name] for name in ("seq_pin_ids", "seq_actions", "seq_categories")},
                 ts_us=values["seq_ts"].cast(pa.int64()).to_numpy(zero_copy_only=False),
-                digest=digest.hexdigest(),
+                digests=(digest.hexdigest(), *([combined_digest(file_digests)] if file_digests else [])),
             )
         return self._loaded[seq_ds]
 
@@ -262,10 +266,10 @@ class SequenceResolver:
         if days:
             seq_ds = days[0].isoformat()
             sequences = self.sequences(seq_ds)
-            if digest != sequences.digest:
+            if digest not in sequences.digests:
                 raise DataError(
                     f"{where} reference the sequences of {USER_SEQUENCE} ds={seq_ds} with content digest {digest}, "
-                    f"but that partition now holds {sequences.digest}: it was rebuilt from other data after these "
+                    f"but that partition now holds {sequences.digests[0]}: it was rebuilt from other data after these "
                     f"examples; rebuild the examples (`python -m features.build --step examples --ds <the examples' day>`)"
                 )
             users = table.column("user_id").to_numpy()

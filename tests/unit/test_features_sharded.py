@@ -95,6 +95,31 @@ def test_training_reads_sharded_examples_like_unsharded_ones(roots: tuple[Path, 
 
 
 @pytest.mark.unit
+def test_merged_sequences_record_the_digest_the_next_examples_reference(roots: tuple[Path, Path]) -> None:
+    _, sharded = roots
+    day, before = BUILT[-1], BUILT[-2]
+    tables = [storage.read_parquet(f) for f in storage.data_files(sharded, contracts.USER_SEQUENCE, before)]
+    digest = contracts.combined_digest([contracts.sequence_digest(t.cast(contracts.USER_SEQUENCE_SCHEMA)) for t in tables])
+    assert read_metadata(sharded, contracts.USER_SEQUENCE, before)["content_digest"] == digest
+    # No examples shard digested the sequences again; training accepts the reference (the test above).
+    assert read_metadata(sharded, contracts.EXAMPLES, day)["sequence_digest"] == digest
+
+
+@pytest.mark.unit
+def test_duplicated_pins_fail_shard_0_and_nothing_is_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
+    whole, _ = roots
+    root, day, staging = tmp_path / "root", BUILT[-1], str(tmp_path / "staging")
+    shutil.copytree(whole / "raw", root / "raw")
+    pins = read_table(root, contracts.RAW_PINS, day)
+    storage.write_table(root, contracts.RAW_PINS, day, pa.concat_tables([pins, pins.slice(0, 1)]))
+    build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(1, 2, staging))
+    with pytest.raises(build.InputDataError, match="1 duplicated pin_id rows"):  # the check is shard 0's
+        build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(0, 2, staging))
+    with pytest.raises(InfraError, match=r"shard\(s\) \[0\] have no output"):
+        build.merge_shards(root, day, "daily", staging, 2)
+
+
+@pytest.mark.unit
 def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_path: Path) -> None:
     _, sharded = roots
     root = tmp_path / "root"
@@ -196,23 +221,27 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     day = BUILT[1]
     names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
     # 6 buckets, shard 1 of 3: buckets 1 and 4; of 2: 1, 3, 5; of 4 (gcd 2): the odd ones, filtered.
-    assert names(build._events_files(bucketed, day, build.Shard(1, 3, "s"))) == ["part-00001.parquet", "part-00004.parquet"]
-    assert names(build._events_files(bucketed, day, build.Shard(1, 2, "s"), "pin_id")) == [
+    assert names(build._events_part(bucketed, day, build.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
+    assert names(build._events_part(bucketed, day, build.Shard(1, 2, "s"), "pin_id").files) == [
         "part-00001.parquet", "part-00003.parquet", "part-00005.parquet"]
-    assert len(build._events_files(bucketed, day, build.Shard(1, 4, "s"))) == 3
+    assert len(build._events_part(bucketed, day, build.Shard(1, 4, "s")).files) == 3
+    # Exactly its rows when the shard count divides the buckets' (no hash per row), else filtered.
+    assert build._events_part(bucketed, day, build.Shard(1, 3, "s")).keeps == "TRUE"
+    assert build._events_part(bucketed, day, build.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
     # The previous day's state merged from 3 shards: shard i of 3 reads part-i only; unsharded readers read all.
     assert names(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(2, 3, "s"))) == ["part-00002.parquet"]
     assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
     assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(0, 2, "s"))) == 3
     # Unsharded readers never read the buckets; a raw partition re-landed since it was bucketed is read whole.
     raw = storage.data_files(bucketed, contracts.RAW_EVENTS, day)
-    assert build._events_files(bucketed, day, None) == raw
+    assert build._events_part(bucketed, day, None).files == raw
     root = tmp_path / "root"
     shutil.copytree(bucketed, root)
     storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
-    assert build._events_files(root, day, build.Shard(1, 3, "s")) == storage.data_files(root, contracts.RAW_EVENTS, day)
+    assert build._events_part(root, day, build.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
+                                                                    "hash(user_id) % 3 = 1")
     # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
     meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
-    assert len(build._events_files(root, BUILT[2], build.Shard(1, 3, "s"))) == 6
+    assert len(build._events_part(root, BUILT[2], build.Shard(1, 3, "s")).files) == 6

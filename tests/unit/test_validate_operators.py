@@ -374,3 +374,21 @@ def test_window_gap_policy_is_checked(root: Path, monkeypatch: pytest.MonkeyPatc
 
     with pytest.raises(UserError, match="validation.on_window_gap = 'ignore'"):
         WindowGapCheckOperator(task_id="validate_window", ds=DS).execute(context(FakeTI()))
+
+
+@pytest.mark.parametrize(("shards", "buckets"), [(None, 0), ("", 0), (1, 0), (4, 64)])
+def test_events_are_bucketed_when_the_runs_build_is_sharded(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            shards: Any, buckets: int) -> None:
+    import features.validate
+
+    asked: list[int] = []
+
+    def validate(*args: Any, event_buckets: int, **kwargs: Any) -> Any:
+        asked.append(event_buckets)
+        raise DataError("stop here")
+
+    monkeypatch.setattr(features.validate, "validate_partition", validate)
+    op = ValidatePartitionOperator(task_id="validate_events", dataset="events", ds=DS, shards=shards)
+    with pytest.raises(DataError, match="stop here"):
+        op.execute(context(FakeTI()))
+    assert asked == [buckets]  # the form's shards, else features.shards (1 here)
