@@ -21,7 +21,9 @@ import dataclasses
 import hashlib
 import io
 import os
+import shutil
 import tempfile
+import weakref
 from typing import IO, Any
 
 import numpy as np
@@ -257,14 +259,19 @@ class ShardedRows(nn.Module):
         """Shard ``i``'s file, checked against its SHA-256 when first opened, and where its rows start."""
         if i not in self._open:
             shard = self.shards[i]
-            digest = sha256_of(shard.location)
+            path = shard.location
+            if storage.is_remote(path):  # read from a local copy (the scorer's cache), this file only, fetched once
+                path = os.path.join(self.cache, f"{self.name}-{i}.npy")
+                fs, key = storage.filesystem(shard.location)
+                try:
+                    fs.get_file(key, path)  # streamed to disk in blocks: a shard never held in memory
+                except FileNotFoundError:
+                    raise DataError(f"sharded model file {shard.location} is missing: the export is incomplete or "
+                                    "was removed") from None
+            digest = sha256_of(path)  # the copy that is read is the one checked
             if digest != shard.sha256:
                 raise DataError(f"sharded model file {shard.location} has SHA-256 {digest}, the manifest says "
                                 f"{shard.sha256}: the file was changed or damaged; export the model again")
-            path = shard.location
-            if storage.is_remote(path):  # mapped from a local copy (the scorer's cache), this file only
-                path = os.path.join(self.cache, f"{self.name}-{i}.npy")
-                storage.copy_file(shard.location, path)
             f = open(path, "rb")  # noqa: SIM115 - kept open while the table is used (closed with it)
             version = np.lib.format.read_magic(f)
             header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -337,6 +344,8 @@ def load(final: str, family: Any, variant: str = "model", sha256: str | None = N
     tables = manifest["tables"]
     model = build_meta(lambda: family.build_model(variant), list(tables))
     cache = tempfile.mkdtemp(prefix="pinflow-shards-") if storage.is_remote(base) else ""
+    if cache:  # the local copies of an object store's shards go with the model
+        weakref.finalize(model, shutil.rmtree, cache, ignore_errors=True)
     for table, info in tables.items():
         shards = [ShardFile(int(s["row_start"]), int(s["row_end"]), int(s["col_start"]), int(s["col_end"]),
                             storage.join(base, s["file"]), str(s["sha256"])) for s in info["shards"]]

@@ -109,6 +109,39 @@ def test_a_changed_or_missing_shard_or_manifest_is_a_data_error_naming_the_file(
         sharded_export.load(str(folder), family, sha256=digest)
 
 
+def test_an_export_on_an_object_store_is_read_from_one_local_copy_per_file_removed_with_the_model(exported):
+    """The in-memory filesystem stands for S3 (moto in tests/integration): a looked-up table's file is fetched once
+    into a local cache, checked there, and the cache goes when the model does; a missing file names its URL."""
+    import gc
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://sharded-{uuid.uuid4().hex}/model"
+    fs.put(str(exported["folder"]), url.removeprefix("memory://"), recursive=True)
+    try:
+        family = load_family("pin_ranker", params=SMALL)
+        model = sharded_export.load(url, family, sha256=sharded_export.manifest_sha256(url))
+        local = sharded_export.load(str(exported["folder"]), load_family("pin_ranker", params=SMALL))
+        with torch.no_grad():
+            got, want = model(exported["batch"]), local(exported["batch"])
+        for label in want:
+            assert torch.equal(got[label], want[label]), label
+        assert all(f.startswith(url) for f in sharded_export.opened_files(model))
+        cache = next(m.cache for m in model.modules() if isinstance(m, sharded_export.ShardedRows))
+        assert Path(cache).is_dir() and sorted(p.name for p in Path(cache).iterdir())
+        del model
+        gc.collect()
+        assert not Path(cache).exists()
+        pin = exported["manifest"]["tables"]["pin_emb"]["shards"][0]["file"]  # type: ignore[index]
+        fs.rm(f"{url.removeprefix('memory://')}/{pin}")
+        with pytest.raises(DataError, match=f"{url}/{pin} is missing"):
+            sharded_export.load(url, family).pin_emb(torch.tensor([3]))
+    finally:
+        fs.rm(url.removeprefix("memory://").split("/")[0], recursive=True)
+
+
 def test_a_pin_rows_plan_gives_each_pin_to_the_shard_of_its_table_row_and_publishes_them_all(tmp_path: Path):
     from tests.unit.test_inference import DS, StandIn, published_ids, write_corpus
 
