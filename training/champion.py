@@ -7,8 +7,9 @@ at hand, so rank 0 evaluates the champion there (``RunConfig.evaluate_champion``
 
 The champion is the version the MLflow alias ``champion`` of ``model_name`` points at. Its exported serving
 module is loaded from the registry, its weights put into the family's trainable model
-(``ModelFamily.model_from_serving``) built with the params it was trained with (its feature spec), and the family's
-``evaluate`` runs on it exactly as on the new model. What could not be evaluated is reported, not raised: the
+(``ModelFamily.model_from_serving``) built with the params it was trained with (its feature spec); a champion exported
+sharded is loaded over its table files instead (``training.inference.load_trainable``: never built whole). The
+family's ``evaluate`` runs on it exactly as on the new model. What could not be evaluated is reported, not raised: the
 gate then refuses to decide and says why.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from training.config import RunConfig
-from training.sdk import ModelFamily, load_family
+from training.sdk import ModelFamily
 
 log = logging.getLogger("training.champion")
 
@@ -39,7 +40,7 @@ def evaluate_champion(
     promotion); ``{"version", "error"}`` when it could not be evaluated; None when there is no champion."""
     from mlflow import MlflowClient
 
-    from training.inference import load_model
+    from training.inference import load_trainable
 
     uri = config.mlflow_tracking_uri
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -56,12 +57,11 @@ def evaluate_champion(
     try:
         # The day it was evaluated on when it was trained: the gate does not let an older model replace it.
         found["eval_ds"] = client.get_run(str(version.run_id)).data.params.get("eval_ds") if version.run_id else None
-        module, spec = load_model(f"models:/{name}/{version.version}", uri)
-        champion_family = load_family(str(spec.get("family", "")), str(spec.get("family_module", "")),
-                                      spec.get("params"))
+        # A sharded champion stays sharded (its rows read as they are looked up): never built whole on rank 0.
+        champion_family, model, _ = load_trainable(f"models:/{name}/{version.version}", uri)
         if champion_family.name != family.name:
             raise ValueError(f"it is a model of family {champion_family.name}, this run trains {family.name}")
-        model = champion_family.model_from_serving(module).to(device)
+        model = model.to(device)
         context = champion_family.prepare(config.input_root, list(config.train_days), config.eval_ds)
         metrics = champion_family.evaluate({"model": model}, config.input_root, config.eval_ds, context, device=device,
                                            batch_size=config.eval_batch_size, on_batch=on_batch)

@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import queue
-import resource
 import sys
 import threading
 import time
@@ -55,7 +54,7 @@ from core import storage
 from core.arrays import parse_shards, shards_of_this_process
 from core.contracts import RAW_PINS
 from core.failures import DataError, ExitCode, UserError, exit_code_for
-from training.runtime import setup_logging
+from training.runtime import peak_rss_bytes, setup_logging
 
 log = logging.getLogger("training.inference")
 
@@ -399,14 +398,9 @@ def shard_batches(plan: ScoringPlan, shard: int, rows_of: Any = None) -> Iterato
 # --- scoring ---------------------------------------------------------------------------------------------------
 
 
-def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
-    """The serving module and its feature spec (from the MLflow model's metadata).
-
-    A model exported sharded (``training.sharded_export``; its metadata points to the export) is the family's
-    serving form over :class:`~training.sharded_export.ShardedRows` tables: each shard file is checked and
-    opened only when a looked-up row falls in it, and only those rows are read. Any other model is the ``torch.export`` program."""
+def _registered(model_uri: str, tracking_uri: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The feature spec of a registered model and its sharded export's pointer (None: a whole model)."""
     import mlflow
-    import mlflow.pytorch
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
@@ -414,15 +408,46 @@ def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
     spec = (info.metadata or {}).get("feature_spec")
     if not spec:
         raise ValueError(f"model {model_uri} has no feature_spec in its metadata: was it logged by training.train?")
-    pointer = (info.metadata or {}).get(SHARDED_METADATA)
+    return spec, (info.metadata or {}).get(SHARDED_METADATA)
+
+
+def _family_of(spec: dict[str, Any]) -> Any:
+    from training.sdk import load_family
+
+    return load_family(str(spec.get("family", "")), str(spec.get("family_module", "")), spec.get("params"))
+
+
+def load_model(model_uri: str, tracking_uri: str) -> tuple[Any, dict[str, Any]]:
+    """The serving module and its feature spec (from the MLflow model's metadata).
+
+    A model exported sharded (``training.sharded_export``; its metadata points to the export) is the family's
+    serving form over :class:`~training.sharded_export.ShardedRows` tables: each shard file is checked and
+    opened only when a looked-up row falls in it, and only those rows are read. Any other model is the ``torch.export`` program."""
+    spec, pointer = _registered(model_uri, tracking_uri)
     if pointer:
         from training import sharded_export
-        from training.sdk import load_family
 
-        family = load_family(str(spec.get("family", "")), str(spec.get("family_module", "")), spec.get("params"))
+        family = _family_of(spec)
         model = sharded_export.load(str(pointer["location"]), family, sha256=str(pointer["sha256"]))
         return family.serving(model).eval(), spec
+    import mlflow.pytorch
+
     return mlflow.pytorch.load_model(model_uri), spec
+
+
+def load_trainable(model_uri: str, tracking_uri: str) -> tuple[Any, Any, dict[str, Any]]:
+    """(its family, the family's trainable ``model``, the feature spec) of a registered model: what ``evaluate``
+    takes (the promotion gate's champion, ``training.champion``). A sharded model keeps its tables in their files
+    (``ShardedRows``: never built whole); a whole one goes through the family's ``model_from_serving``."""
+    spec, pointer = _registered(model_uri, tracking_uri)
+    family = _family_of(spec)
+    if pointer:
+        from training import sharded_export
+
+        return family, sharded_export.load(str(pointer["location"]), family, sha256=str(pointer["sha256"])), spec
+    import mlflow.pytorch
+
+    return family, family.model_from_serving(mlflow.pytorch.load_model(model_uri)), spec
 
 
 @dataclasses.dataclass
@@ -615,9 +640,9 @@ def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None
     if not by_rows and writer.rows != expected:
         raise DataError(f"shard {shard} of plan {plan.plan_id} scored {writer.rows} rows, its range has {expected}")
     seconds = time.monotonic() - loaded
-    # The process's peak resident memory (Linux: KiB), and the shard files a sharded model opened: what a scorer
-    # of a sharded model saves is measured, not assumed.
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # The process's peak resident memory (VmHWM: this program's own, not its parent's), and the shard files a
+    # sharded model opened: what a scorer of a sharded model saves is measured, not assumed.
+    peak_rss_mib = peak_rss_bytes() / 2**20
     opened = None
     if by_rows and scorer.module is not None:
         from training.sharded_export import opened_files

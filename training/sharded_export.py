@@ -10,7 +10,7 @@ tables, the managed-id buffers included) and ``MANIFEST.json`` (per table: rows,
 :func:`load` rebuilds the family's model with those tables on the meta device and puts a :class:`ShardedRows`
 in each table's place: a lookup that opens a shard file only when a looked-up row falls in it, after checking
 its SHA-256 against the manifest, and reads only the rows looked up. A scorer whose pins map to a few rows of the pin table (the corpus
-plan groups them so: ``training.inference``, sharding ``pin-rows-v1``) reads and maps only the shards of those
+plan groups them so: ``training.inference``, sharding ``pin-rows-v1``) opens only the shards of those
 rows. A missing shard, or one whose checksum differs, is a DataError naming the file.
 """
 
@@ -335,6 +335,15 @@ def read_manifest(final: str, sha256: str | None = None) -> tuple[str, dict[str,
     return base, manifest
 
 
+def published(final: str) -> bool:
+    """Whether an export is published at ``final`` (its manifest is there and readable)."""
+    try:
+        read_manifest(final)
+    except DataError:
+        return False
+    return True
+
+
 def load(final: str, family: Any, variant: str = "model", sha256: str | None = None) -> nn.Module:
     """The family's ``variant`` model from the sharded export at ``final``: the dense part loaded, each sharded
     table a :class:`ShardedRows` over its files (opened on first use)."""
@@ -353,10 +362,15 @@ def load(final: str, family: Any, variant: str = "model", sha256: str | None = N
         setattr(model.get_submodule(parent) if parent else model, attr,
                 ShardedRows(table, int(info["rows"]), int(info["dim"]), shards, cache))
     dense_location = storage.join(base, manifest["dense"]["file"])
-    if sha256_of(dense_location) != manifest["dense"]["sha256"]:
+    try:
+        dense = storage.read_bytes(dense_location)  # read once: the bytes checked are the bytes loaded
+    except FileNotFoundError:
+        raise DataError(f"sharded model file {dense_location} is missing: the export is incomplete or was "
+                        "removed") from None
+    if hashlib.sha256(dense).hexdigest() != manifest["dense"]["sha256"]:
         raise DataError(f"sharded model file {dense_location} does not match its SHA-256 in the manifest: "
                         "the file was changed or damaged; export the model again")
-    state = torch.load(io.BytesIO(storage.read_bytes(dense_location)), weights_only=True)
+    state = torch.load(io.BytesIO(dense), weights_only=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise DataError(f"{dense_location} does not fit the family's model: missing {missing}, unexpected {unexpected}")

@@ -168,11 +168,13 @@ class Tracker:
                 self.state["model_uri"],
                 self.state.get("model_version"),
             )
+            self._tag_corpus_rows(family, self.state.get("model_version"), sharded)
             return str(self.state["model_uri"]), self.state.get("model_version")
         registered = self.registered_version()
         if registered is not None:
             model_uri = f"models:/{self.config.registered_model}/{registered.version}"
             log.info("this run registered its model already (an earlier try): %s", model_uri)
+            self._tag_corpus_rows(family, str(registered.version), sharded)
             self.state.update(model_uri=model_uri, model_version=str(registered.version),
                               logged_model_uri=str(registered.source))
             storage.write_json(self.state_path, self.state)
@@ -197,14 +199,22 @@ class Tracker:
             )
         version = info.registered_model_version
         version = str(version) if version is not None else None
-        if sharded is not None and version is not None and family.corpus_table:
-            rows = info.metadata[SHARDED_METADATA]["tables"].get(family.corpus_table, {}).get("rows")
-            if rows:  # what the corpus plan groups pins by, read with the version (no model download)
-                self.client.set_model_version_tag(self.config.registered_model, version, SHARDED_ROWS_TAG, str(rows))
+        self._tag_corpus_rows(family, version, sharded)
         model_uri = f"models:/{self.config.registered_model}/{version}" if version else info.model_uri
         self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
         storage.write_json(self.state_path, self.state)
         return model_uri, version
+
+    def _tag_corpus_rows(self, family: ModelFamily, version: str | None, sharded: str | None) -> None:
+        """Tag a sharded version with its corpus table's rows (what the corpus plan groups pins by, read with the
+        version: no model download). Also on a retry's way out: a try may have registered and died before tagging."""
+        if sharded is None or version is None or not family.corpus_table:
+            return
+        from training import sharded_export
+
+        rows = sharded_export.read_manifest(sharded)[1]["tables"].get(family.corpus_table, {}).get("rows")
+        if rows:
+            self.client.set_model_version_tag(self.config.registered_model, version, SHARDED_ROWS_TAG, str(rows))
 
     def _log_sharded(self, folder: str, feature_spec: dict[str, Any], registered_name: str | None) -> Any:
         """A pyfunc model pointing to the sharded export in ``folder`` (``training.inference.load_model`` reads it)."""

@@ -716,13 +716,22 @@ class Trainer:
                 names = self.family.sparse_features(name)
                 if self.export_sharded():
                     folder = self.export_folder(name)
-                    self.phase(f"exporting {name} sharded")
-                    sharded_export.export(module, names, folder)
+                    # An earlier try of this step published it already: kept as it is, never rewritten (a version
+                    # it registered points at that manifest; rank 0 decides for every rank).
+                    done = [sharded_export.published(folder) if self.env.is_main else None]
+                    dist.broadcast_object_list(done, src=0)
+                    if done[0]:
+                        if self.env.is_main:
+                            log.info("%s: the sharded export of step %d is published already (an earlier try): "
+                                     "kept as it is, %s", name, self.step, folder)
+                    else:
+                        self.phase(f"exporting {name} sharded")
+                        sharded_export.export(module, names, folder)
+                        if self.env.is_main:
+                            log.info("%s exported sharded to %s (tables %.1f MiB > sharded_export_above_mib %s)",
+                                     name, folder, sharded_export.tables_bytes(module) / 2**20,
+                                     self.config.sharded_export_above_mib)
                     self.sharded_exports[name] = folder
-                    if self.env.is_main:
-                        log.info("%s exported sharded to %s (tables %.1f MiB > sharded_export_above_mib %s)", name,
-                                 folder, sharded_export.tables_bytes(module) / 2**20,
-                                 self.config.sharded_export_above_mib)
                     full[name] = None
                 else:
                     full[name] = ts.gather_full(module, names, build)

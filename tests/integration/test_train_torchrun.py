@@ -472,8 +472,9 @@ def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model
         return json.loads(Path(json.loads(config.read_text())["output_dir"], "result.json").read_text())
 
     root = tmp_path / "storage"
-    sharded = train(run_config(tmp_path, epochs=1, strategy="torchrec", sharding="row_wise",
-                               sharded_export_above_mib=0))
+    sharded_config = run_config(tmp_path, epochs=1, strategy="torchrec", sharding="row_wise",
+                                sharded_export_above_mib=0)
+    sharded = train(sharded_config)
     folder = sharded["sharded_export"]
     manifest = json.loads((Path(folder) / sharded_export.MANIFEST_FILE).read_text())
     pin_files = [(s["row_start"], s["row_end"]) for s in manifest["tables"]["pin_emb"]["shards"]]
@@ -524,3 +525,14 @@ def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model
     assert list(parts.index) == list(want.index)
     for column in want.columns:
         np.testing.assert_allclose(parts[column].to_numpy(), want[column].to_numpy(), rtol=0, atol=1e-6)
+
+    # The promotion gate's check of a sharded champion (the next run's): over its table files, never built whole
+    # (model_from_serving could not: ShardedRows hold no weights), with the metrics its own run's ranks computed.
+    from training.champion import CHAMPION_ALIAS, evaluate_champion
+    from training.config import RunConfig
+
+    MlflowClient(tracking_uri=uri, registry_uri=uri).set_registered_model_alias("pin_ranker_test", CHAMPION_ALIAS, "1")
+    champion = evaluate_champion(RunConfig.from_json(sharded_config), family, None, device="cpu")
+    assert champion is not None and "error" not in champion, champion
+    for label, value in sharded["metrics"]["auc"].items():
+        assert champion["metrics"]["auc"][label] == pytest.approx(value, abs=1e-6), label

@@ -63,6 +63,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_the_export_has_a_manifest_of_row_ranges_with_checksums_and_serves_what_the_gathered_model_does(exported):
     folder, manifest = str(exported["folder"]), exported["manifest"]
     assert isinstance(manifest, dict) and manifest["format"] == sharded_export.FORMAT
+    # What a retry of the same step asks before exporting again (a published export is never rewritten).
+    assert sharded_export.published(folder) and not sharded_export.published(f"{folder}-never-exported")
     assert json.loads((Path(folder) / sharded_export.MANIFEST_FILE).read_text()) == manifest
     assert set(manifest["tables"]) == set(exported["names"])  # type: ignore[arg-type]
     pin = manifest["tables"]["pin_emb"]
