@@ -223,7 +223,7 @@ def test_on_an_object_store_a_pin_records_the_version_and_a_changed_one_fails_as
     assert storage.read_metadata(run, EXAMPLES, DAYS[0]) == {"rows": 1000}
     storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(6)}))  # a second rebuild soon after:
     assert storage.read_table(run, EXAMPLES, DAYS[0]).num_rows == 1000  # the grace keeps the pinned version
-    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)  # a rebuild after the grace removes it
+    monkeypatch.setattr(storage.publishing, "SUPERSEDED_GRACE_SECONDS", 0.0)  # a rebuild after the grace removes it
     with pytest.raises(DataError, match=rf"examples partition ds={DAYS[0]} .* changed during this run"):
         with storage.parquet_file(files[0], run) as parquet:  # opened on the pinned version ...
             storage.write_table(root, EXAMPLES, DAYS[0], pa.table({"x": np.arange(5)}))  # ... which this removes

@@ -122,7 +122,7 @@ def assert_whole(root: str, kept: list[str]) -> None:
 def tidy_after_the_grace(root: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Publish once more as if the grace had passed: the versions left then (the new one and the one it replaced)."""
     before = current(root)
-    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(storage.publishing, "SUPERSEDED_GRACE_SECONDS", 0.0)
     publish(root, "after-the-grace")
     kept = versions(root)
     assert kept == [before, current(root)], kept
@@ -165,7 +165,7 @@ def test_a_writer_stalled_before_its_switch_never_moves_the_marker_back(root: st
     # version) and "later" publish; its switch is an S3 conditional PUT, refused since the marker changed: it reads
     # again, steps aside, and the marker stays on the newest version, whose folder is whole.
     publish(root, "seed")
-    put_marker = storage._put_marker
+    put_marker = storage.publishing._put_marker
     answers = []
 
     def stall_once(path: str, text: str, tag: str | None) -> bool:
@@ -176,7 +176,7 @@ def test_a_writer_stalled_before_its_switch_never_moves_the_marker_back(root: st
         answers.append(put_marker(path, text, tag))
         return answers[-1]
 
-    monkeypatch.setattr(storage, "_put_marker", stall_once)
+    monkeypatch.setattr(storage.publishing, "_put_marker", stall_once)
     publish(root, "stalled")  # its version id is the oldest of the three: taken when it started
     # late's and later's switches went through; then the stalled one's conditional PUT was refused (and not tried
     # again: the marker it read again names a newer version).
@@ -227,7 +227,7 @@ def test_a_pinned_partition_keeps_reading_its_version_after_a_rebuild(
     assert tokens(storage.read_table(run, DATASET, DAY)) == {"one"}
     assert storage.pins_intact({DATASET: {DAY: pin.to_dict()}})
 
-    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(storage.publishing, "SUPERSEDED_GRACE_SECONDS", 0.0)
     publish(root, "four")  # after the grace: the pinned version is removed
     for read in (storage.data_files, storage.read_table, storage.read_metadata):
         with pytest.raises(DataError, match=rf"{DATASET} partition ds={DAY} .* version folder was removed"):
@@ -260,7 +260,7 @@ def test_partitions_with_a_plain_marker_are_read_as_before_and_replaced_by_versi
     assert len(storage.glob(part, "*.parquet")) == FILES
     publish(root, "two")  # within the grace: kept
     assert len(storage.glob(part, "*.parquet")) == FILES
-    monkeypatch.setattr(storage, "SUPERSEDED_GRACE_SECONDS", 0.0)
+    monkeypatch.setattr(storage.publishing, "SUPERSEDED_GRACE_SECONDS", 0.0)
     publish(root, "two")  # after it: removed
     assert tokens(storage.read_table(root, DATASET, DAY)) == {"two"}
     assert storage.glob(part, "*.parquet") == [] and not storage.exists(storage.join(part, storage.METADATA_FILE))

@@ -69,7 +69,7 @@ def test_renewal_and_check_never_fail_on_a_storage_error(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise OSError("storage unreachable")
 
-    monkeypatch.setattr(storage, "write_bytes", broken)
+    monkeypatch.setattr(storage.paths, "write_bytes", broken)  # under write_json and write_text
     with caplog.at_level(logging.WARNING, logger="core.lease"):
         assert lease.renew("/nonexistent/runs/job-1", "job-1") is False
         lease.check("/nonexistent/runs/job-1", 300)

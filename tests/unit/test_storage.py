@@ -232,17 +232,17 @@ def test_replaced_versions_stay_readable_for_the_grace_however_fast_a_partition_
 
         # The store says the current version was published an hour ago (the marker as read before the switch): the
         # next publish removes what is older than it, keeping the one it replaces.
-        real, calls = storage._marker_tag, []
+        real, calls = storage.publishing._marker_tag, []
 
         def an_hour_earlier_before_the_switch(path: str) -> tuple[str | None, float | None]:
             tag, written = real(path)
             calls.append(path)
             return tag, written - 3600 if len(calls) == 1 and written is not None else written
 
-        monkeypatch.setattr(storage, "_marker_tag", an_hour_earlier_before_the_switch)
+        monkeypatch.setattr(storage.publishing, "_marker_tag", an_hour_earlier_before_the_switch)
         storage.write_table(root, dataset, day, pa.table({"x": [4]}))
         assert len(calls) == 2  # before the switch, and the tidy-up's now
-        monkeypatch.setattr(storage, "_marker_tag", real)
+        monkeypatch.setattr(storage.publishing, "_marker_tag", real)
         kept = versions()
         assert len(kept) == 2 and storage.resolve(part) == storage.join(part, kept[1])
         assert not storage.exists(resolved)

@@ -82,7 +82,7 @@ def test_two_writers_and_a_reader_see_only_whole_partitions(tmp_path: Path) -> N
 
 @pytest.mark.unit
 def test_exchange_falls_back_to_a_rename_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(storage.publishing, "_exchange", lambda a, b: False)
     final = tmp_path / "ds=2026-01-01"
     for token in ("one", "two"):
         with storage.publish(str(final)) as staging:

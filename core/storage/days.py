@@ -1,0 +1,35 @@
+"""Partition days (``YYYY-MM-DD``) and the folder of one day of a dataset."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from core.storage.paths import Location, join
+
+
+def parse_ds(ds: str | dt.date) -> dt.date:
+    if isinstance(ds, dt.date):
+        return ds
+    try:
+        return dt.date.fromisoformat(ds)
+    except ValueError:
+        raise ValueError(f"partition day {ds!r} is not a date in the form YYYY-MM-DD") from None
+
+
+def ds_str(ds: str | dt.date) -> str:
+    return parse_ds(ds).isoformat()
+
+
+def day_range(start: str | dt.date, end: str | dt.date) -> list[str]:
+    """Days from ``start`` to ``end``, both included, as YYYY-MM-DD strings."""
+    first, last = parse_ds(start), parse_ds(end)
+    return [(first + dt.timedelta(days=i)).isoformat() for i in range((last - first).days + 1)]
+
+
+def shift_ds(ds: str | dt.date, days: int) -> str:
+    return (parse_ds(ds) + dt.timedelta(days=days)).isoformat()
+
+
+def partition(root: Location, dataset: str, ds: str | dt.date) -> str:
+    """The folder of one day of a dataset: ``<root>/<dataset>/ds=YYYY-MM-DD``."""
+    return join(root, *dataset.split("/"), f"ds={ds_str(ds)}")
