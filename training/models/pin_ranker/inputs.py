@@ -84,7 +84,7 @@ def surface_ids(column: pa.ChunkedArray | pa.Array, surfaces: tuple[str, ...] = 
 def encode_batch(
     table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
 ) -> dict[str, torch.Tensor]:
-    """Rows of the ``examples`` schema → the model's input tensors (see ``training.model``) + labels."""
+    """Rows of the ``examples`` schema → the model's input tensors (see ``model.py``) + labels."""
     return with_sequence_embeddings(encode_ids(table, pins, sequence_length, surfaces), pins)
 
 

@@ -5,7 +5,7 @@ Trains on the ``examples`` dataset (impressions with labels and features as of t
 lockstep on the same batches so that the report shows what the sequence adds. This module is the network;
 ``family.py`` is the SDK side (:class:`~training.models.pin_ranker.family.PinRankerFamily`).
 
-Per example the model reads (names are the keys of a batch, see :meth:`PinRankerFamily.encode`):
+Per example the model reads (names are the keys of a batch, see ``PinRankerFamily.encode`` in ``family.py``):
 
 - the user's last N engagements, most recent first: ``seq_pin_emb`` [B, N, 32] (content embedding of each
   engaged pin), ``seq_actions`` [B, N] (index into ``ACTIONS`` + 1; 0 = padding), ``seq_categories`` [B, N],
