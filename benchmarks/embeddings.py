@@ -284,7 +284,7 @@ def train_and_evaluate(root: str, days: list[str], mode: str, buckets: dict[str,
 
     from core.config import TrainingConfig
     from training.data import ExampleStream
-    from training.models.pin_ranker import id_counts
+    from training.models.pin_ranker.inputs import id_counts
     from training.sdk import load_family
     from training.train import lr_lambda
 
@@ -330,7 +330,7 @@ def collisions_main(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from training.models.pin_ranker import id_counts
+    from training.models.pin_ranker.inputs import id_counts
 
     torch.set_num_threads(max(1, args.threads))
     logging.basicConfig(level=logging.WARNING)

@@ -55,7 +55,7 @@ def check_imports() -> None:
 
 # --- (a) the model step -----------------------------------------------------------------------------------------
 def production_config(small: bool) -> Any:
-    from training.models.pin_ranker import ModelConfig
+    from training.models.pin_ranker.model import ModelConfig
 
     if small:
         return ModelConfig(sequence_length=20, d_model=16, n_heads=2, n_layers=1, ff_dim=32, first_k=2, sparse_dim=8,
@@ -100,7 +100,7 @@ def measure_step(config: Any, batch: int, device: Any, *, compiled: bool, steps:
     import torch
 
     from core.contracts import LABELS
-    from training.models.pin_ranker import PinRanker, multitask_loss
+    from training.models.pin_ranker.model import PinRanker, multitask_loss
 
     torch.manual_seed(0)
     model = PinRanker(config).to(device)

@@ -43,7 +43,8 @@ DAYS = ["2026-01-01", "2026-01-02"]
 def make_model(ablation: bool) -> tuple[list[Any], list[Any]]:
     import torch
 
-    from training.models.pin_ranker import PinRanker, RankerParams
+    from training.models.pin_ranker.model import PinRanker
+    from training.models.pin_ranker.params import RankerParams
 
     params = RankerParams()  # the ranker's defaults, as a training run uses them
     configs = [params.model_config()] + ([params.model_config(use_sequence=False)] if ablation else [])
@@ -59,7 +60,7 @@ def make_model(ablation: bool) -> tuple[list[Any], list[Any]]:
 def train_step(models: list[Any], optimizers: list[Any], batch: dict[str, Any]) -> int:
     import torch
 
-    from training.models.pin_ranker import multitask_loss
+    from training.models.pin_ranker.model import multitask_loss
 
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "impression_id")}
     for model, optimizer in zip(models, optimizers, strict=True):
@@ -73,7 +74,7 @@ def train_step(models: list[Any], optimizers: list[Any], batch: dict[str, Any]) 
 
 def stream(root: Path, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0) -> Any:
     from training.data import ExampleStream, PinEmbeddings
-    from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch
+    from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch
 
     pins = PinEmbeddings.from_snapshot(root, DAYS[-1])
     return ExampleStream(

@@ -1,6 +1,6 @@
 """The model SDK: what a team owns in one file, and the small interface the platform drives.
 
-A **model family** is one Python module with a :class:`ModelFamily` subclass and a section in the platform
+A **model family** is one Python module (or package) with a :class:`ModelFamily` subclass and a section in the platform
 configuration (``families:``). The family declares
 
 - ``Params``: a frozen dataclass of its hyperparameters, with defaults (RUN.json's ``params`` overrides them;

@@ -271,7 +271,7 @@ def test_example_stream_resolves_references_exactly_and_resumes(daily_root: Path
     """The stream over referenced examples gives the same tables as over the same examples copied inline, with a
     shuffle, two ranks and a resume in the middle of an epoch."""
     from training.data import ExampleStream
-    from training.models.pin_ranker import EXAMPLE_COLUMNS
+    from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS
 
     days = BUILT[1:]
     inline = tmp_path / "inline"

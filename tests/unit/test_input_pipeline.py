@@ -16,7 +16,7 @@ from core.failures import ConfigError
 from operators.backends.resources import input_workers
 from training import data
 from training.data import ExampleStream, ItemBuffers, PinEmbeddings, pack_item, unpack_item
-from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch, encode_ids, with_sequence_embeddings
+from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch, encode_ids, with_sequence_embeddings
 from training.ray_input import batch_pieces
 from training.runtime import input_verdict, progress_line
 from training.smoke_data import write_tiny_world

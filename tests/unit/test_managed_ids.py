@@ -11,17 +11,10 @@ import pytest
 import torch
 
 from core.failures import ConfigError
-from training.models.pin_ranker import (
-    MANAGED_FEATURES,
-    ModelConfig,
-    PinRanker,
-    RankerParams,
-    hash_ids,
-    id_counts,
-    managed_layout,
-    managed_rows,
-    select_managed,
-)
+from training.models.pin_ranker.ids import MANAGED_FEATURES, hash_ids, managed_layout, managed_rows, select_managed
+from training.models.pin_ranker.inputs import id_counts
+from training.models.pin_ranker.model import ModelConfig, PinRanker
+from training.models.pin_ranker.params import RankerParams
 from training.sdk import load_family
 from training.smoke_data import write_tiny_world
 from training.train import LOCAL_MODEL_FILE, export_serving

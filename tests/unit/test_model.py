@@ -16,15 +16,10 @@ from core.failures import ConfigError, DataError, ExitCode, NanLossError, exit_c
 from training.config import RunConfig, fields_help
 from training.data import ExampleStream, PinEmbeddings, balance, example_units
 from training.evaluate import auc
-from training.models.pin_ranker import (
-    EXAMPLE_COLUMNS,
-    ModelConfig,
-    PinRanker,
-    encode_batch,
-    evaluate,
-    hash_ids,
-    multitask_loss,
-)
+from training.models.pin_ranker.evaluate import evaluate
+from training.models.pin_ranker.ids import hash_ids
+from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch
+from training.models.pin_ranker.model import ModelConfig, PinRanker, multitask_loss
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.unit

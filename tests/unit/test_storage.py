@@ -15,7 +15,7 @@ import torch
 from core import storage
 from training import checkpoint
 from training.data import ExampleStream, PinEmbeddings
-from training.models.pin_ranker import EXAMPLE_COLUMNS, encode_batch
+from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch
 from training.smoke_data import write_tiny_world
 
 pytestmark = pytest.mark.unit
