@@ -88,7 +88,7 @@ from core.storage import (  # noqa: E402
     write_partition,
     write_table,
 )
-from features import build, event_buckets, sharding, step_io  # noqa: E402
+from features import bucketed_events, build, sharding, step_io  # noqa: E402
 from features.steps.daily import build_daily  # noqa: E402
 from features.steps.examples import build_examples  # noqa: E402
 from features.steps.sequences import build_sequences  # noqa: E402
@@ -203,7 +203,7 @@ def phase_buckets(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The day's events bucketed by user and by pin (what validation adds when the build is sharded)."""
     engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     cpu, started = cpu_s(), time.perf_counter()
-    event_buckets.write_event_buckets(root, DAY, args.buckets, engine=engine)
+    bucketed_events.write_event_buckets(root, DAY, args.buckets, engine=engine)
     return {"seconds": time.perf_counter() - started, "cpu_s": cpu_s() - cpu, "peak_rss_mb": peak_rss_mb()}
 
 

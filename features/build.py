@@ -33,15 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from core.config import FeaturesConfig
-from core.contracts import (
-    EXAMPLES,
-    PIN_DAILY,
-    PIN_WINDOW,
-    USER_DAILY,
-    USER_SEQUENCE,
-    USER_WINDOW,
-    combined_digest,
-)
+from core.contracts import EXAMPLES, PIN_DAILY, PIN_WINDOW, USER_DAILY, USER_SEQUENCE, USER_WINDOW, combined_digest
 from core.failures import (
     DataError,
     ExitCode,

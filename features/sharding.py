@@ -2,7 +2,7 @@
 
 A ``Shard`` builds the rows of one hash class of user or pin ids; ``shard_part`` says which files of a partition
 can hold them (all, unless the partition records a ``hash_buckets`` layout: the merged output of a sharded step,
-or the bucketed events of ``features.event_buckets``). ``features.build.merge_shards`` publishes the day from the
+or the bucketed events of ``features.bucketed_events``). ``features.build.merge_shards`` publishes the day from the
 shards' files.
 """
 
@@ -26,12 +26,7 @@ from core.contracts import (
     USER_SEQUENCE,
     USER_WINDOW,
 )
-from core.storage import (
-    data_files,
-    join,
-    name_of,
-    read_metadata,
-)
+from core.storage import data_files, join, name_of, read_metadata
 
 
 @dataclass(frozen=True)
@@ -91,7 +86,7 @@ DATASET_KEYS = {
 _HASH_PROBE: list[int] = []
 
 
-def probe_hash(con: duckdb.DuckDBPyConnection) -> int:
+def take_hash_probe(con: duckdb.DuckDBPyConnection) -> int:
     if not _HASH_PROBE:
         (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
         _HASH_PROBE.append(int(value))
@@ -104,7 +99,7 @@ def hash_probe() -> int:
         return _HASH_PROBE[0]
     con = duckdb.connect()
     try:
-        return probe_hash(con)
+        return take_hash_probe(con)
     finally:
         con.close()
 

@@ -31,15 +31,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from core.config import FeaturesConfig
-from core.contracts import (
-    RAW_EVENTS,
-    RAW_PINS,
-    SequenceDigest,
-)
-from core.failures import (
-    DataError,
-    InfraError,
-)
+from core.contracts import RAW_EVENTS, RAW_PINS, SequenceDigest
+from core.failures import DataError, InfraError
 from core.storage import (
     MARKER,
     METADATA_FILE,
@@ -57,7 +50,7 @@ from core.storage import (
     write_json,
     write_partition,
 )
-from features.sharding import Shard, probe_hash, shard_file
+from features.sharding import Shard, shard_file, take_hash_probe
 from features.validation.report import unvalidated_reason
 
 log = logging.getLogger(__name__)
@@ -134,7 +127,7 @@ def connect(
             # DuckDB materialises a subplan used twice (the day's events in the user aggregates) instead of scanning
             # the Parquet files again; the copy cost ~4x the scan here.
             con.execute("SET disabled_optimizers = 'common_subplan'")
-            probe_hash(con)
+            take_hash_probe(con)
             if root is not None and is_remote(root):
                 con.register_filesystem(filesystem(root)[0])
             yield con
@@ -144,7 +137,7 @@ def connect(
         shutil.rmtree(spill, ignore_errors=True)
 
 
-# Column lists come from core.contracts so that the SQL cannot drift from the schemas.
+# Helpers of the steps' SQL text (their column lists come from core.contracts, so the SQL cannot drift from the schemas).
 
 def sql_list(values: Sequence[str]) -> str:
     return ", ".join(f"'{v}'" for v in values)
@@ -449,7 +442,3 @@ def pins_source(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], da
 def pins_view(con: duckdb.DuckDBPyConnection, root: str | os.PathLike[str], day: str) -> None:
     """View ``pins``: the pins snapshot as of ``day`` (full or resolved from increments)."""
     con.execute(f"CREATE OR REPLACE TEMP VIEW pins AS SELECT pin_id, category, creator_id FROM {pins_source(con, root, day)}")
-
-
-# Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
-# md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages. Evaluated without

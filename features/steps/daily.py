@@ -21,10 +21,8 @@ from core.contracts import (
     USER_DAILY,
     USER_DAILY_SCHEMA,
 )
-from core.storage import (
-    ds_str,
-)
-from features.event_buckets import events_part
+from core.storage import ds_str
+from features.bucketed_events import events_part
 from features.sharding import Shard
 from features.step_io import (
     UNKNOWN_ID,

@@ -30,15 +30,8 @@ from core.contracts import (
     USER_WINDOW_SCHEMA,
     SequenceDigest,
 )
-from core.storage import (
-    data_files,
-    ds_str,
-    is_complete,
-    read_metadata,
-    read_parquet,
-    shift_ds,
-)
-from features.event_buckets import events_part
+from core.storage import data_files, ds_str, is_complete, read_metadata, read_parquet, shift_ds
+from features.bucketed_events import events_part
 from features.sharding import Shard, shard_files
 from features.step_io import (
     DEFAULTS,
@@ -68,6 +61,8 @@ log = logging.getLogger(__name__)
 _RATE_OF_ACTION = {"click": "ctr", "repin": "repin_rate", "hide": "hide_rate"}
 
 
+# Negative downsampling keeps an impression when u < rate, u = the first 52 bits of
+# md5('<seed>:<impression_id>') / 2^52: reproducible across reruns, engines and languages. Evaluated without
 # parsing the digest: u < rate <=> those bits (an integer) < ceil(rate * 2^52) <=> the digest's hex string sorts
 # before that bound written as 13 lowercase hex digits ('0'-'9' sort before 'a'-'f'; a digest whose first 13
 # digits equal the bound is longer, so sorts after it). A third of the hash's cost, the same rows.

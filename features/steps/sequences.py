@@ -23,14 +23,8 @@ from core.contracts import (
     USER_SEQUENCE_SCHEMA,
     SequenceDigest,
 )
-from core.storage import (
-    day_range,
-    ds_str,
-    is_complete,
-    read_metadata,
-    shift_ds,
-)
-from features.event_buckets import events_part
+from core.storage import day_range, ds_str, is_complete, read_metadata, shift_ds
+from features.bucketed_events import events_part
 from features.sharding import Shard, shard_part
 from features.step_io import (
     DEFAULTS,

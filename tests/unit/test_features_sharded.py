@@ -13,7 +13,7 @@ from core import contracts, storage
 from core.config import FeaturesConfig
 from core.failures import DataError, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
-from features import build, event_buckets, sharding, step_io
+from features import bucketed_events, build, sharding, step_io
 from features.steps.daily import build_daily
 from features.synthetic import WorldConfig, generate_world
 
@@ -196,7 +196,7 @@ def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     root = tmp_path_factory.mktemp("bucketed")
     shutil.copytree(whole / "raw", root / "raw")
     for day in BUILT:
-        meta = event_buckets.write_event_buckets(root, day, 6, engine=ENGINE)
+        meta = bucketed_events.write_event_buckets(root, day, 6, engine=ENGINE)
         assert meta[contracts.EVENTS_BY_USER]["rows"] == read_table(root, contracts.RAW_EVENTS, day).num_rows
         for step in build.STEP_DATASETS:
             build_sharded(root, day, step, shards=4 if day == BUILT[-1] else SHARDS)
@@ -222,27 +222,27 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     day = BUILT[1]
     names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
     # 6 buckets, shard 1 of 3: buckets 1 and 4; of 2: 1, 3, 5; of 4 (gcd 2): the odd ones, filtered.
-    assert names(event_buckets.events_part(bucketed, day, sharding.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
-    assert names(event_buckets.events_part(bucketed, day, sharding.Shard(1, 2, "s"), "pin_id").files) == [
+    assert names(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
+    assert names(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 2, "s"), "pin_id").files) == [
         "part-00001.parquet", "part-00003.parquet", "part-00005.parquet"]
-    assert len(event_buckets.events_part(bucketed, day, sharding.Shard(1, 4, "s")).files) == 3
+    assert len(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 4, "s")).files) == 3
     # Exactly its rows when the shard count divides the buckets' (no hash per row), else filtered.
-    assert event_buckets.events_part(bucketed, day, sharding.Shard(1, 3, "s")).keeps == "TRUE"
-    assert event_buckets.events_part(bucketed, day, sharding.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
+    assert bucketed_events.events_part(bucketed, day, sharding.Shard(1, 3, "s")).keeps == "TRUE"
+    assert bucketed_events.events_part(bucketed, day, sharding.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
     # The previous day's state merged from 3 shards: shard i of 3 reads part-i only; unsharded readers read all.
     assert names(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, sharding.Shard(2, 3, "s"))) == ["part-00002.parquet"]
     assert len(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
     assert len(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, sharding.Shard(0, 2, "s"))) == 3
     # Unsharded readers never read the buckets; a raw partition re-landed since it was bucketed is read whole.
     raw = storage.data_files(bucketed, contracts.RAW_EVENTS, day)
-    assert event_buckets.events_part(bucketed, day, None).files == raw
+    assert bucketed_events.events_part(bucketed, day, None).files == raw
     root = tmp_path / "root"
     shutil.copytree(bucketed, root)
     storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
-    assert event_buckets.events_part(root, day, sharding.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
+    assert bucketed_events.events_part(root, day, sharding.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
                                                                     "hash(user_id) % 3 = 1")
     # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
     meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
-    assert len(event_buckets.events_part(root, BUILT[2], sharding.Shard(1, 3, "s")).files) == 6
+    assert len(bucketed_events.events_part(root, BUILT[2], sharding.Shard(1, 3, "s")).files) == 6

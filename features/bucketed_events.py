@@ -13,12 +13,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from core.contracts import (
-    EVENTS_BY_PIN,
-    EVENTS_BY_USER,
-    EVENTS_SCHEMA,
-    RAW_EVENTS,
-)
+from core.contracts import EVENTS_BY_PIN, EVENTS_BY_USER, EVENTS_SCHEMA, RAW_EVENTS
 from core.storage import (
     METADATA_FILE,
     data_files,
