@@ -245,7 +245,7 @@ def build_demo_world(root: str, days: int) -> list[str]:
     world = WorldConfig(start=demo.start, days=days, users=demo.users, pins=demo.pins, seed=demo.seed,
                         impressions_per_user=demo.impressions_per_user)
     summary = generate_world(root, world)
-    logging.getLogger("features.build").setLevel(logging.ERROR)  # a world's first days have no earlier window: expected
+    logging.getLogger("features.steps").setLevel(logging.ERROR)  # a world's first days have no earlier window: expected
     for ds in summary["days"]:
         build.build_day(root, ds, window_days=features.window_days, sequence_length=features.sequence_length,
                         prior_impressions=features.pin_prior_impressions,

@@ -88,7 +88,11 @@ from core.storage import (  # noqa: E402
     write_partition,
     write_table,
 )
-from features import build  # noqa: E402
+from features import bucketed_events, build, sharding, step_io  # noqa: E402
+from features.steps.daily import build_daily  # noqa: E402
+from features.steps.examples import build_examples  # noqa: E402
+from features.steps.sequences import build_sequences  # noqa: E402
+from features.steps.window import build_window  # noqa: E402
 
 DAY = "2026-06-30"
 DAY_US = 86_400 * 1_000_000
@@ -131,9 +135,9 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         generated, WorldConfig(start=DAY, days=1, users=base_users, pins=max(1000, users // 2), seed=1, active_rate=0.9)
     )
     shutil.copytree(partition(generated, contracts.RAW_PINS, DAY), partition(root, contracts.RAW_PINS, DAY))
-    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     base_file = data_files(generated, contracts.RAW_EVENTS, DAY)[0]
-    with build.connect(engine) as con, write_partition(root, contracts.RAW_EVENTS, DAY) as tmp:
+    with step_io.connect(engine) as con, write_partition(root, contracts.RAW_EVENTS, DAY) as tmp:
         con.execute(
             f"""COPY (SELECT event_id + k * 200000000 AS event_id, impression_id + k * 200000000 AS impression_id,
                              user_id + k * {base_users} AS user_id, pin_id, action, surface, ts
@@ -146,7 +150,7 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     history = day_range(shift_ds(DAY, -args.window_days), shift_ds(DAY, -1))
     say(f"writing {len(history)} history days (the day shifted back)")
     source = data_files(root, contracts.RAW_EVENTS, DAY)[0]
-    with build.connect(engine) as con:
+    with step_io.connect(engine) as con:
         for day in history:
             back = (np.datetime64(DAY) - np.datetime64(day)).astype(int)
             with write_partition(root, contracts.RAW_EVENTS, day) as tmp:
@@ -160,12 +164,12 @@ def setup(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             shutil.copytree(partition(root, contracts.RAW_PINS, DAY), partition(root, contracts.RAW_PINS, day))
     # The history's daily aggregates: those of one history day, copied to the others (same events, shifted).
     say("building the history's daily aggregates, window and sequences of the day before")
-    build.build_daily(root, history[-1], require_validation=False, engine=engine)
+    build_daily(root, history[-1], require_validation=False, engine=engine)
     for day in history[:-1]:
         for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
             shutil.copytree(partition(root, dataset, history[-1]), partition(root, dataset, day))
-    build.build_window(root, history[-1], args.window_days, require_validation=False, engine=engine)
-    build.build_sequences(
+    build_window(root, history[-1], args.window_days, require_validation=False, engine=engine)
+    build_sequences(
         root, history[-1], args.sequence_length, args.window_days, recompute=True, require_validation=False,
         engine=engine,
     )
@@ -184,22 +188,22 @@ def cpu_s() -> float:
 
 def phase_shard(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One shard of one step of DAY (``--step``, ``--shard`` of ``--shards``), as one job of the array runs it."""
-    features = build.DEFAULTS.model_copy(update={
+    features = step_io.DEFAULTS.model_copy(update={
         "window_days": args.window_days, "sequence_length": args.sequence_length,
         "negative_downsample": args.negative_downsample, "negative_downsample_seed": args.seed,
     })
-    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     cpu, started = cpu_s(), time.perf_counter()
     build.build_step(root, DAY, args.step, features, require_validation=False, engine=engine,
-                     shard=build.Shard(args.shard, args.shards, str(root / "_staging" / args.step)))
+                     shard=sharding.Shard(args.shard, args.shards, str(root / "_staging" / args.step)))
     return {"seconds": time.perf_counter() - started, "cpu_s": cpu_s() - cpu, "peak_rss_mb": peak_rss_mb()}
 
 
 def phase_buckets(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The day's events bucketed by user and by pin (what validation adds when the build is sharded)."""
-    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     cpu, started = cpu_s(), time.perf_counter()
-    build.write_event_buckets(root, DAY, args.buckets, engine=engine)
+    bucketed_events.write_event_buckets(root, DAY, args.buckets, engine=engine)
     return {"seconds": time.perf_counter() - started, "cpu_s": cpu_s() - cpu, "peak_rss_mb": peak_rss_mb()}
 
 
@@ -210,21 +214,21 @@ def relay_state(source: Path, target: Path, shards: int, window_days: int) -> No
     prev, leaving = shift_ds(DAY, -1), shift_ds(DAY, -window_days)
     relaid = [(d, prev) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW, contracts.USER_SEQUENCE)]
     relaid += [(d, leaving) for d in (contracts.USER_DAILY, contracts.PIN_DAILY)]
-    with build.connect(build.DuckDBSettings(threads=2)) as con:
+    with step_io.connect(step_io.DuckDBSettings(threads=2)) as con:
         for dataset, day in relaid:
             src, dst = Path(partition(source, dataset, day)), Path(partition(target, dataset, day))
             if dst.is_symlink():
                 dst.unlink()
             dst.mkdir(parents=True)
-            key = build.DATASET_KEYS[dataset]
+            key = sharding.DATASET_KEYS[dataset]
             files = ", ".join(f"'{f}'" for f in data_files(source, dataset, day))
             for i in range(shards):
                 con.execute(f"""COPY (SELECT * FROM read_parquet([{files}]) WHERE hash({key}) % {shards} = {i}
-                                      ORDER BY {key}) TO '{dst / build.shard_file(i)}' (FORMAT parquet)""")
+                                      ORDER BY {key}) TO '{dst / sharding.shard_file(i)}' (FORMAT parquet)""")
             meta = read_metadata(source, dataset, day) | {"shards": shards,
-                                                          "hash_buckets": build.hash_layout(key, shards)}
+                                                          "hash_buckets": sharding.hash_layout(key, shards)}
             if "content_digest" in meta:  # as the merge records it: of the shards' digests
-                tables = [pq.read_table(dst / build.shard_file(i)) for i in range(shards)]
+                tables = [pq.read_table(dst / sharding.shard_file(i)) for i in range(shards)]
                 meta["content_digest"] = contracts.combined_digest([
                     contracts.sequence_digest(t.select(USER_SEQUENCE_SCHEMA.names).cast(USER_SEQUENCE_SCHEMA)) for t in tables
                 ])
@@ -235,14 +239,14 @@ def relay_state(source: Path, target: Path, shards: int, window_days: int) -> No
 def phase_duckdb(root: Path, args: argparse.Namespace, *, recompute: bool) -> dict[str, Any]:
     from features.validation.report import content_fingerprint
 
-    engine = build.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
+    engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     steps = {
-        "daily": lambda: build.build_daily(root, DAY, require_validation=False, engine=engine),
-        "window": lambda: build.build_window(root, DAY, args.window_days, recompute=recompute, require_validation=False, engine=engine),
-        "sequences": lambda: build.build_sequences(
+        "daily": lambda: build_daily(root, DAY, require_validation=False, engine=engine),
+        "window": lambda: build_window(root, DAY, args.window_days, recompute=recompute, require_validation=False, engine=engine),
+        "sequences": lambda: build_sequences(
             root, DAY, args.sequence_length, args.window_days, recompute=recompute, require_validation=False, engine=engine
         ),
-        "examples": lambda: build.build_examples(
+        "examples": lambda: build_examples(
             root, DAY, negative_downsample=args.negative_downsample, seed=args.seed, require_validation=False, engine=engine
         ),
     }
@@ -305,7 +309,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
         table[distinct] = events.groupby(key)[other].nunique()
         counts[key] = table.reset_index().sort_values(key)
     ev = events.merge(pins[["pin_id", "category"]], on="pin_id", how="left")
-    ev["category"] = ev["category"].fillna(build.UNKNOWN_ID).astype(np.int32)
+    ev["category"] = ev["category"].fillna(step_io.UNKNOWN_ID).astype(np.int32)
     ev["is_impression"] = ev["action"] == "impression"
     ev["is_engagement"] = ~ev["is_impression"]
     per_cat = (
@@ -401,7 +405,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
     items = items.sort_values(["user_id", "ts", "pin_id", "action_idx"], ascending=[True, False, False, False])
     items = items[items.groupby("user_id").cumcount() < args.sequence_length]
     items = items.merge(pins[["pin_id", "category"]], on="pin_id", how="left", sort=False)
-    items["category"] = items["category"].fillna(build.UNKNOWN_ID).astype(np.int32)
+    items["category"] = items["category"].fillna(step_io.UNKNOWN_ID).astype(np.int32)
     seq_users, seq_pins = _nest(items["user_id"].to_numpy(), {"p": pa.array(items["pin_id"].to_numpy())})
     sequences = pa.table(
         {
@@ -421,7 +425,7 @@ def phase_pandas(root: Path, out: Path, args: argparse.Namespace) -> dict[str, A
         positive = eng.loc[eng["action"] == label, "impression_id"].unique()
         imps[label] = imps["impression_id"].isin(positive).astype(np.int8)
     imps = imps.merge(pins, on="pin_id", how="left")
-    imps[["category", "creator_id"]] = imps[["category", "creator_id"]].fillna(build.UNKNOWN_ID)
+    imps[["category", "creator_id"]] = imps[["category", "creator_id"]].fillna(step_io.UNKNOWN_ID)
     uw = read_table(root, contracts.USER_WINDOW, prev).drop_columns(["categories"]).to_pandas()
     pw = read_table(root, contracts.PIN_WINDOW, prev).to_pandas()
     uw.columns = ["user_id", *[f"u_{c}" for c in uw.columns[1:]]]
@@ -683,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the three phases per config; each phase's fastest counts (default: 1)")
     parser.add_argument("--shards", default="1,2,4,8",
                         help="shard counts of the sharded builds (benchmark config only; empty: skip; default: 1,2,4,8)")
-    parser.add_argument("--buckets", type=int, default=build.DEFAULTS.event_buckets,
+    parser.add_argument("--buckets", type=int, default=step_io.DEFAULTS.event_buckets,
                         help="buckets of the day's events that the shards read (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="where to build (default: a temporary folder, removed)")
     parser.add_argument("--phase", choices=("incremental", "full", "pandas", "shard", "buckets"), help=argparse.SUPPRESS)
@@ -726,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"events bucketed in {bucketing['seconds']:.1f}s ({bucketing['cpu_s']:.1f} CPU-s)")
         link_inputs(root, full_root, args.window_days)
 
-        configs = {"default": build.DEFAULTS.negative_downsample, "benchmark": args.negative_downsample}
+        configs = {"default": step_io.DEFAULTS.negative_downsample, "benchmark": args.negative_downsample}
         results = {}
         for name, rate in configs.items():
             say(f"config {name}: negative_downsample {rate}")

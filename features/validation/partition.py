@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from core import contracts, storage
 from core.config import ValidationConfig
+from features.bucketed_events import write_event_buckets
 from features.validation.checks import (
     EXAMPLES,
     STORAGE_CHECKS,
@@ -96,7 +97,7 @@ def validate_partition(
     copy of its report (never deleted; an incomplete partition is left in place, its writer may still be
     landing it). The caller applies ``config.data_docs`` and ``config.quarantine`` through these two.
     ``event_buckets`` > 0: a passed events partition is also written bucketed in that many files by user and by pin
-    (``features.build.write_event_buckets``), so the shards of a sharded build read only their part.
+    (``features.bucketed_events.write_event_buckets``), so the shards of a sharded build read only their part.
 
     Raises only for errors of the tool itself (a bad argument, a GX failure, storage that does not answer);
     everything wrong with the data is a failed check in the returned report.
@@ -202,8 +203,6 @@ def validate_partition(
     if record is not None:
         record_quarantine(report, record)
     if event_buckets > 0 and name == "events" and report.success:
-        from features.build import write_event_buckets  # the build imports this package: imported when used
-
         write_event_buckets(root, day, event_buckets)
     return report
 

@@ -313,21 +313,21 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
     """Shards published as versions in the staging area, merged (server-side copies) into versioned partitions."""
     from core import contracts
     from core.config import FeaturesConfig
-    from features import build
+    from features import build, sharding, step_io
     from features.synthetic import WorldConfig, generate_world
 
     local = tmp_path / "local"
     generate_world(local, WorldConfig(start=DAY, days=2, users=30, pins=40, seed=4, active_rate=0.9))
     storage.copy_tree(str(local / "raw"), storage.join(root, "raw"))
     features = FeaturesConfig(window_days=2, sequence_length=5)
-    engine = build.DuckDBSettings(threads=1, memory_limit="512MB")
+    engine = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
     for day in storage.day_range(DAY, storage.shift_ds(DAY, 1)):
         for step in build.STEP_DATASETS:
             build.build_step(local, day, step, features, require_validation=False, engine=engine)
             staging = storage.join(root, "_staging", step, day)
             for index in range(2):
                 build.build_step(root, day, step, features, require_validation=False, engine=engine,
-                                 shard=build.Shard(index, 2, staging))
+                                 shard=sharding.Shard(index, 2, staging))
             build.merge_shards(root, day, step, staging, 2)
             assert not storage.exists(staging)
     day = storage.shift_ds(DAY, 1)

@@ -25,13 +25,17 @@ from core.contracts import (
     USER_WINDOW_SCHEMA,
 )
 from core.failures import ExitCode
-from core.storage import partition, read_metadata, read_table, write_table
-from features import build
+from core.storage import partition, read_metadata, read_table, shift_ds, write_table
+from features import build, step_io
+from features.steps.daily import build_daily
+from features.steps.examples import KEEP_NEGATIVE_HASH, _keep_negative, build_examples
+from features.steps.sequences import build_sequences
+from features.steps.window import DEFAULT_GLOBAL_RATES, build_window
 from training.data import read_examples
 
 D1, D2, D3, D4 = "2024-01-01", "2024-01-02", "2024-01-03", "2024-01-04"
 DAYS = (D1, D2, D3, D4)
-ENGINE = build.DuckDBSettings(threads=1, memory_limit="256MB")
+ENGINE = step_io.DuckDBSettings(threads=1, memory_limit="256MB")
 
 # (event_id, impression_id, user_id, pin_id, action, day, "HH:MM")
 EVENT_ROWS = [
@@ -130,7 +134,7 @@ def build_all(root: Path, **params) -> None:
 
 @pytest.mark.unit
 def test_daily_counts_and_distinct(root: Path) -> None:
-    summary = build.build_daily(root, D1, engine=ENGINE, require_validation=False)
+    summary = build_daily(root, D1, engine=ENGINE, require_validation=False)
 
     users = read_table(root, contracts.USER_DAILY, D1)
     pins = read_table(root, contracts.PIN_DAILY, D1)
@@ -168,8 +172,8 @@ def test_daily_counts_and_distinct(root: Path) -> None:
 @pytest.mark.unit
 def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
     for day in DAYS:
-        build.build_daily(root, day, engine=ENGINE, require_validation=False)
-    summary = build.build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE, require_validation=False)
+        build_daily(root, day, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=3, prior_impressions=20.0, engine=ENGINE, require_validation=False)
 
     users = read_table(root, contracts.USER_WINDOW, D4)
     pins = read_table(root, contracts.PIN_WINDOW, D4)
@@ -203,14 +207,14 @@ def test_window_sums_days_in_window_and_smooths_pin_rates(root: Path) -> None:
 @pytest.mark.unit
 def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: Path) -> None:
     for day in DAYS:
-        build.build_daily(root, day, engine=ENGINE, require_validation=False)
-    build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+        build_daily(root, day, engine=ENGINE, require_validation=False)
+    build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     expected = {d: read_table(root, d, D4) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW)}
 
     # D2's daily aggregates are missing: computed from its raw partitions, same result, nothing written for D2.
     for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY):
         storage.remove_tree(partition(root, dataset, D2))
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["computed_from_raw"] == [D2]
     assert summary[contracts.USER_WINDOW]["missing_days"] == []
     assert f"raw/events/ds={D2}" in summary[contracts.PIN_WINDOW]["inputs"]
@@ -220,7 +224,7 @@ def test_window_builds_missing_daily_from_raw_and_names_days_without_data(root: 
 
     # No raw events of D2 either (a gap): the day is named in missing_days and left out.
     storage.remove_tree(partition(root, contracts.RAW_EVENTS, D2))
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["missing_days"] == [D2]
     assert read_metadata(root, contracts.PIN_WINDOW, D4)["missing_days"] == [D2]
     u1 = rows_by(read_table(root, contracts.USER_WINDOW, D4), "user_id")[1]
@@ -231,8 +235,8 @@ def build_window_days(root: Path, days: Sequence[str], window_days: int) -> dict
     """Daily aggregates and window of each day, in order, as the DAG does; the window's mode by day."""
     modes = {}
     for day in days:
-        build.build_daily(root, day, engine=ENGINE, require_validation=False)
-        summary = build.build_window(root, day, window_days=window_days, engine=ENGINE, require_validation=False)
+        build_daily(root, day, engine=ENGINE, require_validation=False)
+        summary = build_window(root, day, window_days=window_days, engine=ENGINE, require_validation=False)
         modes[day] = summary[contracts.USER_WINDOW]["mode"]
         assert summary[contracts.PIN_WINDOW]["mode"] == modes[day]
     return modes
@@ -241,7 +245,7 @@ def build_window_days(root: Path, days: Sequence[str], window_days: int) -> dict
 def assert_window_equals_recompute(root: Path, day: str, window_days: int) -> None:
     expected = {d: read_table(root, d, day) for d in (contracts.USER_WINDOW, contracts.PIN_WINDOW)}
     meta = read_metadata(root, contracts.PIN_WINDOW, day)
-    build.build_window(root, day, window_days=window_days, recompute=True, engine=ENGINE, require_validation=False)
+    build_window(root, day, window_days=window_days, recompute=True, engine=ENGINE, require_validation=False)
     for dataset, table in expected.items():
         assert read_table(root, dataset, day).equals(table), (dataset, day)
     recomputed = read_metadata(root, contracts.PIN_WINDOW, day)
@@ -264,8 +268,8 @@ def test_window_incremental_equals_full_sum_across_a_missing_day(root: Path) -> 
 
     # D2 lands late: its days' windows must include it, so D4's window is a full sum again.
     write_events(root, D2)
-    build.build_window(root, D3, window_days=3, engine=ENGINE, require_validation=False)
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    build_window(root, D3, window_days=3, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["mode"] == "full"  # D3's window computed D2 from raw
     assert_window_equals_recompute(root, D4, window_days=3)
 
@@ -275,12 +279,12 @@ def test_window_is_a_full_sum_when_a_summed_day_was_rebuilt_or_parameters_differ
     assert build_window_days(root, DAYS, window_days=2) == {D1: "full", D2: "incremental", D3: "incremental", D4: "incremental"}
     # D3's daily aggregates are rebuilt from changed raw events after D3's window summed them.
     write_events(root, D3, extra=[(24, 17, 2, 11, "repin", D3, "09:10")])
-    build.build_daily(root, D3, engine=ENGINE, require_validation=False)
-    summary = build.build_window(root, D4, window_days=2, engine=ENGINE, require_validation=False)
+    build_daily(root, D3, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["mode"] == "full"
     assert "rebuilt" in summary[contracts.USER_WINDOW]["mode_reason"]
     assert_window_equals_recompute(root, D4, window_days=2)
-    summary = build.build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
+    summary = build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["mode"] == "full"
     assert "window_days=2, not 3" in summary[contracts.USER_WINDOW]["mode_reason"]
 
@@ -290,7 +294,7 @@ def test_window_is_a_full_sum_when_a_summed_day_was_rebuilt_or_parameters_differ
 
 @pytest.mark.unit
 def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
-    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
+    summary = build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
     assert summary[contracts.USER_SEQUENCE]["missing_days"] == []
 
@@ -311,13 +315,13 @@ def test_sequences_most_recent_first_truncated_and_windowed(root: Path) -> None:
 def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
     incremental = {}
     for day in DAYS:
-        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
+        summary = build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
         assert summary[contracts.USER_SEQUENCE]["mode"] == ("full" if day == D1 else "incremental")
         incremental[day] = read_table(root, contracts.USER_SEQUENCE, day)
 
     for day in (D4, D3, D2):
-        storage.remove_tree(partition(root, contracts.USER_SEQUENCE, build.shift_ds(day, -1)))
-        summary = build.build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
+        storage.remove_tree(partition(root, contracts.USER_SEQUENCE, shift_ds(day, -1)))
+        summary = build_sequences(root, day, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
         assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
         assert read_table(root, contracts.USER_SEQUENCE, day).equals(incremental[day]), day
 
@@ -328,8 +332,8 @@ def test_sequences_incremental_equals_full_recompute(root: Path) -> None:
 
 @pytest.mark.unit
 def test_sequences_recompute_when_parameters_change(root: Path) -> None:
-    build.build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
-    summary = build.build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
+    build_sequences(root, D3, sequence_length=2, window_days=2, engine=ENGINE, require_validation=False)
+    summary = build_sequences(root, D4, sequence_length=3, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_SEQUENCE]["mode"] == "full"
 
 
@@ -405,7 +409,7 @@ def test_examples_ignore_events_of_their_own_day(root: Path) -> None:
 
 @pytest.mark.unit
 def test_examples_without_previous_features_use_priors_and_record_missing(root: Path) -> None:
-    summary = build.build_examples(root, D1, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
+    summary = build_examples(root, D1, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
     prev = "2023-12-31"
     assert summary["missing_inputs"] == [
         f"features/user_window/ds={prev}",
@@ -415,7 +419,7 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
     assert summary["global_rates_source"] == "defaults"
     table = read_table(root, contracts.EXAMPLES, D1)
     assert table.schema.equals(EXAMPLES_SCHEMA)
-    assert set(table["p_ctr"].to_pylist()) == {build.DEFAULT_GLOBAL_RATES["ctr"]}
+    assert set(table["p_ctr"].to_pylist()) == {DEFAULT_GLOBAL_RATES["ctr"]}
     assert set(table["seq_len"].to_pylist()) == {0} and summary["sequence_digest"] is None
     assert set(map(len, read_examples(root, D1)["seq_pin_ids"].to_pylist())) == {0}
     assert table["click"].to_pylist() == [1, 1, 0, 1]
@@ -424,14 +428,14 @@ def test_examples_without_previous_features_use_priors_and_record_missing(root: 
 @pytest.mark.unit
 def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) -> None:
     positives = {1, 3, 6}  # D1 impressions with a click; impression 5 is the only negative
-    zero = build.build_examples(root, D1, negative_downsample=0.0, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
+    zero = build_examples(root, D1, negative_downsample=0.0, engine=ENGINE, require_validation=False)[contracts.EXAMPLES]
     assert set(read_table(root, contracts.EXAMPLES, D1)["impression_id"].to_pylist()) == positives
     assert zero["negative_downsample"] == 0.0 and zero["impressions"] == 4 and zero["rows"] == 3
 
     for seed in (0, 1, 2, 3):
-        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
+        build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
         first = read_table(root, contracts.EXAMPLES, D1)
-        build.build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
+        build_examples(root, D1, negative_downsample=0.5, seed=seed, engine=ENGINE, require_validation=False)
         assert read_table(root, contracts.EXAMPLES, D1).equals(first)
         digest = hashlib.md5(f"{seed}:5".encode()).hexdigest()
         kept_5 = int(digest[:13], 16) / 2**52 < 0.5
@@ -447,12 +451,12 @@ def test_the_sampling_condition_keeps_exactly_the_impressions_of_the_documented_
     ids = list(range(-50, 20_000)) + [2**62 + 7, 10**15]
     seed = 7
     expected = {i for i in ids if int(hashlib.md5(f"{seed}:{i}".encode()).hexdigest()[:13], 16) / 2**52 < rate}
-    condition, params = build._keep_negative(rate, seed)
+    condition, params = _keep_negative(rate, seed)
     with duckdb.connect() as con:
         con.register("i", pa.table({"impression_id": pa.array(ids, pa.int64())}))
         rows = con.execute(f"SELECT impression_id FROM i WHERE {condition}", params or None).fetchall()
     assert {r[0] for r in rows} == expected
-    assert (condition != build.KEEP_NEGATIVE_HASH) == (rate in (1 - 2**-53, 1.0, 0.0))  # no md5 where none is needed
+    assert (condition != KEEP_NEGATIVE_HASH) == (rate in (1 - 2**-53, 1.0, 0.0))  # no md5 where none is needed
 
 
 # --- validation -----------------------------------------------------------------------------------------
@@ -467,23 +471,23 @@ def test_build_needs_a_passed_validation_report_for_the_current_contents(
     from features.validation.report import RESULT_FILE, report_dir
 
     command = f"python -m features.validate events --root {root} --ds {D1}"
-    with pytest.raises(build.UnvalidatedInputError, match=rf"raw/events/ds={D1} .*has not been validated") as err:
-        build.build_daily(root, D1, engine=ENGINE)
+    with pytest.raises(step_io.UnvalidatedInputError, match=rf"raw/events/ds={D1} .*has not been validated") as err:
+        build_daily(root, D1, engine=ENGINE)
     assert command in str(err.value) and "--skip-validation" in str(err.value)
     assert not storage.exists(partition(root, contracts.USER_DAILY, D1))
 
     for dataset in ("events", "pins"):
         report = validate_partition(root, dataset, D1, config=ValidationConfig(), data_docs=False)
         assert report.success, report.failure_message()
-    summary = build.build_daily(root, D1, engine=ENGINE)[contracts.USER_DAILY]
+    summary = build_daily(root, D1, engine=ENGINE)[contracts.USER_DAILY]
     recorded = storage.read_json(storage.join(report_dir(root, "events", D1), RESULT_FILE))["fingerprint"]
     assert summary["skip_validation"] is False
     assert summary["validated_inputs"][f"raw/events/ds={D1}"] == recorded
 
     # The partition is replaced after it passed (one more event): refused until validated again.
     write_events(root, D1, extra=[(24, 5, 1, 11, "click", D1, "10:05")])
-    with pytest.raises(build.UnvalidatedInputError, match="contents changed since it passed validation"):
-        build.build_examples(root, D1, engine=ENGINE)
+    with pytest.raises(step_io.UnvalidatedInputError, match="contents changed since it passed validation"):
+        build_examples(root, D1, engine=ENGINE)
     assert build.main(["--root", str(root), "--ds", D1, "--step", "examples"]) == ExitCode.DATA
     assert command in capsys.readouterr().err
     assert build.main(["--root", str(root), "--ds", D1, "--step", "examples", "--skip-validation"]) == 0
@@ -497,9 +501,9 @@ def test_build_needs_a_passed_validation_report_for_the_current_contents(
 @pytest.mark.unit
 def test_missing_events_partition_names_the_day(root: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"raw/events for ds=2024-01-05"):
-        build.build_daily(root, "2024-01-05", engine=ENGINE, require_validation=False)
-    with pytest.raises(build.MissingInputError, match=r"--step daily --ds 2024-01-05"):
-        build.build_window(root, "2024-01-05", engine=ENGINE, require_validation=False)
+        build_daily(root, "2024-01-05", engine=ENGINE, require_validation=False)
+    with pytest.raises(step_io.MissingInputError, match=r"--step daily --ds 2024-01-05"):
+        build_window(root, "2024-01-05", engine=ENGINE, require_validation=False)
 
 
 @pytest.mark.unit
@@ -523,7 +527,7 @@ def test_a_full_disk_exits_infra_naming_it_and_keeps_the_published_partition(
     def full_disk(*_args: object, **_kwargs: object) -> pa.Table:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(build, "_conform", full_disk)
+    monkeypatch.setattr(step_io, "conform", full_disk)
     capsys.readouterr()
     assert build.main(argv) == ExitCode.INFRA  # retried by the task, not failed as a bug
     err = capsys.readouterr().err

@@ -18,7 +18,11 @@ import pytest
 from core import contracts, storage
 from core.contracts import EVENTS_SCHEMA
 from core.storage import MARKER, day_range, partition, read_metadata, read_table, shift_ds, write_table
-from features import build
+from features import build, step_io
+from features.steps.daily import build_daily
+from features.steps.examples import build_examples
+from features.steps.sequences import build_sequences
+from features.steps.window import build_window
 from features.synthetic import WorldConfig, generate_world
 from training.data import read_examples
 
@@ -28,7 +32,7 @@ GAP = DAYS[3]  # no raw data at all that day (an upstream outage)
 BUILT = [d for d in DAYS if d != GAP]
 # A short window and short sequences, so that the window drop and the truncation both happen.
 PARAMS = {"window_days": 3, "sequence_length": 6, "negative_downsample": 0.5, "seed": 11}
-ENGINE = build.DuckDBSettings(threads=1, memory_limit="512MB")
+ENGINE = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
 RAW = (contracts.RAW_EVENTS, contracts.RAW_PINS, "raw/users")
 OUTPUTS = contracts.FEATURE_OUTPUTS
 
@@ -54,7 +58,7 @@ def daily_root(raw_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     root = copy_raw(raw_world, tmp_path_factory.mktemp("daily"))
     for day in DAYS:
         if day == GAP:
-            with pytest.raises(build.MissingInputError, match=f"raw/events for ds={GAP}"):
+            with pytest.raises(step_io.MissingInputError, match=f"raw/events for ds={GAP}"):
                 build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
             continue
         build.build_day(root, day, engine=ENGINE, require_validation=False, **PARAMS)
@@ -70,12 +74,12 @@ def recompute_day(raw_world: Path, root: Path, day: str) -> None:
     previous = shift_ds(day, -1)
     window, length = PARAMS["window_days"], PARAMS["sequence_length"]
     if previous in BUILT:
-        build.build_window(root, previous, window, recompute=True, engine=ENGINE, require_validation=False)
-        build.build_sequences(root, previous, length, window, recompute=True, engine=ENGINE, require_validation=False)
-    build.build_daily(root, day, engine=ENGINE, require_validation=False)
-    build.build_window(root, day, window, recompute=True, engine=ENGINE, require_validation=False)
-    build.build_sequences(root, day, length, window, recompute=True, engine=ENGINE, require_validation=False)
-    build.build_examples(root, day, negative_downsample=PARAMS["negative_downsample"], seed=PARAMS["seed"], engine=ENGINE, require_validation=False)
+        build_window(root, previous, window, recompute=True, engine=ENGINE, require_validation=False)
+        build_sequences(root, previous, length, window, recompute=True, engine=ENGINE, require_validation=False)
+    build_daily(root, day, engine=ENGINE, require_validation=False)
+    build_window(root, day, window, recompute=True, engine=ENGINE, require_validation=False)
+    build_sequences(root, day, length, window, recompute=True, engine=ENGINE, require_validation=False)
+    build_examples(root, day, negative_downsample=PARAMS["negative_downsample"], seed=PARAMS["seed"], engine=ENGINE, require_validation=False)
 
 
 @pytest.mark.unit
@@ -119,8 +123,8 @@ def test_incremental_path_was_taken_and_gap_is_named(daily_root: Path) -> None:
 @pytest.mark.unit
 def test_examples_need_the_features_of_the_day_before_when_it_has_data(raw_world: Path, tmp_path: Path) -> None:
     root = copy_raw(raw_world, tmp_path)
-    with pytest.raises(build.MissingInputError, match=rf"features/user_window/ds={DAYS[1]}.*--ds {DAYS[1]}"):
-        build.build_examples(root, DAYS[2], engine=ENGINE, require_validation=False)
+    with pytest.raises(step_io.MissingInputError, match=rf"features/user_window/ds={DAYS[1]}.*--ds {DAYS[1]}"):
+        build_examples(root, DAYS[2], engine=ENGINE, require_validation=False)
 
 
 def feature_columns(table: pa.Table) -> list[str]:
@@ -201,7 +205,7 @@ def test_small_memory_limit_spills_instead_of_failing(daily_root: Path, tmp_path
     shutil.copytree(daily_root, root)
     spill = tmp_path / "spill"
     spill.mkdir()
-    tight = build.DuckDBSettings(threads=1, memory_limit="32MB", temp_directory=str(spill))
+    tight = step_io.DuckDBSettings(threads=1, memory_limit="32MB", temp_directory=str(spill))
     build.build_day(root, DAYS[6], engine=tight, require_validation=False, **PARAMS)
     for dataset in OUTPUTS:
         assert read_table(root, dataset, DAYS[6]).equals(read_table(daily_root, dataset, DAYS[6])), dataset
@@ -212,11 +216,11 @@ def test_small_memory_limit_spills_instead_of_failing(daily_root: Path, tmp_path
 def test_outputs_cut_into_many_files_hold_the_same_rows_in_the_same_order(
     daily_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A large output is written as several files encoded side by side (build.FILE_BYTES); read in name order they
+    """A large output is written as several files encoded side by side (step_io.FILE_BYTES); read in name order they
     are the one-file output, row for row, with the same metadata (the sequences' content digest included)."""
     root = tmp_path / "root"
     shutil.copytree(daily_root, root)
-    monkeypatch.setattr(build, "FILE_BYTES", 2048)
+    monkeypatch.setattr(step_io, "FILE_BYTES", 2048)
     build.build_day(root, DAYS[6], engine=ENGINE, require_validation=False, **PARAMS)
     for dataset in OUTPUTS:
         files = storage.data_files(root, dataset, DAYS[6])
@@ -300,11 +304,11 @@ def test_a_changed_sequence_partition_is_refused_and_a_rerun_is_not(daily_root: 
     day, previous = DAYS[6], DAYS[5]
     expected = read_examples(root, day)
     # A rerun of the day before rewrites its sequences with the same content: the references still resolve.
-    build.build_sequences(root, previous, PARAMS["sequence_length"], PARAMS["window_days"], engine=ENGINE,
+    build_sequences(root, previous, PARAMS["sequence_length"], PARAMS["window_days"], engine=ENGINE,
                           require_validation=False)
     assert read_examples(root, day).equals(expected)
     # Other content (a shorter sequence length) under the same day: refused, naming the partition and what to do.
-    build.build_sequences(root, previous, 2, PARAMS["window_days"], recompute=True, engine=ENGINE, require_validation=False)
+    build_sequences(root, previous, 2, PARAMS["window_days"], recompute=True, engine=ENGINE, require_validation=False)
     with pytest.raises(DataError, match=rf"features/user_sequence ds={previous} with content digest .* rebuild the examples"):
         read_examples(root, day)
     # A missing one: named by the preflight's planning (example_units) as well.

@@ -137,7 +137,7 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
 
 @pytest.mark.unit
 def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig, tmp_path: Path) -> None:
-    from features import build
+    from features import sharding
 
     root = platform.storage_root
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, shards=3,
@@ -145,13 +145,13 @@ def test_a_retry_builds_only_the_missing_shards(platform: PlatformConfig, tmp_pa
     plan = op._plan(context())
     # The first try built shard 1 and then was lost.
     assert run_shards(plan, "1", tmp_path) == 0
-    built = Path(build.shard_folder(plan.staging, contracts.USER_DAILY, 1), build.shard_file(1))
+    built = Path(sharding.shard_folder(plan.staging, contracts.USER_DAILY, 1), sharding.shard_file(1))
     before = built.stat().st_mtime_ns
     op.execute(context(try_number=2))
     requests = [storage.read_json(str(p)) for p in (Path(platform.home) / "jobs").glob("*/request.json")]
     assert [r["nodes"][0]["argv"][-1] for r in requests] == ["0,2"]  # the retry's array job: shards 0 and 2 only
     assert storage.read_metadata(root, contracts.USER_DAILY, DAY)["shards"] == 3
-    assert before == Path(root, contracts.USER_DAILY, f"ds={DAY}", build.shard_file(1)).stat().st_mtime_ns
+    assert before == Path(root, contracts.USER_DAILY, f"ds={DAY}", sharding.shard_file(1)).stat().st_mtime_ns
 
 
 @pytest.mark.unit

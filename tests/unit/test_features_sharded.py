@@ -13,7 +13,8 @@ from core import contracts, storage
 from core.config import FeaturesConfig
 from core.failures import DataError, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
-from features import build
+from features import bucketed_events, build, sharding, step_io
+from features.steps.daily import build_daily
 from features.synthetic import WorldConfig, generate_world
 
 START = "2026-03-01"
@@ -21,7 +22,7 @@ DAYS = day_range(START, shift_ds(START, 5))
 GAP = DAYS[3]  # no raw data that day: the window and sequences after it are full sums, then incremental again
 BUILT = [d for d in DAYS if d != GAP]
 FEATURES = FeaturesConfig(window_days=3, sequence_length=6, negative_downsample=0.5, negative_downsample_seed=11)
-ENGINE = build.DuckDBSettings(threads=1, memory_limit="512MB")
+ENGINE = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
 SHARDS = 3
 KEYS = {
     contracts.USER_DAILY: "user_id", contracts.PIN_DAILY: "pin_id", contracts.USER_WINDOW: "user_id",
@@ -35,7 +36,7 @@ def build_sharded(root: Path, day: str, step: str, shards: int = SHARDS) -> dict
     staging = storage.join(root, "_staging", step, f"ds={day}")
     for index in range(shards):
         build.build_step(root, day, step, FEATURES, require_validation=False, engine=ENGINE,
-                         shard=build.Shard(index, shards, staging))
+                         shard=sharding.Shard(index, shards, staging))
     return build.merge_shards(root, day, step, staging, shards)
 
 
@@ -112,9 +113,9 @@ def test_duplicated_pins_fail_shard_0_and_nothing_is_merged(roots: tuple[Path, P
     shutil.copytree(whole / "raw", root / "raw")
     pins = read_table(root, contracts.RAW_PINS, day)
     storage.write_table(root, contracts.RAW_PINS, day, pa.concat_tables([pins, pins.slice(0, 1)]))
-    build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(1, 2, staging))
-    with pytest.raises(build.InputDataError, match="1 duplicated pin_id rows"):  # the check is shard 0's
-        build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(0, 2, staging))
+    build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
+    with pytest.raises(step_io.InputDataError, match="1 duplicated pin_id rows"):  # the check is shard 0's
+        build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(0, 2, staging))
     with pytest.raises(InfraError, match=r"shard\(s\) \[0\] have no output"):
         build.merge_shards(root, day, "daily", staging, 2)
 
@@ -125,11 +126,11 @@ def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_pat
     root = tmp_path / "root"
     shutil.copytree(sharded, root)
     day, staging = BUILT[-1], str(tmp_path / "staging")
-    build.build_step(root, day, "examples", FEATURES, require_validation=False, engine=ENGINE, shard=build.Shard(0, 2, staging))
+    build.build_step(root, day, "examples", FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(0, 2, staging))
     with pytest.raises(InfraError, match=r"shard\(s\) \[1\] have no output"):
         build.merge_shards(root, day, "examples", staging, 2)
     other = FEATURES.model_copy(update={"negative_downsample": 0.25})
-    build.build_step(root, day, "examples", other, require_validation=False, engine=ENGINE, shard=build.Shard(1, 2, staging))
+    build.build_step(root, day, "examples", other, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
     before = storage.read_json(storage.join(partition(root, contracts.EXAMPLES, day), storage.METADATA_FILE))
     with pytest.raises(DataError, match="shard 1 was built from other inputs or settings.*negative_downsample"):
         build.merge_shards(root, day, "examples", staging, 2)
@@ -171,20 +172,20 @@ def test_an_input_republished_during_the_build_publishes_nothing(roots: tuple[Pa
     folder = Path(partition(root, contracts.USER_DAILY, day))
     before = storage.read_json(str(folder / storage.METADATA_FILE))
     events = read_table(root, contracts.RAW_EVENTS, day)
-    conform = build._conform
+    conform = step_io.conform
 
     def rebuild_input_then_conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-        monkeypatch.setattr(build, "_conform", conform)
+        monkeypatch.setattr(step_io, "conform", conform)
         storage.write_table(root, contracts.RAW_EVENTS, day, events)  # a concurrent rebuild: same rows, new version
         return conform(table, schema)
 
-    monkeypatch.setattr(build, "_conform", rebuild_input_then_conform)
+    monkeypatch.setattr(step_io, "conform", rebuild_input_then_conform)
     with pytest.raises(InfraError, match=f"raw/events/ds={day} was republished while features/user_daily ds={day}"):
-        build.build_daily(root, day, require_validation=False, engine=ENGINE)
+        build_daily(root, day, require_validation=False, engine=ENGINE)
     assert storage.read_json(str(folder / storage.METADATA_FILE)) == before  # the old version stays, whole
     assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
     # The retry builds from the new version.
-    assert build.build_daily(root, day, require_validation=False, engine=ENGINE)[contracts.USER_DAILY]["rows"] == before["rows"]
+    assert build_daily(root, day, require_validation=False, engine=ENGINE)[contracts.USER_DAILY]["rows"] == before["rows"]
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     root = tmp_path_factory.mktemp("bucketed")
     shutil.copytree(whole / "raw", root / "raw")
     for day in BUILT:
-        meta = build.write_event_buckets(root, day, 6, engine=ENGINE)
+        meta = bucketed_events.write_event_buckets(root, day, 6, engine=ENGINE)
         assert meta[contracts.EVENTS_BY_USER]["rows"] == read_table(root, contracts.RAW_EVENTS, day).num_rows
         for step in build.STEP_DATASETS:
             build_sharded(root, day, step, shards=4 if day == BUILT[-1] else SHARDS)
@@ -221,27 +222,27 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     day = BUILT[1]
     names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
     # 6 buckets, shard 1 of 3: buckets 1 and 4; of 2: 1, 3, 5; of 4 (gcd 2): the odd ones, filtered.
-    assert names(build._events_part(bucketed, day, build.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
-    assert names(build._events_part(bucketed, day, build.Shard(1, 2, "s"), "pin_id").files) == [
+    assert names(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 3, "s")).files) == ["part-00001.parquet", "part-00004.parquet"]
+    assert names(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 2, "s"), "pin_id").files) == [
         "part-00001.parquet", "part-00003.parquet", "part-00005.parquet"]
-    assert len(build._events_part(bucketed, day, build.Shard(1, 4, "s")).files) == 3
+    assert len(bucketed_events.events_part(bucketed, day, sharding.Shard(1, 4, "s")).files) == 3
     # Exactly its rows when the shard count divides the buckets' (no hash per row), else filtered.
-    assert build._events_part(bucketed, day, build.Shard(1, 3, "s")).keeps == "TRUE"
-    assert build._events_part(bucketed, day, build.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
+    assert bucketed_events.events_part(bucketed, day, sharding.Shard(1, 3, "s")).keeps == "TRUE"
+    assert bucketed_events.events_part(bucketed, day, sharding.Shard(1, 4, "s")).keeps == "hash(user_id) % 4 = 1"
     # The previous day's state merged from 3 shards: shard i of 3 reads part-i only; unsharded readers read all.
-    assert names(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(2, 3, "s"))) == ["part-00002.parquet"]
-    assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
-    assert len(build.shard_files(bucketed, contracts.USER_SEQUENCE, day, build.Shard(0, 2, "s"))) == 3
+    assert names(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, sharding.Shard(2, 3, "s"))) == ["part-00002.parquet"]
+    assert len(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, None)) == 3
+    assert len(sharding.shard_files(bucketed, contracts.USER_SEQUENCE, day, sharding.Shard(0, 2, "s"))) == 3
     # Unsharded readers never read the buckets; a raw partition re-landed since it was bucketed is read whole.
     raw = storage.data_files(bucketed, contracts.RAW_EVENTS, day)
-    assert build._events_part(bucketed, day, None).files == raw
+    assert bucketed_events.events_part(bucketed, day, None).files == raw
     root = tmp_path / "root"
     shutil.copytree(bucketed, root)
     storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
-    assert build._events_part(root, day, build.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
+    assert bucketed_events.events_part(root, day, sharding.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
                                                                     "hash(user_id) % 3 = 1")
     # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
     meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
-    assert len(build._events_part(root, BUILT[2], build.Shard(1, 3, "s")).files) == 6
+    assert len(bucketed_events.events_part(root, BUILT[2], sharding.Shard(1, 3, "s")).files) == 6

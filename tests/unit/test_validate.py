@@ -625,7 +625,7 @@ def test_thresholds_per_dataset_and_unknown_keys() -> None:
 
 
 def test_a_passed_events_partition_is_bucketed_for_the_shards_and_a_failed_one_is_not(tmp_path: Path) -> None:
-    from features import build
+    from features import sharding
 
     write_day(tmp_path)
     report = validate_partition(tmp_path, "events", event_buckets=4)
@@ -635,7 +635,7 @@ def test_a_passed_events_partition_is_bucketed_for_the_shards_and_a_failed_one_i
     meta = storage.read_metadata(tmp_path, contracts.EVENTS_BY_USER, DS)
     assert meta["hash_buckets"]["count"] == 4 and meta["source"] == f"raw/events/ds={DS}"
     # Each shard of 2 reads 2 of the 4 files (its buckets).
-    assert len(build.shard_files(tmp_path, contracts.EVENTS_BY_USER, DS, build.Shard(0, 2, str(tmp_path / "staging")))) == 2
+    assert len(sharding.shard_files(tmp_path, contracts.EVENTS_BY_USER, DS, sharding.Shard(0, 2, str(tmp_path / "staging")))) == 2
     # Not for the other datasets, nor when switched off, nor for a failed partition.
     assert storage.is_complete(tmp_path, contracts.EVENTS_BY_PIN, DS)
     validate_partition(tmp_path, "pins", event_buckets=4)

@@ -48,9 +48,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, lis
     for ds in WORLD.day_list:
         for dataset in DATASETS:
             reports[dataset].append(validate_partition(root, dataset, ds))
-    from features import build
+    from features.steps.daily import build_daily
 
-    build.build_daily(root, LAST)
+    build_daily(root, LAST)
     return root, reports
 
 

@@ -1,0 +1,104 @@
+"""The raw events of a day bucketed by user and by pin hash, so that each shard of a build reads only its part.
+
+Validation writes them when the build is sharded (``write_event_buckets``); the steps read the raw events of a
+shard through ``events_part``, which falls back to the raw files when the buckets are missing or stale.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from core.contracts import EVENTS_BY_PIN, EVENTS_BY_USER, EVENTS_SCHEMA, RAW_EVENTS
+from core.storage import (
+    METADATA_FILE,
+    data_files,
+    ds_str,
+    is_complete,
+    join,
+    open_output,
+    read_metadata,
+    write_json,
+    write_partition,
+)
+from features.sharding import Shard, ShardPart, hash_layout, shard_file, shard_part
+from features.step_io import (
+    DEFAULTS,
+    DuckDBSettings,
+    connect,
+    create_view,
+    events_hint,
+    input_versions,
+    partition_ref,
+    query_table,
+    require_input,
+)
+
+log = logging.getLogger(__name__)
+
+
+# The columns of each bucketed copy of the events: the pin side only feeds pin_daily.
+EVENT_BUCKETS: dict[str, tuple[str, str]] = {
+    EVENTS_BY_USER: ("user_id", "*"),
+    EVENTS_BY_PIN: ("pin_id", "pin_id, user_id, action"),
+}
+
+
+def events_part(root: str | os.PathLike[str], day: str, shard: Shard | None, key: str = "user_id") -> ShardPart:
+    """What a shard reads of the raw events of ``day``: its buckets of the bucketed copy by ``key`` when that copy
+    was made from the raw partition as it is now (its publish stamp), else the raw files, filtered."""
+    raw = data_files(root, RAW_EVENTS, day)
+    if shard is None:
+        return ShardPart(raw, "TRUE")
+    dataset = EVENTS_BY_USER if key == "user_id" else EVENTS_BY_PIN
+    if not is_complete(root, dataset, day):
+        return ShardPart(raw, shard.keeps(key))
+    current = input_versions(root, [partition_ref(RAW_EVENTS, day)])[partition_ref(RAW_EVENTS, day)]
+    if current is None or read_metadata(root, dataset, day).get("source_version") != current:
+        return ShardPart(raw, shard.keeps(key))
+    return shard_part(root, dataset, day, shard)
+
+
+def write_event_buckets(
+    root: str | os.PathLike[str], ds: str | dt.date, count: int = DEFAULTS.event_buckets, *,
+    engine: DuckDBSettings | None = None,
+) -> dict[str, Any]:
+    """Write the raw events of ``ds`` bucketed by hash(user_id) (every column) and by hash(pin_id) (pin_id, user_id,
+    action) into ``count`` files each (EVENTS_BY_USER, EVENTS_BY_PIN), so that a shard of a build reads only its part
+    (``shard_part``); recorded with the raw partition's publish stamp, so a re-landed day is not read from stale
+    buckets. Called by validation when the build is sharded; the summaries by dataset."""
+    ds = ds_str(ds)
+    if count < 1:
+        raise ValueError(f"event buckets must be >= 1, got {count}; set features.event_buckets")
+    events = require_input(root, RAW_EVENTS, ds, events_hint(ds))
+    version = input_versions(root, [partition_ref(RAW_EVENTS, ds)])[partition_ref(RAW_EVENTS, ds)]
+    summary: dict[str, Any] = {}
+    with connect(engine, root) as con:
+        create_view(con, "events_all", events, EVENTS_SCHEMA)
+        for dataset, (key, columns) in EVENT_BUCKETS.items():
+            # Sorted by bucket, so that each bucket's scan of the temp table skips the others' row groups.
+            con.execute(
+                f"CREATE OR REPLACE TEMP TABLE bucketed AS SELECT hash({key}) % {count} AS bucket, {columns} "
+                "FROM events_all ORDER BY bucket"
+            )
+            rows = 0
+            with write_partition(root, dataset, ds) as out:
+                for bucket in range(count):
+                    table = query_table(con, "SELECT * EXCLUDE (bucket) FROM bucketed WHERE bucket = $b", {"b": bucket})
+                    rows += table.num_rows
+                    with open_output(join(out, shard_file(bucket))) as sink:
+                        pq.write_table(table, sink, row_group_size=64 * 1024)
+                meta = {
+                    "dataset": dataset, "ds": ds, "source": partition_ref(RAW_EVENTS, ds), "source_version": version,
+                    "rows": rows, "hash_buckets": hash_layout(key, count),
+                }
+                write_json(join(out, METADATA_FILE), meta)
+            summary[dataset] = meta
+        con.execute("DROP TABLE IF EXISTS bucketed")
+    if input_versions(root, [partition_ref(RAW_EVENTS, ds)])[partition_ref(RAW_EVENTS, ds)] != version:
+        log.warning("%s was republished while it was bucketed: shards read it whole until it is bucketed again", partition_ref(RAW_EVENTS, ds))
+    return summary
