@@ -75,17 +75,9 @@ class BuildSpec(BaseModel):
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> BuildSpec:
         """``BUILD.json`` (a local path or a URL), checked; a ConfigError naming the file and the field."""
-        from core.storage import read_json
+        from core.storage import read_settings
 
-        try:
-            data = read_json(path)
-        except FileNotFoundError:
-            raise ConfigError(f"build spec {path} does not exist") from None
-        except ValueError as err:
-            raise ConfigError(f"build spec {path} is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"build spec {path} must hold a JSON object, got {type(data).__name__}")
-        return cls.checked(f"build spec {path}", **data)
+        return cls.checked(f"build spec {path}", **read_settings(path, "build spec"))
 
     def write(self, path: str | os.PathLike[str]) -> None:
         """Write it as one atomic file (a local path or a URL): what :meth:`read` reads."""

@@ -184,17 +184,9 @@ class RunConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> RunConfig:
         """Read and validate RUN.json (a local path or a URL); raise ConfigError naming the offending key."""
-        from core.storage import read_text
+        from core.storage import read_settings
 
-        try:
-            data = json.loads(read_text(path))
-        except FileNotFoundError:
-            raise ConfigError(f"run config {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"run config {path} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"run config {path} must hold a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_settings(path, "run config"), source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run config") -> RunConfig:

@@ -75,6 +75,7 @@ from core.storage.paths import (
     open_output,
     read_bytes,
     read_json,
+    read_settings,
     read_text,
     remove,
     remove_tree,
@@ -91,7 +92,7 @@ __all__ = [
     "exists", "filesystem", "glob", "is_complete", "is_dir", "is_remote", "join", "last_modified", "list_names",
     "local_path", "make_dirs", "marker_version", "modified", "move_tree", "name_of", "new_version", "open_output",
     "parquet_file", "parse_ds", "partition", "partition_folder", "pin_partition", "pinned", "pins_intact",
-    "pins_of", "publish", "read_bytes", "read_json", "read_metadata", "read_parquet", "read_snapshot",
+    "pins_of", "publish", "read_bytes", "read_json", "read_metadata", "read_parquet", "read_settings", "read_snapshot",
     "read_table", "read_text", "read_version", "remove", "remove_tree", "resolve", "shift_ds", "snapshot_days",
     "write_bytes", "write_json", "write_partition", "write_table", "write_text",
 ]

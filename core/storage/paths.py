@@ -153,6 +153,22 @@ def read_json(location: Location) -> Any:
     return json.loads(read_bytes(location))
 
 
+def read_settings(location: Location, what: str) -> dict[str, Any]:
+    """A settings file an operator wrote for its job (RUN.json, BUILD.json): a JSON object; a ConfigError naming
+    ``what`` and the file when it is missing, not JSON, or not an object."""
+    from core.failures import ConfigError
+
+    try:
+        data = read_json(location)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {location} does not exist") from None
+    except ValueError as err:
+        raise ConfigError(f"{what} {location} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {location} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def write_bytes(location: Location, data: bytes) -> None:
     """Write a file so that readers see the old one or the new one, never half of one.
 
