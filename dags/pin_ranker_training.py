@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import airflow.providers.standard.operators.hitl  # noqa: F401  (see docs/architecture.md, DAG files)
 import pendulum
 from airflow.sdk import Param, task
 

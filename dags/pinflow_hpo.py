@@ -12,7 +12,7 @@ from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.backends import backend_names
 from operators.errors import default_args
-from operators.hpo_trial import HpoTrialOperator
+from operators.hpo_trial import HpoTrialOperator, StudyAskOperator, StudyTellOperator
 
 _cfg = config_view.load()
 _training, _hpo = _cfg.training, _cfg.hpo
@@ -100,29 +100,12 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
         check_run_conf({"dag_run": dag_run, "params": params})
         return hpo.create_study(dag_run.dag_id, dag_run.run_id, dict(params), team=str(params["team"]))
 
-    @task
-    def ask(round_index: int, dag_run: Any = None) -> list[dict]:
-        from operators import hpo
-
-        return hpo.ask_round(hpo.study_name(dag_run.dag_id, dag_run.run_id), round_index)
-
-    # all_done: a round's failed trials are recorded as failed trials and the study goes on. The round's ask
-    # task's state says whether it ran (skipped: the study is done; upstream_failed: an earlier task failed).
-    @task(trigger_rule="all_done")
-    def tell(round_index: int, dag_run: Any = None, ti: Any = None) -> dict:
-        from operators import hpo
-
-        task_id = f"round_{round_index}.ask"
-        states = ti.get_task_states(dag_id=dag_run.dag_id, task_ids=[task_id], run_ids=[dag_run.run_id])
-        ask_state = (states.get(dag_run.run_id) or {}).get(task_id)
-        return hpo.tell_round(hpo.study_name(dag_run.dag_id, dag_run.run_id), round_index, ask_state=ask_state)
-
     study = create_study()
     told = []
     previous: Any = study
     for r in range(_hpo.max_rounds):
         with TaskGroup(group_id=f"round_{r}"):
-            asked = ask(r)
+            asked = StudyAskOperator(task_id="ask", round_index=r)
             trials = HpoTrialOperator.partial(
                 task_id="trial",
                 model="{{ params.model }}",
@@ -131,9 +114,9 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
                 nodes="{{ params.nodes }}",
                 procs_per_node="{{ params.procs_per_node }}",
                 execution_timeout=timedelta(hours=12),
-            ).expand(trial=asked)
-            round_told = tell(r)
-            asked >> trials >> round_told  # type: ignore[operator]
+            ).expand(trial=asked.output)
+            round_told = StudyTellOperator(task_id="tell", round_index=r, ask_task_id=asked.task_id)
+            trials >> round_told
         previous >> asked
         previous = round_told
         told.append(round_told)

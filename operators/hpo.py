@@ -11,7 +11,7 @@ the study lives in that storage, so any task can be re-run and a re-run of the D
   each tagged with its round: a re-run of the round returns the same trials;
 - :class:`~operators.hpo_trial.HpoTrialOperator` trains one trial as a
   :class:`~operators.training.DistributedTrainingOperator` job (retries, exact resume, quotas and job history like
-  any run); its trigger (:class:`~operators.hpo_trial.HpoTrialTrigger`)
+  any run); its trigger (:class:`~operators.hpo_trigger.HpoTrialTrigger`)
   reports the trial's per-step ``hpo.prune_metric`` from its MLflow run to the study as intermediate values and,
   when the pruner says so, cancels the job: the task ends with the trial recorded as pruned, not failed;
 - :func:`tell_round` tells the study how each trial of the round ended (complete with its metric, pruned,

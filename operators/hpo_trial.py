@@ -1,184 +1,64 @@
-"""One trial of a study as a training job: its task (:class:`HpoTrialOperator`, a training operator with the
-trial's values) and its trigger (:class:`HpoTrialTrigger`), which reports the trial's intermediate values to the
-study (:class:`TrialMonitor`) and prunes it. The study itself: ``operators.hpo``."""
+"""A study's tasks in the HPO DAG: each round's ask (:class:`StudyAskOperator`) and tell
+(:class:`StudyTellOperator`), and one trial as a training job (:class:`HpoTrialOperator`, a training operator with
+the trial's values). Its trigger, which reports the trial's intermediate values to the study and prunes it:
+``operators.hpo_trigger``; the study itself: ``operators.hpo``. The HPO DAG's parse imports this module: what only
+runs in the task (the study, Optuna) or in the triggerer is imported where it is used."""
 
 from __future__ import annotations
 
 import json
-import math
-import typing
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import Context
-from airflow.triggers.base import TriggerEvent
+from airflow.sdk import BaseOperator, Context
 
 from core.failures import ConfigError, PinflowError, UserError
-from operators import hpo
 from operators.compute_job import JobRef, Submission, Watch
-from operators.hpo import ERROR_ATTR, PARENT_RUN_ATTR, PRUNED, RESULT_ATTR
 from operators.training import TUNABLE, DistributedTrainingOperator
-from operators.triggers import ComputeJobTrigger
 
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
 
-    from operators.hpo_space import StudySpec
 
+# -- a round's ask and tell ---------------------------------------------------------------------------------
+# Plain operators rather than @task functions: the HPO DAG has two per round, and Airflow builds a @task through
+# four operator classes, copying the DAG's params at each (the DAG's parse time).
+class StudyAskOperator(BaseOperator):
+    """Round ``round_index``'s ask: its trials (``hpo.ask_round``), which the round's trial task maps over."""
 
-# -- a trial's intermediate values and pruning ---------------------------------------------------------------
-class TrialMonitor:
-    """A running trial seen from outside: its per-step metric from its MLflow run reported to the study as
-    intermediate values, and the pruner's verdict. Used by the trigger while the job runs and by the operator
-    when it ends (so a completed trial's curve is complete for the pruner's comparisons)."""
+    ui_color = "#e8dcff"
 
-    def __init__(self, study: str, number: int, output_dir: str) -> None:
-        self.study_name = study
-        self.number = number
-        self.output_dir = output_dir
-        self._study: Any = None
-        self._spec: StudySpec | None = None
-        self._trial_id: int | None = None
-        self._run_id: str | None = None
-        self._linked = False
-
-    def _load(self) -> tuple[Any, StudySpec, int]:
-        if self._study is None:
-            self._study, self._spec = hpo.load(self.study_name)
-            self._trial_id = self._study._storage.get_trial_id_from_study_id_trial_number(
-                self._study._study_id, self.number)
-        assert self._spec is not None and self._trial_id is not None
-        return self._study, self._spec, self._trial_id
-
-    def mlflow_run_id(self) -> str | None:
-        """The trial's MLflow run (``mlflow_run.json`` in its checkpoint folder, named by its RUN.json)."""
-        if self._run_id:
-            return self._run_id
-        from core import storage
-        from core.failures import ConfigError
-        from training.config import RunConfig
-        from training.tracking import STATE_FILE
-
-        try:
-            run = RunConfig.from_json(storage.join(self.output_dir, "RUN.json"))
-            state = storage.read_json(storage.join(run.checkpoint_dir, STATE_FILE))
-        except (OSError, ValueError, ConfigError):
-            return None
-        self._run_id = state.get("run_id")
-        return self._run_id
-
-    def report(self) -> int | None:
-        """Report the steps not reported yet; return the last step reported (None: nothing logged yet)."""
-        import optuna
-
-        from core import config
-
-        study, spec, trial_id = self._load()
-        run_id = self.mlflow_run_id()
-        if not run_id:
-            return None
-        client = hpo.mlflow_client(config.load())
-        if not self._linked:
-            self.link(client, run_id, study)
-        history = client.get_metric_history(run_id, spec.prune_metric)
-        frozen = study._storage.get_trial(trial_id)
-        if frozen.state.is_finished():
-            return frozen.last_step
-        trial = optuna.trial.Trial(study, trial_id)
-        done = set(frozen.intermediate_values)
-        for point in sorted(history, key=lambda m: m.step):
-            if point.step not in done and math.isfinite(point.value):
-                trial.report(spec.prune_sign * float(point.value), int(point.step))
-                done.add(point.step)
-        return max(done) if done else None
-
-    def link(self, client: Any, run_id: str, study: Any) -> None:
-        """Make the trial's MLflow run a child of the study's parent run."""
-        parent = study.user_attrs.get(PARENT_RUN_ATTR)
-        tags = {"pinflow.hpo.study": self.study_name, "pinflow.hpo.trial": str(self.number)}
-        if parent:
-            tags["mlflow.parentRunId"] = str(parent)
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
-        self._linked = True
-
-    def should_prune(self) -> dict[str, Any] | None:
-        """Report, then ask the pruner: the verdict (step, value, reason) or None."""
-        import optuna
-
-        step = self.report()
-        if step is None:
-            return None
-        study, spec, trial_id = self._load()
-        if study._storage.get_trial(trial_id).state.is_finished():
-            return None
-        trial = optuna.trial.Trial(study, trial_id)
-        if not trial.should_prune():
-            return None
-        frozen = study._storage.get_trial(trial_id)
-        value = frozen.intermediate_values.get(step)
-        loss = None if value is None else spec.prune_sign * value
-        return {"step": step, "value": value, "reason": (
-            f"trial {self.number} pruned at step {step}: {spec.prune_metric} {loss} is worse than the median of the "
-            f"completed trials at that step ({spec.pruner} pruner)")}
-
-
-class HpoTrialTrigger(ComputeJobTrigger):
-    """:class:`ComputeJobTrigger` for a trial: while the job runs, report its intermediate values to the study and
-    cancel it when the pruner says so; the event then has state ``PRUNED`` (the job's own end otherwise).
-
-    Serialises only ids and settings: the study's name and the trial's number besides the job's; the study storage
-    comes from the platform config in the triggerer.
-    """
-
-    def __init__(self, *, study: str, trial: int, **kwargs: Any) -> None:
+    def __init__(self, *, round_index: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.study = study
-        self.trial = int(trial)
+        self.round_index = round_index
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        _, kwargs = super().serialize()
-        return f"{type(self).__module__}.{type(self).__qualname__}", {**kwargs, "study": self.study, "trial": self.trial}
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        from operators import hpo
 
-    def _check(self, monitor: TrialMonitor) -> dict[str, Any] | None:
-        try:
-            return monitor.should_prune()
-        except Exception as err:  # noqa: BLE001 - pruning is an optimisation: never fail a trial over it
-            self.log.warning("trial %d: could not report or check pruning: %s", self.trial, err)
-            return None
+        run = context["dag_run"]
+        return hpo.ask_round(hpo.study_name(run.dag_id, run.run_id), self.round_index)
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        import asyncio
 
-        monitor = TrialMonitor(self.study, self.trial, str(self.output_dir))
-        inner = typing.cast(Any, super().run())  # an async generator: closed below
-        pending = asyncio.ensure_future(inner.__anext__())
-        verdict: dict[str, Any] | None = None
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.poll_seconds)
-                if pending in done:
-                    event = pending.result()
-                    break
-                if verdict is None:
-                    verdict = await asyncio.to_thread(self._check, monitor)
-                    if verdict is not None:
-                        self.log.info("%s: cancelling job %s", verdict["reason"], self.job_id)
-                        try:
-                            backend = await asyncio.to_thread(self._backend)
-                            await asyncio.to_thread(backend.cancel, self.job_id)
-                        except Exception as err:  # noqa: BLE001 - not pruned after all: the job runs to its end
-                            self.log.warning("could not cancel job %s to prune it: %s", self.job_id, err)
-                            verdict = None
-        finally:
-            if not pending.done():
-                pending.cancel()
-            await inner.aclose()
-        payload = dict(event.payload)
-        if verdict is not None and payload.get("state") != "SUCCEEDED":
-            payload.update(state=PRUNED, failure_class=None, reason=verdict["reason"], step=verdict["step"],
-                           value=verdict["value"])
-        yield TriggerEvent(payload)
+class StudyTellOperator(BaseOperator):
+    """Round ``round_index``'s tell: the study told how each trial ended (``hpo.tell_round``). Runs whatever the
+    trials' states (a failed trial is a failed trial and the study goes on); the round's ask task's state
+    (``ask_task_id``) says whether the round ran (skipped: the study is done; upstream_failed: an earlier task
+    failed)."""
+
+    ui_color = "#e8dcff"
+
+    def __init__(self, *, round_index: int, ask_task_id: str, **kwargs: Any) -> None:
+        super().__init__(trigger_rule="all_done", **kwargs)
+        self.round_index = round_index
+        self.ask_task_id = ask_task_id
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from operators import hpo
+
+        run, ti = context["dag_run"], context["ti"]
+        states = ti.get_task_states(dag_id=run.dag_id, task_ids=[self.ask_task_id], run_ids=[run.run_id])
+        ask_state = (states.get(run.run_id) or {}).get(self.ask_task_id)
+        return hpo.tell_round(hpo.study_name(run.dag_id, run.run_id), self.round_index, ask_state=ask_state)
 
 
 # -- the trial's task ----------------------------------------------------------------------------------------
@@ -229,6 +109,8 @@ class HpoTrialOperator(DistributedTrainingOperator):
         return submission
 
     def trigger(self, job: JobRef, watch: Watch) -> BaseTrigger:
+        from operators.hpo_trigger import HpoTrialTrigger
+
         return HpoTrialTrigger(
             study=self.trial["study"], trial=int(self.trial["number"]), backend=job.backend, job_id=job.job_id,
             output_dir=job.output_dir, poll_seconds=watch.poll_s, stall_seconds=watch.stall_s,
@@ -249,6 +131,8 @@ class HpoTrialOperator(DistributedTrainingOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any] | None = None,
                          job: dict[str, Any] | None = None) -> Any:
+        from operators.hpo import PRUNED
+
         self._bind()
         if event and event.get("state") == PRUNED:
             return self._pruned(context, event)
@@ -259,6 +143,7 @@ class HpoTrialOperator(DistributedTrainingOperator):
             raise
 
     def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
+        from operators import hpo
         from training.evaluate import flat_metrics
 
         result = super().finish(context, job)
@@ -285,6 +170,8 @@ class HpoTrialOperator(DistributedTrainingOperator):
 
     def _report_final(self, job: JobRef) -> None:
         """The whole curve of an ended trial, for the pruner's comparisons (the trigger may have missed the end)."""
+        from operators.hpo_trigger import TrialMonitor
+
         try:
             TrialMonitor(self.trial["study"], int(self.trial["number"]), str(job.output_dir)).report()
         except Exception as err:  # noqa: BLE001 - the curve helps pruning later trials; the result is what counts
@@ -293,6 +180,9 @@ class HpoTrialOperator(DistributedTrainingOperator):
     def _pruned(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         """The trigger pruned the trial and cancelled its job: the task succeeds with the trial recorded as pruned."""
         from core import config
+        from operators import hpo
+        from operators.hpo import PRUNED
+        from operators.hpo_trigger import TrialMonitor
         self._forget(context)
         self._job = None
         outcome = {"state": PRUNED, "trial": self.trial["number"], "study": self.trial["study"],
@@ -323,6 +213,9 @@ class HpoTrialOperator(DistributedTrainingOperator):
 
     def _record(self, study: Any, outcome: dict[str, Any]) -> None:
         from core import config
+        from operators import hpo
+        from operators.hpo import RESULT_ATTR
+        from operators.hpo_trigger import TrialMonitor
         study._storage.set_trial_user_attr(self._trial_id(study), RESULT_ATTR, outcome)
         if outcome.get("mlflow_run_id"):
             try:
@@ -336,6 +229,9 @@ class HpoTrialOperator(DistributedTrainingOperator):
         return int(study._storage.get_trial_id_from_study_id_trial_number(study._study_id, int(self.trial["number"])))
 
     def _record_error(self, err: PinflowError) -> None:
+        from operators import hpo
+        from operators.hpo import ERROR_ATTR
+
         try:
             study, _ = hpo.load(self.trial["study"])
             study._storage.set_trial_user_attr(
@@ -346,6 +242,9 @@ class HpoTrialOperator(DistributedTrainingOperator):
     def _recorded(self) -> dict[str, Any] | None:
         """The outcome of a trial that has ended (a re-run of the DAG run); a failed one fails again, saying so."""
         from optuna.trial import TrialState
+
+        from operators import hpo
+        from operators.hpo import ERROR_ATTR, RESULT_ATTR
 
         study, _ = hpo.load(self.trial["study"])
         frozen = study._storage.get_trial(self._trial_id(study))

@@ -43,6 +43,18 @@ def test_every_dag_is_documented_tagged_and_retried(dagbag):
 
 
 @pytest.mark.unit
+def test_every_dag_serializes_as_the_dag_processor_sends_it(dagbag):
+    """What the DAG processor stores and the scheduler runs is the serialized DAG: every DAG must round-trip."""
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    for dag_id in EXPECTED:
+        dag = dagbag.dags[dag_id]
+        again = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+        assert set(again.task_dict) == set(dag.task_dict), dag_id
+        assert set(again.params) == set(dag.params), dag_id
+
+
+@pytest.mark.unit
 def test_backend_param_is_an_enum(dagbag):
     param = dagbag.dags["pin_ranker_training"].params.get_param("backend")
     assert param.schema["enum"] == ["local", "batch", "kubernetes"]

@@ -12,7 +12,7 @@ import pytest
 
 from core import config
 from core.failures import ConfigError, FailureClass
-from operators import hpo, hpo_space, hpo_trial
+from operators import hpo, hpo_space, hpo_trial, hpo_trigger
 from training.config import RunConfig
 
 pytestmark = pytest.mark.unit
@@ -215,13 +215,13 @@ def test_a_trial_whose_loss_is_above_the_median_is_pruned(study_storage, tmp_pat
                        "run3": [0.8, 0.5, 0.2]})
     monkeypatch.setattr(hpo, "mlflow_client", lambda cfg: fake)
 
-    def monitor(number: int) -> hpo_trial.TrialMonitor:
+    def monitor(number: int) -> hpo_trigger.TrialMonitor:
         out = tmp_path / f"job{number}"
         RunConfig.checked("RUN.json", root=str(tmp_path), train_days=["2026-01-01"], eval_ds="2026-01-02",
                           output_dir=str(out), checkpoint_dir=str(tmp_path / f"ckpt{number}"),
                           mlflow_tracking_uri="").write(storage.join(str(out), "RUN.json"))
         storage.write_json(storage.join(str(tmp_path / f"ckpt{number}"), "mlflow_run.json"), {"run_id": f"run{number}"})
-        return hpo_trial.TrialMonitor(name, number, str(out))
+        return hpo_trigger.TrialMonitor(name, number, str(out))
 
     hpo.ask_round(name, 0)
     for number in (0, 1):
@@ -238,12 +238,12 @@ def test_a_trial_whose_loss_is_above_the_median_is_pruned(study_storage, tmp_pat
 
 
 def test_the_trial_trigger_serializes_ids_and_settings_only():
-    trigger = hpo_trial.HpoTrialTrigger(study="pinflow_hpo/manual__1", trial=3, backend="local", job_id="train-x",
+    trigger = hpo_trigger.HpoTrialTrigger(study="pinflow_hpo/manual__1", trial=3, backend="local", job_id="train-x",
                                   output_dir="/runs/train-x", poll_seconds=5, stall_seconds=60, queue_timeout_seconds=0)
     path, kwargs = trigger.serialize()
-    assert path == "operators.hpo_trial.HpoTrialTrigger"
+    assert path == "operators.hpo_trigger.HpoTrialTrigger"
     assert json.loads(json.dumps(kwargs)) == kwargs
-    again = hpo_trial.HpoTrialTrigger(**kwargs)
+    again = hpo_trigger.HpoTrialTrigger(**kwargs)
     assert again.serialize() == (path, kwargs) and kwargs["study"] == "pinflow_hpo/manual__1" and kwargs["trial"] == 3
 
 
