@@ -843,3 +843,40 @@ class StreamLoader:
         finally:  # the epoch stopped early (or the trainer stopped): its buffers are free for the next epoch
             if origin[0] >= 0:
                 released[origin[0]] = origin[1]
+
+
+def lockstep(stream: ExampleStream) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+    """This rank's batches of ``stream`` (its current epoch, read without workers) for a model whose forward is a
+    collective: a TorchRec-sharded model's lookups are all-to-alls, so every rank must call it the same number of
+    times, each time with the same number of rows. Yields ``(batch, rows)``: each batch padded with zero rows to the
+    stream's ``batch_size`` (its first ``rows`` rows are real), then batches of zero rows only (``rows`` 0) until
+    as many batches as the rank with the most have come. The counts come from the plan, the same on every rank; a
+    rank dealt no data pads with the shapes of a batch broadcast by the first rank that has one (a collective)."""
+    import torch.distributed as dist
+
+    counts = stream.batches_per_rank(stream.epoch)
+    steps = max(counts, default=0)
+    if steps == 0:
+        return
+    batches = iter(stream)
+    first = next(batches, None) if counts[stream.rank] else None
+    template = None if first is None else {name: tensor[:0] for name, tensor in first.items()}
+    if min(counts) == 0 and stream.world_size > 1:  # every rank decides so alike, and joins
+        shared = [template]
+        dist.broadcast_object_list(shared, src=next(r for r, c in enumerate(counts) if c))
+        template = shared[0]
+    assert template is not None
+    size = stream.batch_size
+    real = itertools.chain([first] if first is not None else [], batches)
+    for _ in range(steps):
+        batch = next(real, None)
+        if batch is None:
+            yield {name: tensor.new_zeros((size, *tensor.shape[1:])) for name, tensor in template.items()}, 0
+            continue
+        rows = len(next(iter(batch.values())))
+        if rows < size:
+            batch = {name: torch.cat([tensor, tensor.new_zeros((size - rows, *tensor.shape[1:]))])
+                     for name, tensor in batch.items()}
+        yield batch, rows
+    if next(real, None) is not None:
+        raise RuntimeError(f"rank {stream.rank} has more than the {counts[stream.rank]} batches its plan says")
