@@ -850,22 +850,19 @@ def lockstep(stream: ExampleStream) -> Iterator[tuple[dict[str, torch.Tensor], i
     collective: a TorchRec-sharded model's lookups are all-to-alls, so every rank must call it the same number of
     times, each time with the same number of rows. Yields ``(batch, rows)``: each batch padded with zero rows to the
     stream's ``batch_size`` (its first ``rows`` rows are real), then batches of zero rows only (``rows`` 0) until
-    as many batches as the rank with the most have come. The counts come from the plan, the same on every rank; a
-    rank dealt no data pads with the shapes of a batch broadcast by the first rank that has one (a collective)."""
-    import torch.distributed as dist
-
+    as many batches as the rank with the most have come. The counts come from the plan, the same on every rank
+    without a collective; a rank dealt no data takes the padding's shapes from one row of the day's first unit."""
     counts = stream.batches_per_rank(stream.epoch)
     steps = max(counts, default=0)
     if steps == 0:
         return
     batches = iter(stream)
     first = next(batches, None) if counts[stream.rank] else None
-    template = None if first is None else {name: tensor[:0] for name, tensor in first.items()}
-    if min(counts) == 0 and stream.world_size > 1:  # every rank decides so alike, and joins
-        shared = [template]
-        dist.broadcast_object_list(shared, src=next(r for r, c in enumerate(counts) if c))
-        template = shared[0]
-    assert template is not None
+    if first is None:  # nothing of its own: the shapes of an encoded row
+        first_row = stream.encode(stream._read(stream.units[0], stream.epoch).slice(0, 1))
+        template = {name: tensor[:0] for name, tensor in first_row.items()}
+    else:
+        template = {name: tensor[:0] for name, tensor in first.items()}
     size = stream.batch_size
     real = itertools.chain([first] if first is not None else [], batches)
     for _ in range(steps):

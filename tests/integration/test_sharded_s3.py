@@ -36,6 +36,10 @@ def s3(tmp_path: Path) -> Iterator[tuple[Any, list[tuple[str, str]]]]:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
+    class Quiet(MotoRequestHandler):
+        def log_request(self, *args: Any, **kwargs: Any) -> None:  # the record is the log: keep failures readable
+            pass
+
     record: list[tuple[str, str]] = []
     app = DomainDispatcherApplication(create_backend_app)
 
@@ -43,7 +47,7 @@ def s3(tmp_path: Path) -> Iterator[tuple[Any, list[tuple[str, str]]]]:
         record.append((environ["REQUEST_METHOD"], urllib.parse.unquote(environ.get("PATH_INFO", ""))))
         return app(environ, start_response)
 
-    server = make_server("127.0.0.1", 0, recording, threaded=True, request_handler=MotoRequestHandler)
+    server = make_server("127.0.0.1", 0, recording, threaded=True, request_handler=Quiet)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -168,6 +168,15 @@ def test_lockstep_gives_every_rank_as_many_full_batches_each_real_row_once_and_z
             assert torch.equal(torch.cat([batch[key][:rows] for batch, rows in padded]),
                                torch.cat([b[key] for b in plain])), key
             assert not any(batch[key][rows:].any() for batch, rows in padded), key
+    # A rank dealt no row group (more ranks than units) runs padding only, in the shapes of the others' batches.
+    idle = stream(world, shuffle=False, rank=len(streams[0].units), world_size=len(streams[0].units) + 1)
+    steps = max(idle.batches_per_rank(0))
+    padding = list(lockstep(idle))
+    assert idle.batches_per_rank(0)[idle.rank] == 0 and len(padding) == steps > 0
+    assert all(rows == 0 for _, rows in padding)
+    for key, tensor in plain[0].items():
+        assert all(batch[key].shape == (16, *tensor.shape[1:]) and batch[key].dtype == tensor.dtype
+                   and not batch[key].any() for batch, _ in padding), key
 
 
 # --- the Ray engine's cut, and encode in two halves ----------------------------------------------------------
