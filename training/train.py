@@ -19,9 +19,10 @@ resumes exactly from the newest complete one: model, optimizer, LR schedule, eve
 the input position (the data order is a function of seed and epoch; the batches already trained on in
 that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds`` (strategy torchrec with tables
 above ``sharded_export_above_mib``: every rank exports its rows, ``training.sharded_export``, and every rank evaluates
-its share of the day with the sharded model, never gathered: ``ModelFamily.evaluate_part``), logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
-writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
-``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``core.storage``).
+its share of the day with the sharded model, never gathered: ``ModelFamily.evaluate_part``), logs to MLflow (params,
+train loss, metrics, the exported model + feature spec), registers the model and writes ``<output_dir>/result.json``
+atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the ``--config`` file itself may be local paths or URLs
+such as ``s3://bucket/prefix/...`` (``core.storage``).
 """
 
 from __future__ import annotations
