@@ -166,7 +166,8 @@ class RunConfig:
     )
     sharded_export_above_mib: float = _f(
         "strategy torchrec: tables larger than this (MiB, all of them together) are not gathered at the end: each "
-        "rank exports its row ranges (training.sharded_export), evaluation and scoring read them; 0: always",
+        "rank exports its row ranges (training.sharded_export), which scoring reads; the training world evaluates "
+        "the sharded model itself; 0: always",
         _TRAINING.sharded_export_above_mib,
     )
     deterministic: bool = _f(

@@ -843,3 +843,37 @@ class StreamLoader:
         finally:  # the epoch stopped early (or the trainer stopped): its buffers are free for the next epoch
             if origin[0] >= 0:
                 released[origin[0]] = origin[1]
+
+
+def lockstep(stream: ExampleStream) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+    """This rank's batches of ``stream`` (its current epoch, read without workers) for a model whose forward is a
+    collective: a TorchRec-sharded model's lookups are all-to-alls, so every rank must call it the same number of
+    times, each time with the same number of rows. Yields ``(batch, rows)``: each batch padded with zero rows to the
+    stream's ``batch_size`` (its first ``rows`` rows are real), then batches of zero rows only (``rows`` 0) until
+    as many batches as the rank with the most have come. The counts come from the plan, the same on every rank
+    without a collective; a rank dealt no data takes the padding's shapes from one row of the day's first unit."""
+    counts = stream.batches_per_rank(stream.epoch)
+    steps = max(counts, default=0)
+    if steps == 0:
+        return
+    batches = iter(stream)
+    first = next(batches, None) if counts[stream.rank] else None
+    if first is None:  # nothing of its own: the shapes of an encoded row
+        first_row = stream.encode(stream._read(stream.units[0], stream.epoch).slice(0, 1))
+        template = {name: tensor[:0] for name, tensor in first_row.items()}
+    else:
+        template = {name: tensor[:0] for name, tensor in first.items()}
+    size = stream.batch_size
+    real = itertools.chain([first] if first is not None else [], batches)
+    for _ in range(steps):
+        batch = next(real, None)
+        if batch is None:
+            yield {name: tensor.new_zeros((size, *tensor.shape[1:])) for name, tensor in template.items()}, 0
+            continue
+        rows = len(next(iter(batch.values())))
+        if rows < size:
+            batch = {name: torch.cat([tensor, tensor.new_zeros((size - rows, *tensor.shape[1:]))])
+                     for name, tensor in batch.items()}
+        yield batch, rows
+    if next(real, None) is not None:
+        raise RuntimeError(f"rank {stream.rank} has more than the {counts[stream.rank]} batches its plan says")

@@ -139,8 +139,11 @@ class ModelFamily:
         rank: int, world_size: int, on_batch: Callable[[int], None] | None = None,
     ) -> Any:
         """Optional, with ``evaluate_parts``: this rank's share of what ``evaluate`` computes before its metrics
-        (picklable, e.g. predictions and labels), so that a model exported sharded is evaluated by every rank of
-        the training world; ``evaluate_parts`` (rank 0) turns the ranks' parts into ``evaluate``'s metrics."""
+        (picklable, e.g. predictions and labels), so that a model whose tables are too large to gather is evaluated
+        by every rank of the training world; ``evaluate_parts`` (rank 0) turns the ranks' parts into ``evaluate``'s
+        metrics. ``models`` are the trained TorchRec-sharded models themselves (each rank holds only its shards):
+        their forward is a collective, so every rank must call each model the same number of times with batches of
+        the same size (``training.data.lockstep`` gives a rank's batches so)."""
         raise NotImplementedError(f"model family {self.name} does not split its evaluation")
 
     def evaluate_parts(self, parts: list[Any], root: Location, eval_ds: str, context: Any) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def export(dmp: Any, names: tuple[str, ...] | list[str], final: str) -> dict[str
 
     Each rank writes its own shards; rank 0 the dense rest and the manifest, and publishes the folder once every
     rank has written (a rank that failed fails the export on every rank, and nothing is published). No rank returns
-    before the folder is published (the evaluation reads it next). Returns the manifest on rank 0, None elsewhere."""
+    before the folder is published (rank 0 registers it next). Returns the manifest on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     from training import torchrec_sharding as ts

@@ -17,11 +17,12 @@ Each rank writes ``<output_dir>/heartbeat-rank{r}.json`` every few seconds and, 
 ``<checkpoint_dir>/step-XXXXXXXX/`` every ``checkpoint_every`` steps and at the end; a (re)started job
 resumes exactly from the newest complete one: model, optimizer, LR schedule, every rank's RNG states and
 the input position (the data order is a function of seed and epoch; the batches already trained on in
-that epoch are skipped without being read). At the end (strategy torchrec with tables above
-``sharded_export_above_mib``: after every rank exported its rows, ``training.sharded_export``) rank 0 evaluates on ``eval_ds``,
-logs to MLflow (params, train loss, metrics, the exported model + feature spec), registers the model and
-writes ``<output_dir>/result.json`` atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the
-``--config`` file itself may be local paths or URLs such as ``s3://bucket/prefix/...`` (``core.storage``).
+that epoch are skipped without being read). At the end rank 0 evaluates on ``eval_ds`` (strategy torchrec with tables
+above ``sharded_export_above_mib``: every rank exports its rows, ``training.sharded_export``, and every rank evaluates
+its share of the day with the sharded model, never gathered: ``ModelFamily.evaluate_part``), logs to MLflow (params,
+train loss, metrics, the exported model + feature spec), registers the model and writes ``<output_dir>/result.json``
+atomically. ``root``, ``output_dir``, ``checkpoint_dir`` and the ``--config`` file itself may be local paths or URLs
+such as ``s3://bucket/prefix/...`` (``core.storage``).
 """
 
 from __future__ import annotations
@@ -705,7 +706,8 @@ class Trainer:
         # Rank 0 evaluates alone: gather full (unsharded) weights while every rank is still here. The result is the
         # family's plain model under every strategy: what is registered loads without a process group or TorchRec.
         # Tables above sharded_export_above_mib are never gathered: every rank exports its own rows
-        # (training.sharded_export) and rank 0 evaluates and registers the model over those files.
+        # (training.sharded_export), every rank evaluates its share of the day with the sharded model itself (a family
+        # that splits its evaluation; else rank 0 over the exported files), and rank 0 registers the export.
         full: dict[str, Any] = {}
         for name, (module, _, _) in self.parts.items():
             build = lambda name=name: self.family.build_model(name)  # noqa: E731
@@ -747,16 +749,14 @@ class Trainer:
         return self.finish(full, total_seen, input_summary, metrics)
 
     def evaluate_in_world(self) -> dict[str, Any] | None:
-        """Every rank evaluates its share of the evaluation day with the sharded export's models (each reading only
-        the rows it looks up), rank 0 gathers the parts and returns the family's metrics (None elsewhere)."""
+        """Every rank evaluates its share of the evaluation day with the trained models as they are, sharded (their
+        lookups TorchRec's all-to-alls: no rank reads a table file or holds more than its shards), rank 0 gathers
+        the parts and returns the family's metrics (None elsewhere)."""
         import torch.distributed as dist
-
-        from training import sharded_export
 
         cfg, family, hb = self.config, self.family, self.heartbeat
         self.phase("evaluating")
-        models = {name: sharded_export.load(folder, family, name).to(self.device)
-                  for name, folder in self.sharded_exports.items()}
+        models = {name: module for name, (module, _, _) in self.parts.items()}
         part = family.evaluate_part(models, cfg.input_root, cfg.eval_ds, self.context, device=self.device,
                                     batch_size=cfg.eval_batch_size, rank=self.env.rank,
                                     world_size=self.env.world_size, on_batch=lambda _: hb.update(phase="evaluating"))

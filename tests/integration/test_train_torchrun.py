@@ -445,8 +445,9 @@ def test_a_managed_id_model_trains_on_two_ranks_registers_and_scores_the_corpus(
 
 def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model_does(tmp_path: Path, world):
     """strategy torchrec with sharded_export_above_mib 0 on two ranks: each rank exports its rows, both ranks evaluate
-    their share of the day reading them (never the gathered model), MLflow registers the pointer, and the corpus plan by pin-table rows gives
-    each scorer only its rank's file of the pin table. The gathered path, run from the same final checkpoint
+    their share of the day through the trained sharded model (never the gathered model, nor the files), MLflow
+    registers the pointer, and the corpus plan by pin-table rows gives each scorer only its rank's file of the pin
+    table. The gathered path, run from the same final checkpoint
     without tracking, gives the same metrics and the same scores."""
     import shutil
 

@@ -15,7 +15,7 @@ import torch
 from core.failures import ConfigError
 from operators.backends.resources import input_workers
 from training import data
-from training.data import ExampleStream, ItemBuffers, PinEmbeddings, pack_item, unpack_item
+from training.data import ExampleStream, ItemBuffers, PinEmbeddings, lockstep, pack_item, unpack_item
 from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch, encode_ids, with_sequence_embeddings
 from training.ray_input import batch_pieces
 from training.runtime import input_verdict, progress_line
@@ -150,6 +150,33 @@ def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             assert all(torch.equal(a[k], b[k]) for k in b), workers
+
+
+def test_lockstep_gives_every_rank_as_many_full_batches_each_real_row_once_and_zeros_after(world: Path):
+    """The batches of an evaluation through a TorchRec-sharded model (its lookups are collectives): every rank as many
+    batches as the rank with the most, each of batch_size rows, its own rows first (once, in order), zeros after."""
+    streams = [stream(world, shuffle=False, rank=rank, world_size=3) for rank in range(3)]
+    counts = streams[0].batches_per_rank(0)
+    assert len(set(counts)) > 1 and min(counts) > 0  # uneven, and no rank without data (that one needs a world)
+    for s in streams:
+        plain = list(s)
+        padded = list(lockstep(s))
+        assert len(plain) == counts[s.rank] and len(padded) == max(counts)
+        assert [rows for _, rows in padded] == [len(b["impression_id"]) for b in plain] + [0] * (max(counts) - len(plain))
+        for key in plain[0]:
+            assert all(batch[key].shape[0] == 16 for batch, _ in padded), key
+            assert torch.equal(torch.cat([batch[key][:rows] for batch, rows in padded]),
+                               torch.cat([b[key] for b in plain])), key
+            assert not any(batch[key][rows:].any() for batch, rows in padded), key
+    # A rank dealt no row group (more ranks than units) runs padding only, in the shapes of the others' batches.
+    idle = stream(world, shuffle=False, rank=len(streams[0].units), world_size=len(streams[0].units) + 1)
+    steps = max(idle.batches_per_rank(0))
+    padding = list(lockstep(idle))
+    assert idle.batches_per_rank(0)[idle.rank] == 0 and len(padding) == steps > 0
+    assert all(rows == 0 for _, rows in padding)
+    for key, tensor in plain[0].items():
+        assert all(batch[key].shape == (16, *tensor.shape[1:]) and batch[key].dtype == tensor.dtype
+                   and not batch[key].any() for batch, _ in padding), key
 
 
 # --- the Ray engine's cut, and encode in two halves ----------------------------------------------------------

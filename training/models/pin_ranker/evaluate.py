@@ -12,7 +12,7 @@ from torch import nn
 
 from core.contracts import DENSE_FEATURES, EXAMPLES, LABELS, SURFACES, TRUTH
 from core.storage import Location, data_files, is_complete, read_parquet
-from training.data import ExampleStream, PinEmbeddings
+from training.data import ExampleStream, PinEmbeddings, lockstep
 from training.evaluate import auc, calibration, finite, hit_at_k, log_loss, oracle_ratio
 from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, encode_batch
 
@@ -49,10 +49,13 @@ def predict(
     device: torch.device | str = "cpu",
     on_batch: Callable[[int], None] | None = None,
     ablation: nn.Module | None = None,
+    sharded: bool = False,
 ) -> dict[str, np.ndarray]:
     """Probabilities, labels, baseline features, user and impression ids of every example of ``stream``.
 
-    With ``ablation``, its probabilities too (``ablation_probs``), from the same pass over the data.
+    With ``ablation``, its probabilities too (``ablation_probs``), from the same pass over the data. ``sharded``:
+    the models are the training world's TorchRec-sharded ones, whose forward is a collective: the batches come in
+    lockstep with the other ranks (:func:`training.data.lockstep`: padded, the padding's outputs dropped).
     """
     was_training = model.training
     model.eval()
@@ -64,18 +67,20 @@ def predict(
     labels: list[np.ndarray] = []
     dense: list[np.ndarray] = []
     ids: list[np.ndarray] = []
+    batches = lockstep(stream) if sharded else ((batch, len(batch["impression_id"])) for batch in stream)
     try:
-        for i, batch in enumerate(stream):
+        for i, (batch, rows) in enumerate(batches):
             inputs = {k: v.to(device) for k, v in batch.items()}
             logits = model(inputs)
-            probs.append(torch.stack([torch.sigmoid(logits[lb].float()) for lb in LABELS], 1).cpu().numpy())
+            probs.append(torch.stack([torch.sigmoid(logits[lb].float()) for lb in LABELS], 1)[:rows].cpu().numpy())
             if ablation is not None:
                 other = ablation(inputs)
-                ablation_probs.append(torch.stack([torch.sigmoid(other[lb].float()) for lb in LABELS], 1).cpu().numpy())
-            users.append(batch["user_id"].numpy())
-            labels.append(batch["labels"].numpy())
-            dense.append(batch["dense"].numpy())
-            ids.append(batch["impression_id"].numpy())
+                ablation_probs.append(
+                    torch.stack([torch.sigmoid(other[lb].float()) for lb in LABELS], 1)[:rows].cpu().numpy())
+            users.append(batch["user_id"][:rows].numpy())
+            labels.append(batch["labels"][:rows].numpy())
+            dense.append(batch["dense"][:rows].numpy())
+            ids.append(batch["impression_id"][:rows].numpy())
             if on_batch is not None:
                 on_batch(i)
     finally:
@@ -133,14 +138,16 @@ def predict_day(
     surfaces: tuple[str, ...] = SURFACES,
     rank: int = 0,
     world_size: int = 1,
+    sharded: bool = False,
 ) -> dict[str, np.ndarray]:
-    """:func:`predict` over the examples of ``eval_ds``: this rank's share of its row groups (all with one rank)."""
+    """:func:`predict` over the examples of ``eval_ds``: this rank's share of its row groups (all with one rank);
+    ``sharded``: :func:`predict`'s."""
     pins = pins or PinEmbeddings.from_snapshot(root, eval_ds)
     stream = ExampleStream(
         root, [eval_ds], lambda table: encode_batch(table, pins, sequence_length, surfaces), batch_size=batch_size,
         dataset=EXAMPLES, columns=EXAMPLE_COLUMNS, shuffle=False, rank=rank, world_size=world_size,
     )
-    return predict(model, stream, device=device, on_batch=on_batch, ablation=ablation)
+    return predict(model, stream, device=device, on_batch=on_batch, ablation=ablation, sharded=sharded)
 
 
 def metrics_of(out: dict[str, np.ndarray], root: Location, eval_ds: str) -> dict[str, Any]:

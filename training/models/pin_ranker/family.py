@@ -130,7 +130,7 @@ class PinRankerFamily(ModelFamily):
         return predict_day(
             models["model"], root, eval_ds, sequence_length=self.params.sequence_length, batch_size=batch_size,
             pins=pins, device=device, on_batch=on_batch, ablation=models.get("ablation"),
-            surfaces=self.params.surfaces, rank=rank, world_size=world_size,
+            surfaces=self.params.surfaces, rank=rank, world_size=world_size, sharded=True,
         )
 
     def evaluate_parts(self, parts: list[Any], root: Location, eval_ds: str, context: Any) -> dict[str, Any]:
