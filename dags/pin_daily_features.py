@@ -5,6 +5,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+# The Airflow modules the operators below import, named so that the DAG processor imports them once, before
+# it forks the parses (parsing_pre_import_modules), instead of in every parse (docs/architecture.md).
+import airflow.sdk.bases.operatorlink  # noqa: F401
+import airflow.sdk.bases.sensor  # noqa: F401
+import airflow.sdk.definitions.retry_policy  # noqa: F401
+import airflow.sdk.types  # noqa: F401
 import pendulum
 from airflow.sdk import Param, task
 from airflow.timetables.interval import CronDataIntervalTimetable

@@ -5,7 +5,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-import airflow.providers.standard.operators.hitl  # noqa: F401  (see docs/architecture.md, DAG files)
+# The Airflow modules the operators below import, named so that the DAG processor imports them once, before
+# it forks the parses (parsing_pre_import_modules), instead of in every parse (docs/architecture.md).
+import airflow.providers.standard.operators.hitl  # noqa: F401
+import airflow.sdk.bases.operatorlink  # noqa: F401
+import airflow.sdk.definitions.retry_policy  # noqa: F401
 import pendulum
 from airflow.sdk import Param, task
 

@@ -61,17 +61,38 @@ def test_backend_param_is_an_enum(dagbag):
     assert param.value == "local"
 
 
+HELLO = """
+import pendulum
+from airflow.sdk import DAG, task
+
+with DAG(dag_id="hello", start_date=pendulum.datetime(2026, 11, 1, tz="UTC"), schedule=None):
+    task(lambda: None, task_id="hello")()
+"""
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("dag_file", sorted(p.name for p in DAGS.glob("*.py")))
-def test_parsing_imports_nothing_heavy(dag_file):
-    """Importing a DAG file (what the DAG processor does) must not load heavy modules."""
-    code = (
-        "import json, runpy, sys;"
-        f"runpy.run_path({str(DAGS / dag_file)!r});"
-        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
-    )
+def test_parsing_imports_nothing_heavy_and_no_airflow_module_it_does_not_name(dag_file):
+    """Importing a DAG file (what the DAG processor does) must not load heavy modules; and every Airflow module its
+    parse imports beyond what any DAG's does is named in the file, so that the DAG processor imports it once before
+    it forks the parses (parsing_pre_import_modules) instead of in every parse."""
+    path = str(DAGS / dag_file)
+    code = f"""
+import importlib, json, runpy, sys
+import airflow.dag_processing.dagbag  # the DAG processor's own (its parent has it)
+from airflow.utils.file import iter_airflow_imports
+for module in iter_airflow_imports({path!r}):
+    importlib.import_module(module)
+exec({HELLO!r}, {{}})
+before = set(sys.modules)
+runpy.run_path({path!r})
+print(json.dumps({{"heavy": sorted(m for m in {HEAVY!r} if m in sys.modules),
+                  "airflow": sorted(m for m in set(sys.modules) - before if m.startswith("airflow."))}}))
+"""
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["heavy"] == []
+    assert found["airflow"] == [], f"{dag_file}: name these Airflow modules in the file (see its pre-import block)"
 
 
 @pytest.mark.unit
