@@ -325,9 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", required=True, help="the plan file (_PLAN.json) of training.inference")
     parser.add_argument("--shards", help="shards of the plan to score, e.g. 0,3,5-7 (default: all)")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs of a local cluster started here (0: the machine's)")
-    parser.add_argument("--actors", type=int, default=0, help="scoring actors (0: as many as fit beside a reader)")
-    parser.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs one scoring actor reserves")
-    parser.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs one scoring actor reserves")
+    parser.add_argument("--actors", type=int, default=0, help="scoring actors (0: as many as fit beside a reader); a "
+                        "sharded model's plan: scoring tasks at once (0: as many as the cluster holds)")
+    parser.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs one scoring actor (or task) reserves")
+    parser.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs one scoring actor (or task) reserves")
     parser.add_argument("--reader-cpus", type=float, default=0.5, help="CPUs one read-and-preprocess task reserves")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of an actor (default: the plan's)")
     parser.add_argument("--temp-dir", default="", help="Ray's temporary folder (default: <system temp>/pinflow-ray)")
