@@ -32,7 +32,7 @@ import pytest
 from corpus_inference_world import DAYS, World, copy_root, shared_world
 from process_guard import no_orphans  # noqa: F401
 
-from core.failures import FailureClass
+from core.failures import FailureClass, UserError
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -287,6 +287,8 @@ def test_the_ray_engine_scores_a_sharded_model_by_pin_rows_each_task_opening_onl
 
     ray_plan, plan = plan_for("ray"), plan_for("processes")
     assert ray_plan.sharding == inference.PIN_ROWS and ray_plan.plan_id == plan.plan_id
+    with pytest.raises(UserError, match="a scoring task of 3 CPU does not fit the cluster's 2 CPUs"):
+        score_with_ray(ray_plan, [0, 1], actor_cpus=3.0)  # it would wait forever
     summary = score_with_ray(ray_plan, [0, 1], actor_cpus=1.0, threads=1)
     assert summary["rows"] == 630 and summary["tasks"] == 2
     for part, first in zip(summary["parts"], (0, 51), strict=True):
