@@ -304,9 +304,11 @@ class InferenceConfig(Section):
     poll_seconds: float = Field(10, gt=0, description="between status checks of a scoring job by the trigger")
     timeout_seconds: int = Field(21600, ge=60, description="a scoring job (each array child) running longer is stopped")
     ray_cpus: int = Field(0, ge=0, description="CPUs of the local Ray cluster a ray job starts when it has no cluster to join; 0: the node's")
-    ray_actor_cpus: float = Field(1.0, gt=0, description="CPUs a Ray scoring actor reserves")
+    ray_actor_cpus: float = Field(1.0, gt=0, description="CPUs a Ray scoring actor reserves (a sharded model's "
+                                  "plan: each shard's scoring task)")
     ray_reader_cpus: float = Field(0.5, gt=0, description="CPUs a Ray read-and-preprocess task reserves; the actor pool leaves room for one")
-    ray_actors: int = Field(0, ge=0, description="scoring actors of the pool; 0: as many as fit beside one reader")
+    ray_actors: int = Field(0, ge=0, description="scoring actors of the pool; 0: as many as fit beside one reader "
+                            "(a sharded model's plan: scoring tasks at once; 0: as many as the cluster holds)")
     ray_workers: int = Field(2, ge=0, le=1000, description="worker pods of the KubeRay RayJob's cluster (besides the head)")
     ray_version: str = Field("2.60.0", description="rayVersion of the KubeRay RayJob (the image's Ray)")
     ray_temp_dir: str = Field("", description="Ray's temporary folder (sockets, logs, spilled objects); empty: <system temp>/pinflow-ray; never under the storage root")

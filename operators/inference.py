@@ -108,7 +108,7 @@ def plan_inference(
     from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
     from services import model_registry as registry
-    from training.inference import PIN_ROWS, SHARDED_ROWS_TAG, make_plan, snapshot, views_dir, write_plan
+    from training.inference import SHARDED_ROWS_TAG, make_plan, snapshot, views_dir, write_plan
 
     cfg = config.load()
     if model not in cfg.families:
@@ -140,9 +140,6 @@ def plan_inference(
     model_uri = f"models:/{name}/{mv.version}"
     # A model exported sharded: each shard scores the pins of a range of its pin table's rows (PIN_ROWS).
     table_rows = int((getattr(mv, "tags", None) or {}).get(SHARDED_ROWS_TAG) or 0)
-    if table_rows and engine == "ray":
-        raise ConfigError(f"{model_uri} is exported sharded ({PIN_ROWS} plans): engine ray does not score sharded "
-                          "models yet; trigger the run with engine processes")
     plan = make_plan(model_uri=model_uri, tracking_uri=cfg.mlflow.tracking_uri,
                      root=cfg.storage_root, ds=ds, out_dir=out_dir, num_shards=num_shards,
                      batch_size=inf.batch_size, threads=inf.threads, snap=snap, table_rows=table_rows)

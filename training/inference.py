@@ -613,8 +613,12 @@ def missing_shards(plan: ScoringPlan) -> list[int]:
     return missing
 
 
-def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None) -> dict[str, Any]:
-    """Score one shard of the plan into its part (skipped if this plan's part exists); a summary."""
+def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None,
+                     engine: str = "processes") -> dict[str, Any]:
+    """Score one shard of the plan into its part (skipped if this plan's part exists); a summary.
+
+    ``engine``: what the part's record says scored it (``training.ray_inference`` scores a ``pin-rows-v1`` plan's
+    shards with this function, one Ray task each)."""
     started = time.monotonic()
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "shard": shard, "num_shards": plan.num_shards,
                                "ds": plan.ds, "path": staged_part(plan, shard)}
@@ -643,20 +647,21 @@ def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None
     # The process's peak resident memory (VmHWM: this program's own, not its parent's), and the shard files a
     # sharded model opened: what a scorer of a sharded model saves is measured, not assumed.
     peak_rss_mib = peak_rss_bytes() / 2**20
-    opened = None
+    opened: list[str] | None = None
     if by_rows and scorer.module is not None:
         from training.sharded_export import opened_files
 
-        opened = len(opened_files(scorer.module))
+        opened = opened_files(scorer.module)
     log.info("shard %d: %d pins scored, peak RSS %.1f MiB%s", shard, writer.rows, peak_rss_mib,
-             f", {opened} shard file(s) of the sharded model opened" if opened else "")
+             f", {len(opened)} shard file(s) of the sharded model opened" if opened else "")
     # CPU seconds too: on a shared machine they measure the work when wall time measures the neighbours.
     data, record = writer.finish(seconds=round(seconds, 3), cpu_seconds=round(time.process_time() - cpu_from, 3),
-                                 engine="processes", peak_rss_mib=round(peak_rss_mib, 1),
-                                 **({"model_files_opened": opened} if opened is not None else {}))
+                                 engine=engine, peak_rss_mib=round(peak_rss_mib, 1),
+                                 **({"model_files_opened": len(opened)} if opened is not None else {}))
     storage.write_bytes(summary["path"], data)
     return {**summary, "rows": record["rows"], "ids_checksum": record["ids_checksum"], "skipped": False,
-            "seconds": round(time.monotonic() - started, 3), "score_seconds": round(seconds, 3)}
+            "seconds": round(time.monotonic() - started, 3), "score_seconds": round(seconds, 3),
+            "engine": engine, **({"model_files": opened} if opened is not None else {})}
 
 
 def score_shard(

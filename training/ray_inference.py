@@ -11,6 +11,11 @@ Scores the shards of a plan of ``training.inference`` as one Ray job, decoupling
   a model's floats depend on the batch), so :func:`training.inference.publish_plan` checks and publishes
   them alike, and the two engines' parts are interchangeable.
 
+A sharded model's plan (``pin-rows-v1``: a shard is the pins of a range of the model's pin-table rows) is scored
+by one Ray task per shard instead (:func:`score_table_rows`), each running the scoring processes' own
+``score_plan_shard`` in a fresh worker process, so that each scorer opens only its range's file of the pin table
+(an actor pool fed every shard's batches would open them all in every actor); the same parts again.
+
 The pool is sized to leave room for a reader: an actor pool that takes every CPU starves the readers and the job
 hangs (seen on 2 CPUs). The cluster: the one named by ``RAY_ADDRESS`` (a KubeRay ``RayJob``'s), else a local one
 started here and stopped at the end: ``--cpus`` CPUs, Ray's temporary folder outside the data
@@ -194,11 +199,11 @@ def score_with_ray(
                                "skipped": len(shards) - len(todo)}
     if not todo:
         return {**summary, "rows": 0, "seconds": 0.0}
-    if plan.sharding == PIN_ROWS:
-        raise UserError(f"plan {plan.plan_id} scores a sharded model by its table's rows ({PIN_ROWS}): engine ray "
-                        "does not yet; score it with engine processes")
     for shard in todo:
         shard_pieces(plan, shard)  # a shard outside the plan fails here
+    if plan.sharding == PIN_ROWS:
+        return {**summary, **score_table_rows(plan, todo, tasks=actors, task_cpus=actor_cpus, task_gpus=actor_gpus,
+                                              threads=threads)}
     _, spec = load_model(plan.model_uri, plan.tracking_uri)  # the feature spec; each actor loads the model
     family = _family(spec)
     if not family.splits_corpus_scoring:
@@ -258,6 +263,58 @@ def score_with_ray(
             "pins_per_s": round(rows / seconds, 1) if seconds else None}
 
 
+def _score_shard_task(plan: ScoringPlan, shard: int, threads: int) -> dict[str, Any]:
+    """A Ray task: one shard of a ``pin-rows-v1`` plan scored as a scoring process scores it."""
+    import torch
+
+    from training.inference import score_plan_shard
+
+    if threads:
+        torch.set_num_threads(threads)
+    return score_plan_shard(plan, shard, engine="ray")
+
+
+def score_table_rows(
+    plan: ScoringPlan, shards: list[int], *, tasks: int = 0, task_cpus: float = 1.0, task_gpus: float = 0.0,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Score the ``shards`` of a sharded model's plan (``pin-rows-v1``): one Ray task per shard.
+
+    A shard is the pins whose rows of the model's pin table are in its range, so the scorer that loads the model
+    must be the one that scores exactly those pins: an actor pool fed batches of every shard would open every
+    pin-table file in every actor. Each task runs :func:`training.inference.score_plan_shard`, the scoring
+    processes' own code (its reader thread preprocesses the next batches while the model scores), in a worker
+    process of its own (``max_calls=1``: the part's ``peak_rss_mib`` is that scorer's, and the model's files
+    are closed with it), and writes the same part. ``tasks``: at most that many at once (0: as many as the
+    cluster's CPUs hold).
+    """
+    import ray
+
+    cpus = float(ray.cluster_resources().get("CPU", 0))
+    if task_cpus > cpus:
+        raise UserError(f"a scoring task of {task_cpus:g} CPU does not fit the cluster's {cpus:g} CPUs: it would "
+                        "wait forever (inference.ray_actor_cpus, ray_cpus)")
+    started = time.monotonic()
+    remote = ray.remote(num_cpus=task_cpus, num_gpus=task_gpus, max_calls=1)(_score_shard_task)
+    waiting, parts = list(shards), []
+    running: list[Any] = []
+    log.info("scoring %d shard(s) of plan %s (%s) with Ray: a task of %s CPU per shard%s", len(shards),
+             plan.plan_id, PIN_ROWS, task_cpus, f", {tasks} at once" if tasks else "")
+    while waiting or running:
+        while waiting and (not tasks or len(running) < tasks):
+            running.append(remote.remote(plan, waiting.pop(0), threads))
+        done, running = ray.wait(running, num_returns=1)
+        record = ray.get(done[0])  # a task's error is raised here, as its own class (a DataError stays one)
+        parts.append({k: record.get(k) for k in ("plan_id", "shard", "rows", "ids_checksum", "path", "engine",
+                                                 "skipped", "model_files")})
+        print(json.dumps(parts[-1]), flush=True)
+    seconds = time.monotonic() - started
+    rows = sum(int(p["rows"] or 0) for p in parts)
+    return {"rows": rows, "seconds": round(seconds, 3), "tasks": len(shards),
+            "pins_per_s": round(rows / seconds, 1) if seconds else None,
+            "parts": sorted(parts, key=lambda p: int(p["shard"]))}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m training.ray_inference",
@@ -268,9 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", required=True, help="the plan file (_PLAN.json) of training.inference")
     parser.add_argument("--shards", help="shards of the plan to score, e.g. 0,3,5-7 (default: all)")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs of a local cluster started here (0: the machine's)")
-    parser.add_argument("--actors", type=int, default=0, help="scoring actors (0: as many as fit beside a reader)")
-    parser.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs one scoring actor reserves")
-    parser.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs one scoring actor reserves")
+    parser.add_argument("--actors", type=int, default=0, help="scoring actors (0: as many as fit beside a reader); a "
+                        "sharded model's plan: scoring tasks at once (0: as many as the cluster holds)")
+    parser.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs one scoring actor (or task) reserves")
+    parser.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs one scoring actor (or task) reserves")
     parser.add_argument("--reader-cpus", type=float, default=0.5, help="CPUs one read-and-preprocess task reserves")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of an actor (default: the plan's)")
     parser.add_argument("--temp-dir", default="", help="Ray's temporary folder (default: <system temp>/pinflow-ray)")

@@ -36,6 +36,15 @@ def write_world(root: Path, *, pins: int = PINS, row_group_size: int = 100) -> N
                        row_group_size=row_group_size)
 
 
+def feature_spec(family: Any, root: Path, days: list[str] = DAYS) -> dict[str, Any]:
+    """The feature spec ``training.train`` logs with a model of ``family`` trained on the world at ``root`` (on
+    ``days`` but the last, evaluated on the last)."""
+    context = family.prepare(str(root), days[:-1], days[-1])
+    return {"family": family.name, "family_module": "", "params": dataclasses.asdict(family.params),
+            "serving_inputs": list(family.serving_inputs), "outputs": list(family.outputs),
+            **family.feature_spec(str(root), days[:-1], days[-1], context)}
+
+
 def register(family_name: str, root: Path, scratch: Path, tracking_uri: str) -> str:
     """Export and register a freshly initialised model of the family (seeded); its ``models:/`` URI."""
     import torch
@@ -51,14 +60,51 @@ def register(family_name: str, root: Path, scratch: Path, tracking_uri: str) -> 
         "params": PARAMS[family_name],
     })
     family = load_family(family_name, "", PARAMS[family_name])
-    context = family.prepare(str(root), DAYS[:-1], DAYS[-1])
-    spec = {"family": family.name, "family_module": "", "params": dataclasses.asdict(family.params),
-            "serving_inputs": list(family.serving_inputs), "outputs": list(family.outputs),
-            **family.feature_spec(str(root), DAYS[:-1], DAYS[-1], context)}
+    spec = feature_spec(family, root)
     torch.manual_seed(0)
     tracker = Tracker(config)
     try:
         uri, _ = tracker.log_model(family, family.build_model().eval(), spec)
+    finally:
+        tracker.end("FINISHED")
+    return uri
+
+
+def register_sharded(root: Path, scratch: Path, tracking_uri: str) -> str:
+    """A freshly initialised ranker built sharded row-wise by a 2-rank torchrun world (each rank its rows),
+    exported sharded (``training.sharded_export``: two files per table) and registered as
+    ``pin_ranker_sharded`` the way ``training.train`` registers one (a pointer, tagged with its pin table's
+    rows); its ``models:/`` URI."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from training.config import RunConfig
+    from training.sdk import load_family
+    from training.tracking import Tracker
+
+    here = Path(__file__).resolve()
+    out = scratch / "sharded-export"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(here.with_name("sharded_tables_worker.py")), "export", str(out), str(root), DAYS[0], DAYS[-1], "0",
+         json.dumps(PARAMS["pin_ranker"]), "row_wise"],
+        cwd=here.parents[2], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(here.parents[2]), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    config = RunConfig.from_dict({
+        "root": str(root), "train_days": DAYS[:-1], "eval_ds": DAYS[-1], "output_dir": str(scratch / "job-sharded"),
+        "checkpoint_dir": str(scratch / "checkpoints-sharded"), "mlflow_tracking_uri": tracking_uri,
+        "mlflow_artifact_location": str(scratch / "artifacts" / "sharded"), "family": "pin_ranker",
+        "model_name": "pin_ranker_sharded", "params": PARAMS["pin_ranker"],
+    })
+    family = load_family("pin_ranker", "", PARAMS["pin_ranker"])
+    spec = feature_spec(family, root)
+    tracker = Tracker(config)
+    try:
+        uri, _ = tracker.log_model(family, None, spec, sharded=str(out / "row_wise" / "model"))
     finally:
         tracker.end("FINISHED")
     return uri

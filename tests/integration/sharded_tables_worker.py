@@ -8,6 +8,12 @@ model is the ranker's (small params); with them a two-table toy whose first tabl
 ``save CKPT SHARDING`` / ``load CKPT SHARDING OUT``: the toy sharded, trained 3 steps and checkpointed
 (``training.checkpoint.save``); or built on this world and loaded from CKPT (resharded by DCP), writing this
 rank's pieces of every sharded tensor (tables and the fused optimizer's state) and the loaded position.
+
+``export OUT ROOT TRAIN_DAY EVAL_DAY STEPS PARAMS SHARDING...``: for each sharding, the ranker of ``PARAMS`` (JSON)
+built as strategy torchrec builds it, trained ``STEPS`` steps on ``TRAIN_DAY`` of the world at ``ROOT`` (each
+rank its own batches), exported sharded (``training.sharded_export.export``) to ``OUT/SHARDING/model``, and
+gathered (``torchrec_sharding.gather_full``, what the unsharded export serves) into ``OUT/SHARDING/gathered.pt``
+on rank 0.
 """
 
 from __future__ import annotations
@@ -149,6 +155,35 @@ def load(ckpt: str, sharding: str) -> dict[str, Any]:
             "scheduler": sched.state_dict()}
 
 
+def train_and_export(out: str, root: str, train_day: str, eval_day: str, steps: int, params: dict[str, Any],
+                     shardings: list[str]) -> None:
+    from training import sharded_export
+    from training.data import ExampleStream
+    from training.sdk import load_family
+
+    rank = dist.get_rank()
+    for sharding in shardings:
+        family = load_family("pin_ranker", params=params)
+        context = family.prepare(root, [train_day], eval_day)
+        names = list(family.sparse_features())
+        dmp = sharded(family.build_model, names, sharding, family.sparse_init_std())
+        opt = ts.make_optimizer(dmp, lr=0.05, weight_decay=0.0).optimizer
+        stream = ExampleStream(root, [train_day], lambda t: family.encode(t, context), batch_size=16,  # noqa: B023
+                               dataset=family.dataset, columns=family.columns, seed=1 + rank)
+        batches = iter(stream)
+        for _ in range(steps):
+            inputs = family.finish(next(batches), context)
+            opt.zero_grad()
+            loss, _ = family.loss(dmp(inputs), inputs)
+            loss.backward()
+            opt.step()
+        sharded_export.export(dmp, names, os.path.join(out, sharding, "model"))
+        full = ts.gather_full(dmp, names, family.build_model)
+        if full is not None:
+            torch.save(full.state_dict(), os.path.join(out, sharding, "gathered.pt"))
+        dist.barrier()
+
+
 def main(argv: list[str]) -> None:
     ts.quiet_library_logs()
     torch.set_num_threads(1)
@@ -158,6 +193,11 @@ def main(argv: list[str]) -> None:
         rows = int(argv[3]) if len(argv) > 3 else None
         result = build(argv[1], argv[2], rows, int(argv[4]) if len(argv) > 4 else None)
         out = argv[1]
+    elif mode == "export":
+        import json
+
+        train_and_export(argv[1], argv[2], argv[3], argv[4], int(argv[5]), json.loads(argv[6]), argv[7:])
+        result, out = {}, ""
     elif mode == "save":
         result, out = train_and_save(argv[1], argv[2]), ""
     else:

@@ -6,7 +6,8 @@
   published exactly once;
 - the Ray engine (a local cluster started here: token auth without writing under ``~``, Ray's temporary folder
   outside the data, an actor pool that leaves a CPU share to the readers) writes the same parts, row for row, as
-  the scoring processes.
+  the scoring processes; so it does for a model exported sharded (a pin-rows plan: a Ray task per shard, each
+  opening only its range's file of the pin table).
 
 The same two through Airflow (``pin_corpus_inference`` with ``dag.test()`` in a subprocess; this file is also its
 driver: ``python test_corpus_inference.py run CONF``): the task deferred, the retry after the kill, the Ray job
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,7 +32,7 @@ import pytest
 from corpus_inference_world import DAYS, World, copy_root, shared_world
 from process_guard import no_orphans  # noqa: F401
 
-from core.failures import FailureClass
+from core.failures import FailureClass, UserError
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -192,21 +194,23 @@ def ray_temp() -> Iterator[Path]:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+RAY_TOKEN = secrets.token_hex(32)
+
+
 @pytest.fixture
 def local_ray(
     ray_temp: Path, monkeypatch: pytest.MonkeyPatch, no_orphans: None  # noqa: F811
 ) -> Iterator[Path]:
     """A local Ray cluster of 2 CPUs in this process (``training.ray_inference.start_ray``), stopped after the test
-    and before ``no_orphans`` looks for leftovers; its environment (token auth with a token of its own, a home of
-    its own) restored."""
-    import secrets
-
+    and before ``no_orphans`` looks for leftovers; its environment (token auth with a token of this test process,
+    a home of its own) restored. One token for every cluster of the process: Ray's client keeps the first token
+    it read, and a later cluster started with another refuses it."""
     from training.ray_inference import start_ray
 
     temp = ray_temp
     monkeypatch.setenv("HOME", str(temp / "home"))
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", RAY_TOKEN)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # Ray's workers import training.*
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -253,6 +257,58 @@ def test_the_ray_path_writes_the_parts_of_the_processes_path_row_for_row(world, 
     # Ray wrote nothing under the home nor the storage root.
     assert not (local_ray / "home").exists() and not list(root.rglob("session_*"))
     assert any((local_ray / "t").glob("session_*"))
+
+
+@pytest.mark.slow
+def test_the_ray_engine_scores_a_sharded_model_by_pin_rows_each_task_opening_only_its_pin_file(
+    world, tmp_path, local_ray
+):
+    """A model exported sharded by a 2-rank world (two files per table), its pin-rows plan in 2 shards: each Ray
+    task opens only its range's file of the pin table, and the parts are the processes engine's, row for row."""
+    pytest.importorskip("torchrec", reason="torchrec is installed by make install (pip install --no-deps torchrec)")
+    import torch
+    from corpus_inference_world import register_sharded
+    from mlflow import MlflowClient
+
+    from training import inference
+    from training.ray_inference import score_with_ray
+
+    uri = register_sharded(world.root, tmp_path / "scratch", world.tracking_uri)
+    version = MlflowClient(tracking_uri=world.tracking_uri).get_model_version("pin_ranker_sharded", uri.split("/")[-1])
+    rows = int(version.tags[inference.SHARDED_ROWS_TAG])
+    assert rows == 101  # the world's pin_buckets: files of rows [0, 51) and [51, 101)
+    root = copy_root(world, tmp_path / "storage")
+
+    def plan_for(out: str) -> inference.ScoringPlan:
+        plan = inference.make_plan(model_uri=uri, tracking_uri=world.tracking_uri, root=str(root), ds=DAYS[-1],
+                                   out_dir=tmp_path / out, num_shards=2, batch_size=50, table_rows=rows)
+        inference.write_plan(plan)
+        return plan
+
+    ray_plan, plan = plan_for("ray"), plan_for("processes")
+    assert ray_plan.sharding == inference.PIN_ROWS and ray_plan.plan_id == plan.plan_id
+    with pytest.raises(UserError, match="a scoring task of 3 CPU does not fit the cluster's 2 CPUs"):
+        score_with_ray(ray_plan, [0, 1], actor_cpus=3.0)  # it would wait forever
+    summary = score_with_ray(ray_plan, [0, 1], actor_cpus=1.0, threads=1)
+    assert summary["rows"] == 630 and summary["tasks"] == 2
+    for part, first in zip(summary["parts"], (0, 51), strict=True):
+        pin_files = [f for f in part["model_files"] if "/pin_emb/" in f]
+        assert len(pin_files) == 1 and f"rows-{first:012d}" in pin_files[0], part["model_files"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for shard in range(2):  # a scorer per shard, as each scoring process of the array job loads its own
+            inference.score_plan_shard(plan, shard, inference.Scorer.load(plan.model_uri, plan.tracking_uri))
+    finally:
+        torch.set_num_threads(threads)
+    for shard in range(2):
+        ray_part = pq.read_table(inference.staged_part(ray_plan, shard))
+        assert ray_part.num_rows > 0 and ray_part.equals(pq.read_table(inference.staged_part(plan, shard))), shard
+        record = inference.part_record(inference.staged_part(ray_plan, shard))
+        assert record["engine"] == "ray" and record["peak_rss_mib"] > 0 and record["model_files_opened"] >= 1
+    ray_manifest, manifest = inference.publish_plan(ray_plan), inference.publish_plan(plan)
+    assert ray_manifest["ids_checksum"] == manifest["ids_checksum"] and ray_manifest["rows"] == 630
+    assert ray_manifest["engines"] == ["ray"] and ray_manifest["sharding"] == inference.PIN_ROWS
 
 
 @pytest.mark.slow

@@ -305,6 +305,22 @@ def test_the_plan_uses_the_throughput_earlier_runs_measured(tmp_path: Path, monk
     assert planned["model_uri"] == "models:/pin_ranker/3" and planned["out_dir"].endswith("pin_ranker/3/ds=2026-11-02")
 
 
+def test_a_sharded_version_is_planned_by_its_pin_table_rows_for_either_engine(tmp_path: Path, monkeypatch):
+    from operators import inference as stage
+    from services import model_registry as registry
+
+    write_corpus(tmp_path / "storage", pins=630)
+    monkeypatch.setattr(config, "load", lambda: PlatformConfig(storage_root=str(tmp_path / "storage")))
+    monkeypatch.setattr(registry, "client", lambda mlflow: None)
+    monkeypatch.setattr(registry, "model_version", lambda client, name, version: SimpleNamespace(
+        version=3, tags={inference.SHARDED_ROWS_TAG: "1009"}))
+    for engine in ("processes", "ray"):
+        planned = stage.plan_inference("pin_ranker", "3", None, 2, engine=engine)
+        plan = inference.read_plan(planned["plan_file"])
+        assert (planned["engine"], planned["table_rows"], plan.sharding) == (engine, 1009, inference.PIN_ROWS)
+        assert [(s.start, s.stop) for s in plan.shards] == [(0, 505), (505, 1009)]
+
+
 # --- the scoring task ------------------------------------------------------------------------------------------
 
 
