@@ -152,7 +152,7 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
     """Publish the partitions of ``step`` for ``ds`` from the ``count`` shards in ``staging``; their summaries.
 
     Cheap (no data is read): each partition is published whole (``core.storage.publish``) with one file per shard
-    (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows`` and
+    (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows``,
     ``positives`` and ``sums`` summed, ``shards`` recorded. Every other metadata key must be equal in every shard (the same
     inputs, parameters and validation fingerprints): shards built from different data are never merged (DataError).
     A shard's missing output is an InfraError (a retry builds it). The staging folder is removed afterwards.
