@@ -222,9 +222,12 @@ def relay_state(source: Path, target: Path, shards: int, window_days: int) -> No
             dst.mkdir(parents=True)
             key = sharding.DATASET_KEYS[dataset]
             files = ", ".join(f"'{f}'" for f in data_files(source, dataset, day))
+            schema = contracts.FEATURE_SCHEMAS[dataset]
             for i in range(shards):
-                con.execute(f"""COPY (SELECT * FROM read_parquet([{files}]) WHERE hash({key}) % {shards} = {i}
-                                      ORDER BY {key}) TO '{dst / sharding.shard_file(i)}' (FORMAT parquet)""")
+                # Written as a shard writes its file (the same writer and row groups), not as DuckDB's COPY would.
+                rows = con.sql(f"SELECT * FROM read_parquet([{files}]) WHERE hash({key}) % {shards} = {i} ORDER BY {key}")
+                with step_io.ShardFile(str(dst / sharding.shard_file(i)), schema) as out:
+                    out.write(step_io.conform(rows.to_arrow_table(), schema))
             meta = read_metadata(source, dataset, day) | {"shards": shards,
                                                           "hash_buckets": sharding.hash_layout(key, shards)}
             if "content_digest" in meta:  # as the merge records it: of the shards' digests

@@ -108,7 +108,9 @@ STEP_DATASETS: dict[str, tuple[str, ...]] = {
 }
 # Metadata that differs from shard to shard (summed or dropped by the merge); every other key must agree.
 _SUMMED_KEYS = ("rows", "events", "unknown_action_events", "impressions", "impressions_unknown_pin")
-_PER_SHARD_KEYS = (*_SUMMED_KEYS, "positives", "content_digest", "shard")
+# Totals of columns by name (the examples' labels, the pin counts of pin_daily): summed per name.
+_SUMMED_DICTS = ("positives", "sums")
+_PER_SHARD_KEYS = (*_SUMMED_KEYS, *_SUMMED_DICTS, "content_digest", "shard")
 
 
 def build_step(
@@ -150,8 +152,8 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
     """Publish the partitions of ``step`` for ``ds`` from the ``count`` shards in ``staging``; their summaries.
 
     Cheap (no data is read): each partition is published whole (``core.storage.publish``) with one file per shard
-    (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows`` and
-    ``positives`` summed, ``shards`` recorded. Every other metadata key must be equal in every shard (the same
+    (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows``,
+    ``positives`` and ``sums`` summed, ``shards`` recorded. Every other metadata key must be equal in every shard (the same
     inputs, parameters and validation fingerprints): shards built from different data are never merged (DataError).
     A shard's missing output is an InfraError (a retry builds it). The staging folder is removed afterwards.
     """
@@ -176,8 +178,9 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
         for key in _SUMMED_KEYS:
             if key in metas[0]:
                 merged[key] = sum(int(m[key]) for m in metas)
-        if "positives" in metas[0]:
-            merged["positives"] = {k: sum(int(m["positives"][k]) for m in metas) for k in metas[0]["positives"]}
+        for key in _SUMMED_DICTS:
+            if key in metas[0]:
+                merged[key] = {k: sum(int(m[key][k]) for m in metas) for k in metas[0][key]}
         if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
             merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
         merged["shards"] = count

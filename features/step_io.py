@@ -227,7 +227,7 @@ def write_query(
     target = publish(shard.folder(dataset)) if shard is not None else write_partition(root, dataset, ds)
     with target as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
-        files = _ParquetFile(join(staging, shard_file(shard.index)), schema) if shard else _ParquetFiles(staging, schema)
+        files = ShardFile(join(staging, shard_file(shard.index)), schema) if shard else _ParquetFiles(staging, schema)
         with files:
             for batch in reader:
                 if not batch.num_rows:
@@ -261,7 +261,7 @@ def _parquet_writer(sink: Any, schema: pa.Schema) -> pq.ParquetWriter:
     return pq.ParquetWriter(sink, schema, use_dictionary=[f.name for f in schema if pa.types.is_string(f.type)])
 
 
-class _ParquetFile:
+class ShardFile:
     """Tables written in order into the one file ``path``, each encoded on a writer thread as it comes (pyarrow
     releases the GIL): the encoding overlaps the query instead of following it (it was 10-15% of a shard's time).
     At most WRITER_THREADS + 1 tables are held. No table at all still writes the file (the schema)."""
@@ -272,7 +272,7 @@ class _ParquetFile:
         self.running: list[Future[None]] = []
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-writer")  # one file: its tables in order
 
-    def __enter__(self) -> _ParquetFile:
+    def __enter__(self) -> ShardFile:
         self.writer = self.files.enter_context(_parquet_writer(self.files.enter_context(open_output(self.path)), self.schema))
         return self
 

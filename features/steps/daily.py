@@ -78,6 +78,9 @@ JOIN categories AS g ON g.user_id = c.user_id
 ORDER BY c.user_id
 """
 
+# The counts whose totals over every pin give the window's global rates (``features.steps.window``).
+PIN_TOTAL_COLUMNS = ("impressions", "clicks", "repins", "hides")
+
 PIN_DAILY_SQL = f"""
 SELECT pin_id,
        {_DAILY_COUNTS},
@@ -134,5 +137,7 @@ def build_daily(
             summary[dataset] = write_query(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
+                # The pin side's totals: a window shard adds them to the previous window's instead of reading every pin.
+                sums=PIN_TOTAL_COLUMNS if dataset == PIN_DAILY else (),
             )
     return summary

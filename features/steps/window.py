@@ -60,7 +60,7 @@ from features.step_io import (
     quoted_paths,
     write_query,
 )
-from features.steps.daily import PIN_DAILY_SQL, USER_DAILY_SQL
+from features.steps.daily import PIN_DAILY_SQL, PIN_TOTAL_COLUMNS, USER_DAILY_SQL
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ SELECT coalesce(sum(impressions), 0)::BIGINT AS impressions,
        coalesce(sum(hides), 0)::BIGINT AS hides
 FROM {source}
 """
-# A shard's pin_sums hold its own pins only: its totals are the signed sums of every pin's parts (the same integers).
+# A shard's pin_sums hold its own pins only: its totals are the signed sums of every pin's parts (the same integers),
+# when the parts record no totals of their own (``_recorded_totals``).
 PIN_TOTALS_OF_ALL_PARTS = "(SELECT " + ", ".join(
     f"part_sign * {c} AS {c}" for c in ("impressions", "clicks", "repins", "hides")
 ) + " FROM pin_parts_all)"
@@ -152,6 +153,20 @@ ORDER BY pin_id
 
 # The columns of a daily aggregate that the window sums, by dataset.
 _PART_COLUMNS = {"user": ", ".join(["user_id", *COUNT_COLUMNS, "categories"]), "pin": ", ".join(["pin_id", *COUNT_COLUMNS])}
+
+
+def _recorded_totals(root: str | os.PathLike[str], signed: Sequence[tuple[str, str, int]]) -> dict[str, int] | None:
+    """The pin totals of an incremental window from its parts' metadata, no data read: the previous pin_window's
+    ``totals`` plus the day's pin_daily ``sums`` minus the leaving day's (the same integers as summing every pin's
+    rows, as each part's recorded totals are the sums of its rows); None when a part records none (built before)."""
+    totals = dict.fromkeys(PIN_TOTAL_COLUMNS, 0)
+    for dataset, day, sign in signed:
+        recorded = read_metadata(root, dataset, day).get("totals" if dataset == PIN_WINDOW else "sums")
+        if not isinstance(recorded, dict) or any(not isinstance(recorded.get(c), int) for c in PIN_TOTAL_COLUMNS):
+            return None
+        for column in PIN_TOTAL_COLUMNS:
+            totals[column] += sign * recorded[column]
+    return totals
 
 
 def _daily_version(root: str | os.PathLike[str], day: str) -> str | None:
@@ -292,6 +307,7 @@ def build_window(
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
     plan, reason = (None, "recompute requested") if recompute else _incremental_window(root, ds, days, window_days)
     inputs: dict[str, list[str]] = {}
+    recorded_totals: dict[str, int] | None = None
     with connect(engine, root) as con:
         if plan is not None:
             computed: list[str] = []
@@ -302,14 +318,20 @@ def build_window(
                 signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
                 if plan["leaving"]:
                     signed.append((daily, plan["leaving"], -1))
-                for view, of_shard in ((f"{name}_parts_all", None), (f"{name}_parts", shard)):
+                views = [(f"{name}_parts", shard)]
+                if name == "pin" and shard is not None:
+                    # A shard's pin_sums hold its own pins: the totals come from the recorded ones, else every pin's parts.
+                    recorded_totals = _recorded_totals(root, signed)
+                    if recorded_totals is None:
+                        views.append(("pin_parts_all", None))
+                for view, of_shard in views:
                     parts = [(shard_part(root, dataset, day, of_shard), sign) for dataset, day, sign in signed]
                     selects = [
                         f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
                         f"FROM read_parquet([{quoted_paths(part.files)}], hive_partitioning = false) WHERE {part.keeps}"
                         for part, sign in parts
                     ]
-                    # A shard reads only the files of its users / pins (``shard_part``); the pin totals every pin.
+                    # A shard reads only the files of its users / pins (``shard_part``).
                     con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS " + "\nUNION ALL\n".join(selects))
                 inputs[name] = [partition_ref(dataset, day) for dataset, day, _ in signed]
         else:
@@ -368,8 +390,11 @@ def build_window(
             root, USER_WINDOW, ds, USER_WINDOW_SCHEMA, summary[USER_WINDOW], shard=shard,
         )
         con.execute(PIN_SUMS_SQL.replace(DROP_ZERO, PIN_SUMS_DROP_ZERO if drop_zero else ""))
-        totals_row = one_row(con, PIN_TOTALS_SQL.format(source="pin_sums" if shard is None else PIN_TOTALS_OF_ALL_PARTS))
-        totals = dict(zip(("impressions", "clicks", "repins", "hides"), map(int, totals_row), strict=True))
+        if recorded_totals is not None:
+            totals = recorded_totals
+        else:
+            totals_row = one_row(con, PIN_TOTALS_SQL.format(source="pin_sums" if shard is None else PIN_TOTALS_OF_ALL_PARTS))
+            totals = dict(zip(PIN_TOTAL_COLUMNS, map(int, totals_row), strict=True))
         if totals["impressions"] > 0:
             global_rates = {
                 "ctr": totals["clicks"] / totals["impressions"],

@@ -246,3 +246,30 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
     assert len(bucketed_events.events_part(root, BUILT[2], sharding.Shard(1, 3, "s")).files) == 6
+
+
+@pytest.mark.unit
+def test_window_shards_take_pin_totals_from_the_recorded_ones_or_every_pins_parts(
+    roots: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An incremental window shard adds the previous window's recorded totals and the days' pin_daily sums (no pin
+    read); parts that record none (built before) are summed over every pin's rows: the same totals, the same rows."""
+    from features.steps import window
+
+    whole, sharded = roots
+    day = BUILT[-1]
+    meta = read_metadata(sharded, contracts.PIN_WINDOW, day)
+    assert meta["mode"] == "incremental"
+    assert meta["totals"] == read_metadata(whole, contracts.PIN_WINDOW, day)["totals"]
+    assert read_metadata(sharded, contracts.PIN_DAILY, day)["sums"] == read_metadata(whole, contracts.PIN_DAILY, day)["sums"]
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    with monkeypatch.context() as patched:  # the recorded totals: every pin's parts are not read
+        patched.setattr(window, "PIN_TOTALS_OF_ALL_PARTS", "(SELECT no_such_column FROM pin_parts_all)")
+        assert build_sharded(root, day, "window")[contracts.PIN_WINDOW]["totals"] == meta["totals"]
+    daily_meta = Path(partition(root, contracts.PIN_DAILY, day)) / storage.METADATA_FILE
+    recorded = storage.read_json(daily_meta)
+    storage.write_json(daily_meta, {k: v for k, v in recorded.items() if k != "sums"})
+    rebuilt = build_sharded(root, day, "window")[contracts.PIN_WINDOW]
+    assert rebuilt["totals"] == meta["totals"] and rebuilt["global_rates"] == meta["global_rates"]
+    assert read_table(root, contracts.PIN_WINDOW, day).equals(read_table(sharded, contracts.PIN_WINDOW, day))
