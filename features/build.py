@@ -178,8 +178,8 @@ def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, sta
         for key in _SUMMED_KEYS:
             if key in metas[0]:
                 merged[key] = sum(int(m[key]) for m in metas)
-        for key in _SUMMED_DICTS:
-            if key in metas[0]:
+        for key in _SUMMED_DICTS:  # absent from a shard built before it was recorded: left out (its readers fall back)
+            if all(key in m for m in metas):
                 merged[key] = {k: sum(int(m[key][k]) for m in metas) for k in metas[0][key]}
         if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
             merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])

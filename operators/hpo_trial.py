@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
 
 
+def __getattr__(name: str) -> Any:
+    """The trigger's old home: a trial deferred before it moved to ``operators.hpo_trigger`` is resumed by its
+    saved classpath (``operators.hpo_trial.HpoTrialTrigger``). Looked up only then, so a parse never imports it."""
+    if name in ("HpoTrialTrigger", "TrialMonitor"):
+        from operators import hpo_trigger
+
+        return getattr(hpo_trigger, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- a round's ask and tell ---------------------------------------------------------------------------------
 # Plain operators rather than @task functions: the HPO DAG has two per round, and Airflow builds a @task through
 # four operator classes, copying the DAG's params at each (the DAG's parse time).

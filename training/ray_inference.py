@@ -290,24 +290,31 @@ def score_table_rows(
     """
     import ray
 
-    cpus = float(ray.cluster_resources().get("CPU", 0))
-    if task_cpus > cpus:
-        raise UserError(f"a scoring task of {task_cpus:g} CPU does not fit the cluster's {cpus:g} CPUs: it would "
-                        "wait forever (inference.ray_actor_cpus, ray_cpus)")
+    cluster = ray.cluster_resources()
+    for wanted, kind, setting in ((task_cpus, "CPU", "inference.ray_actor_cpus, ray_cpus"),
+                                  (task_gpus, "GPU", "--actor-gpus")):
+        if wanted > float(cluster.get(kind, 0)):
+            raise UserError(f"a scoring task of {wanted:g} {kind} does not fit the cluster's {float(cluster.get(kind, 0)):g} "
+                            f"{kind}s: it would wait forever ({setting})")
     started = time.monotonic()
     remote = ray.remote(num_cpus=task_cpus, num_gpus=task_gpus, max_calls=1)(_score_shard_task)
     waiting, parts = list(shards), []
     running: list[Any] = []
     log.info("scoring %d shard(s) of plan %s (%s) with Ray: a task of %s CPU per shard%s", len(shards),
              plan.plan_id, PIN_ROWS, task_cpus, f", {tasks} at once" if tasks else "")
-    while waiting or running:
-        while waiting and (not tasks or len(running) < tasks):
-            running.append(remote.remote(plan, waiting.pop(0), threads))
-        done, running = ray.wait(running, num_returns=1)
-        record = ray.get(done[0])  # a task's error is raised here, as its own class (a DataError stays one)
-        parts.append({k: record.get(k) for k in ("plan_id", "shard", "rows", "ids_checksum", "path", "engine",
-                                                 "skipped", "model_files")})
-        print(json.dumps(parts[-1]), flush=True)
+    try:
+        while waiting or running:
+            while waiting and (not tasks or len(running) < tasks):
+                running.append(remote.remote(plan, waiting.pop(0), threads))
+            done, running = ray.wait(running, num_returns=1)
+            record = ray.get(done[0])  # a task's error is raised here, as its own class (a DataError stays one)
+            parts.append({k: record.get(k) for k in ("plan_id", "shard", "rows", "ids_checksum", "path", "engine",
+                                                     "skipped", "model_files")})
+            print(json.dumps(parts[-1]), flush=True)
+    except BaseException:
+        for ref in running:  # no part written after the job has failed (a retry scores what is missing)
+            ray.cancel(ref, force=True)
+        raise
     seconds = time.monotonic() - started
     rows = sum(int(p["rows"] or 0) for p in parts)
     return {"rows": rows, "seconds": round(seconds, 3), "tasks": len(shards),

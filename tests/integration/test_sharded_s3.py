@@ -56,6 +56,7 @@ def s3(tmp_path: Path) -> Iterator[tuple[Any, list[tuple[str, str]]]]:
     finally:
         server.shutdown()
         thread.join()
+        server.server_close()
 
 
 def test_sharded_export_on_s3_evaluated_without_fetching_tables_and_scored_by_pin_rows(tmp_path: Path, s3):

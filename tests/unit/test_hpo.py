@@ -242,6 +242,10 @@ def test_the_trial_trigger_serializes_ids_and_settings_only():
                                   output_dir="/runs/train-x", poll_seconds=5, stall_seconds=60, queue_timeout_seconds=0)
     path, kwargs = trigger.serialize()
     assert path == "operators.hpo_trigger.HpoTrialTrigger"
+    # A trial deferred before the trigger moved is resumed by its old classpath.
+    from airflow._shared.module_loading import import_string  # as the triggerer loads a trigger
+
+    assert import_string("operators.hpo_trial.HpoTrialTrigger") is hpo_trigger.HpoTrialTrigger
     assert json.loads(json.dumps(kwargs)) == kwargs
     again = hpo_trigger.HpoTrialTrigger(**kwargs)
     assert again.serialize() == (path, kwargs) and kwargs["study"] == "pinflow_hpo/manual__1" and kwargs["trial"] == 3
