@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 # The Airflow modules the operators below import, named so that the DAG processor imports them once, before
 # it forks the parses (parsing_pre_import_modules), instead of in every parse (docs/architecture.md).
@@ -12,14 +11,14 @@ import airflow.sdk.bases.sensor  # noqa: F401
 import airflow.sdk.definitions.retry_policy  # noqa: F401
 import airflow.sdk.types  # noqa: F401
 import pendulum
-from airflow.sdk import Param, task
+from airflow.sdk import Param
 from airflow.timetables.interval import CronDataIntervalTimetable
 
 from core import config_view
 from operators import deadlines
 from operators.assets import EXAMPLES_ASSET
 from operators.errors import default_args
-from operators.features import FeatureBuildOperator
+from operators.features import AnnounceExamplesOperator, FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
 from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
 
@@ -107,14 +106,6 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
     )
 
-    @task(outlets=[EXAMPLES_ASSET])
-    def announce_examples(day: str, dag_run: Any = None) -> dict[str, str]:
-        """Announce the day's examples to training (the asset pin_ranker_training is scheduled on): only a
-        scheduled or manual run of the newest day does; a backfill or a rebuild of an older day is skipped."""
-        from operators.features import announce_examples as announce
-
-        run_type = getattr(dag_run, "run_type", "")
-        return announce(day, str(getattr(run_type, "value", run_type)))
-
-    wait >> validations >> daily >> [window, sequences] >> examples >> announce_examples(DS)
+    wait >> validations >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
+        task_id="announce_examples", ds=DS, outlets=[EXAMPLES_ASSET])
     wait >> validate_labels

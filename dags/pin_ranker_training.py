@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 # The Airflow modules the operators below import, named so that the DAG processor imports them once, before
 # it forks the parses (parsing_pre_import_modules), instead of in every parse (docs/architecture.md).
@@ -11,16 +10,16 @@ import airflow.providers.standard.operators.hitl  # noqa: F401
 import airflow.sdk.bases.operatorlink  # noqa: F401
 import airflow.sdk.definitions.retry_policy  # noqa: F401
 import pendulum
-from airflow.sdk import Param, task
+from airflow.sdk import Param
 
 from core import config_view
 from operators import deadlines
-from operators.approval import ChampionApprovalOperator
+from operators.approval import ChampionApprovalOperator, ChampionPromoteOperator
 from operators.assets import CHAMPION_MODEL_ASSET, EXAMPLES_ASSET
 from operators.backends import backend_names
 from operators.errors import default_args
 from operators.params import team_param
-from operators.training import DistributedTrainingOperator
+from operators.training import DistributedTrainingOperator, TrainingPlanOperator
 
 # The form's defaults are the platform configuration's (config/platform.yaml, PINFLOW_TRAINING__*); epochs,
 # batch size and lr left empty take the chosen family's defaults (families:), else the training: section's.
@@ -107,16 +106,6 @@ extra links open the job's console page and the MLflow run.
     render_template_as_native_obj=True,
 ) as dag:
 
-    @task(retries=0)
-    def plan_run(params: dict | None = None, dag_run: Any = None) -> dict:
-        from operators.run_conf import check_run_conf
-        from operators.training import plan_training_days
-
-        assert params is not None
-        check_run_conf({"dag_run": dag_run, "params": params})
-        return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]),
-                                  bool(params.get("accept_fewer_days")))
-
     train = DistributedTrainingOperator(
         task_id="train",
         plan="{{ ti.xcom_pull(task_ids='plan_run') }}",
@@ -143,39 +132,7 @@ extra links open the job's console page and the MLflow run.
         timeout_h="{{ params.approval_timeout_h }}",
     )
 
-    @task(outlets=[CHAMPION_MODEL_ASSET])
-    def promote(result: dict, approval: dict | None = None, params: dict | None = None, outlet_events: Any = None,
-                ti: Any = None) -> dict:
-        import logging
+    promote = ChampionPromoteOperator(task_id="promote", result=train.output, approval=approve.output,
+                                      outlets=[CHAMPION_MODEL_ASSET])
 
-        from airflow.sdk.exceptions import AirflowSkipException
-
-        from services import job_history
-        from services.promotion import promote_if_better
-
-        assert params is not None
-        decision = promote_if_better(result, float(params["promotion_tolerance"]),
-                                     moved_by=f"{ti.dag_id}/{ti.run_id}" if ti is not None else "the promotion gate",
-                                     approval=approval)
-        if ti is not None:  # the Training progress page and the run's note (operators.run_notes) show it
-            cost, currency = job_history.run_cost(ti.dag_id, ti.run_id)
-            gain = (None if decision.get("auc") is None or decision.get("champion_auc") is None
-                    else float(decision["auc"]) - float(decision["champion_auc"]))
-            decision.update(cost=cost, currency=currency, cost_note=job_history.cost_note(cost, currency, gain))
-            job_history.note(job_history.record_promotion, ti.dag_id, ti.run_id, decision)
-            ti.xcom_push(key="decision", value=decision)
-        logging.getLogger(__name__).info(
-            "%s version %s %s: %s", decision["model_name"], decision["model_version"],
-            "promoted to champion" if decision["promoted"] else "not promoted", decision["reason"],
-        )
-        if not decision["promoted"]:
-            # Skipped: no champion asset event, so corpus inference does not rerun for a worse model.
-            raise AirflowSkipException(f"not promoted: {decision['reason']}")
-        # Corpus inference reads which family's champion changed from the event.
-        outlet_events[CHAMPION_MODEL_ASSET].extra = {
-            "model": result.get("family", params["model"]), "model_version": str(decision["model_version"]),
-        }
-        return decision
-
-    plan_run() >> train >> approve
-    promote(train.output, approve.output)  # type: ignore[arg-type]  # XComArgs resolve to dicts at run time
+    TrainingPlanOperator(task_id="plan_run", retries=0) >> train >> approve >> promote

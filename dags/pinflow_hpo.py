@@ -12,13 +12,20 @@ import airflow.sdk.bases.operatorlink  # noqa: F401
 import airflow.sdk.bases.sensor  # noqa: F401
 import airflow.sdk.definitions.retry_policy  # noqa: F401
 import pendulum
-from airflow.sdk import DAG, Param, TaskGroup, task
+from airflow.sdk import DAG, Param, TaskGroup
 
 from core import config_view
 from operators.assets import CHAMPION_MODEL_ASSET
 from operators.backends import backend_names
 from operators.errors import default_args
-from operators.hpo_trial import HpoTrialOperator, StudyAskOperator, StudyTellOperator
+from operators.hpo_trial import (
+    HpoTrialOperator,
+    StudyAskOperator,
+    StudyCreateOperator,
+    StudyPromoteOperator,
+    StudySummaryOperator,
+    StudyTellOperator,
+)
 
 _cfg = config_view.load()
 _training, _hpo = _cfg.training, _cfg.hpo
@@ -97,16 +104,7 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
     render_template_as_native_obj=True,
 ) as dag:
 
-    @task
-    def create_study(params: dict | None = None, dag_run: Any = None) -> dict:
-        from operators import hpo
-        from operators.run_conf import check_run_conf
-
-        assert params is not None
-        check_run_conf({"dag_run": dag_run, "params": params})
-        return hpo.create_study(dag_run.dag_id, dag_run.run_id, dict(params), team=str(params["team"]))
-
-    study = create_study()
+    study = StudyCreateOperator(task_id="create_study")
     told = []
     previous: Any = study
     for r in range(_hpo.max_rounds):
@@ -127,30 +125,7 @@ again, a trial that was running resumes from its checkpoint, no trial is asked t
         previous = round_told
         told.append(round_told)
 
-    @task(outlets=[CHAMPION_MODEL_ASSET], trigger_rule="none_failed_min_one_success")
-    def promote(study: dict, params: dict | None = None, outlet_events: Any = None) -> dict | None:
-        from airflow.sdk.exceptions import AirflowSkipException
-
-        from operators import hpo
-
-        assert params is not None
-        decision = hpo.promote_best(study["study"], float(params["promotion_tolerance"]), bool(params["promote"]))
-        if not decision or not decision.get("promoted"):
-            # Skipped: no champion asset event, so corpus inference does not rerun for a model that was not promoted.
-            raise AirflowSkipException(f"not promoted: {(decision or {}).get('reason', 'promotion switched off')}")
-        outlet_events[CHAMPION_MODEL_ASSET].extra = {"model": study["family"], "model_version": str(decision["model_version"])}
-        return decision
-
-    @task(trigger_rule="none_failed")
-    def summary(study: dict, dag_run: Any = None) -> dict:
-        import logging
-
-        from operators import hpo
-
-        result = hpo.summarize(study["study"], run=(dag_run.dag_id, dag_run.run_id) if dag_run is not None else None)
-        logging.getLogger(__name__).info("study summary:\n%s", result["note"])
-        return result
-
-    promoted = promote(study)  # type: ignore[arg-type]  # XComArg resolves to the dict at run time
+    promoted = StudyPromoteOperator(task_id="promote", study=study.output, outlets=[CHAMPION_MODEL_ASSET],
+                                    trigger_rule="none_failed_min_one_success")
     told >> promoted  # type: ignore[operator]
-    promoted >> summary(study)  # type: ignore[arg-type]
+    promoted >> StudySummaryOperator(task_id="summary", study=study.output, trigger_rule="none_failed")

@@ -16,10 +16,12 @@ leave the champion as it is, and the run's note says why.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator, HITLOperator
+from airflow.sdk import BaseOperator, Context
 
 
 def review_body(result: dict[str, Any], decision: dict[str, Any], run_url: str, mlflow_url: str) -> str:
@@ -108,3 +110,48 @@ class ChampionApprovalOperator(ApprovalOperator):
         }
         self.log.info("approval answer: %s", outcome)
         return outcome
+
+
+class ChampionPromoteOperator(BaseOperator):
+    """The promotion gate after training (``services.promotion.promote_if_better``): promotes the trained model when
+    it is better than the champion (and, for a ``promotion: approval`` family, a person approved it), else skips.
+
+    ``result`` is the train task's XCom, ``approval`` the approve task's. The decision is this task's XCom (also
+    under the key ``decision``, which the run's note reads) and goes to the job history with the run's cost; the
+    champion asset gets an event, naming the family and version, only when the model is promoted, so corpus
+    inference does not rerun for a worse model.
+    """
+
+    template_fields: Sequence[str] = ("result", "approval")
+
+    def __init__(self, *, result: Any, approval: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.result = result
+        self.approval = approval
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from operators.assets import CHAMPION_MODEL_ASSET
+        from services import job_history
+        from services.promotion import promote_if_better
+
+        params, ti, result = context["params"], context["ti"], self.result
+        decision = promote_if_better(result, float(params["promotion_tolerance"]),
+                                     moved_by=f"{ti.dag_id}/{ti.run_id}", approval=self.approval)
+        # The Training progress page and the run's note (operators.run_notes) show it.
+        cost, currency = job_history.run_cost(ti.dag_id, ti.run_id)
+        gain = (None if decision.get("auc") is None or decision.get("champion_auc") is None
+                else float(decision["auc"]) - float(decision["champion_auc"]))
+        decision.update(cost=cost, currency=currency, cost_note=job_history.cost_note(cost, currency, gain))
+        job_history.note(job_history.record_promotion, ti.dag_id, ti.run_id, decision)
+        ti.xcom_push(key="decision", value=decision)
+        self.log.info("%s version %s %s: %s", decision["model_name"], decision["model_version"],
+                      "promoted to champion" if decision["promoted"] else "not promoted", decision["reason"])
+        if not decision["promoted"]:
+            raise AirflowSkipException(f"not promoted: {decision['reason']}")
+        # Corpus inference reads which family's champion changed from the event.
+        context["outlet_events"][CHAMPION_MODEL_ASSET].extra = {
+            "model": result.get("family", params["model"]), "model_version": str(decision["model_version"]),
+        }
+        return decision

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import Context
+from airflow.sdk import BaseOperator, Context
 
 from core.failures import ConfigError, InfraError
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
@@ -321,3 +321,19 @@ def announce_examples(ds: str, run_type: str) -> dict[str, str]:
                                    f"newest day, and the newest complete examples day is {newest} (trigger "
                                    f"pin_ranker_training from its form with end_ds to train on older days)")
     return {"ds": ds}
+
+
+class AnnounceExamplesOperator(BaseOperator):
+    """The feature DAG's last task: :func:`announce_examples` for the run's day ``ds`` (templated), its outlet the
+    ``pinflow_examples`` asset. A plain operator rather than a @task: TaskFlow's modules would cost the DAG's parse
+    more than the DAG itself does."""
+
+    template_fields: Sequence[str] = ("ds",)
+
+    def __init__(self, *, ds: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ds = ds
+
+    def execute(self, context: Context) -> dict[str, str]:
+        run_type = getattr(context["dag_run"], "run_type", "")
+        return announce_examples(self.ds, str(getattr(run_type, "value", run_type)))

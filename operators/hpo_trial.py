@@ -1,8 +1,9 @@
-"""A study's tasks in the HPO DAG: each round's ask (:class:`StudyAskOperator`) and tell
-(:class:`StudyTellOperator`), and one trial as a training job (:class:`HpoTrialOperator`, a training operator with
-the trial's values). Its trigger, which reports the trial's intermediate values to the study and prunes it:
-``operators.hpo_trigger``; the study itself: ``operators.hpo``. The HPO DAG's parse imports this module: what only
-runs in the task (the study, Optuna) or in the triggerer is imported where it is used."""
+"""The HPO DAG's tasks: the study's own (:class:`StudyCreateOperator`, each round's :class:`StudyAskOperator` and
+:class:`StudyTellOperator`, :class:`StudyPromoteOperator`, :class:`StudySummaryOperator`) and one trial as a
+training job (:class:`HpoTrialOperator`, a training operator with the trial's values). Its trigger, which reports
+the trial's intermediate values to the study and prunes it: ``operators.hpo_trigger``; the study itself:
+``operators.hpo``. The HPO DAG's parse imports this module: what only runs in the task (the study, Optuna) or in
+the triggerer is imported where it is used."""
 
 from __future__ import annotations
 
@@ -30,9 +31,71 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# -- a round's ask and tell ---------------------------------------------------------------------------------
-# Plain operators rather than @task functions: the HPO DAG has two per round, and Airflow builds a @task through
-# four operator classes, copying the DAG's params at each (the DAG's parse time).
+# -- the study's own tasks -----------------------------------------------------------------------------------
+# Plain operators rather than @task functions (the DAG's parse time): Airflow builds a @task through four operator
+# classes, copying the DAG's params at each, and TaskFlow's modules cost a parse more than the whole DAG does.
+class StudyCreateOperator(BaseOperator):
+    """Checks the run's form and creates the study, or continues it (``hpo.create_study``): its XCom is the study
+    (name, family, metric...), which promote and summary read."""
+
+    ui_color = "#e8dcff"
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from operators import hpo
+        from operators.run_conf import check_run_conf
+
+        params, run = dict(context["params"]), context["dag_run"]
+        check_run_conf({"dag_run": run, "params": params})
+        return hpo.create_study(run.dag_id, run.run_id, params, team=str(params["team"]))
+
+
+class StudyPromoteOperator(BaseOperator):
+    """Registers the best trial's model and puts it through the promotion gate (``hpo.promote_best``); its outlet
+    (the champion asset) gets an event only when the model is promoted, so corpus inference does not rerun for a
+    model that was not. ``study`` is the study task's XCom."""
+
+    template_fields: Sequence[str] = ("study",)
+    ui_color = "#e8dcff"
+
+    def __init__(self, *, study: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.study = study
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from operators import hpo
+        from operators.assets import CHAMPION_MODEL_ASSET
+
+        params = context["params"]
+        decision = hpo.promote_best(self.study["study"], float(params["promotion_tolerance"]), bool(params["promote"]))
+        if not decision or not decision.get("promoted"):
+            raise AirflowSkipException(f"not promoted: {(decision or {}).get('reason', 'promotion switched off')}")
+        context["outlet_events"][CHAMPION_MODEL_ASSET].extra = {
+            "model": self.study["family"], "model_version": str(decision["model_version"])}
+        return decision
+
+
+class StudySummaryOperator(BaseOperator):
+    """The study's summary (``hpo.summarize``) in its XCom and its log; when the run ends it becomes the run's note
+    (``operators.run_notes``). ``study`` is the study task's XCom."""
+
+    template_fields: Sequence[str] = ("study",)
+    ui_color = "#e8dcff"
+
+    def __init__(self, *, study: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.study = study
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from operators import hpo
+
+        run = context["dag_run"]
+        result = hpo.summarize(self.study["study"], run=(run.dag_id, run.run_id))
+        self.log.info("study summary:\n%s", result["note"])
+        return result
+
+
 class StudyAskOperator(BaseOperator):
     """Round ``round_index``'s ask: its trials (``hpo.ask_round``), which the round's trial task maps over."""
 

@@ -155,6 +155,20 @@ def family_dataset(model: str) -> str:
     return load_family(model, cfg.families[model].module, dict(cfg.families[model].params)).dataset
 
 
+class TrainingPlanOperator(BaseOperator):
+    """The training DAG's first task: checks the run's form and plans the evaluation and training days
+    (:func:`plan_training_days`); its XCom is the plan the training task reads. A plain operator rather than a
+    @task: TaskFlow's modules would cost the DAG's parse more than the DAG itself does."""
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from operators.run_conf import check_run_conf
+
+        check_run_conf(context)
+        params = context["params"]
+        return plan_training_days(params["model"], params["end_ds"], int(params["train_days"]),
+                                  bool(params.get("accept_fewer_days")))
+
+
 class JobConsoleLink(BaseOperatorLink):
     """The training job's page: the AWS Batch console, the Kubernetes dashboard, or the local job folder."""
 
