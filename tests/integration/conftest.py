@@ -47,16 +47,34 @@ def aws_environment(endpoint: str, scratch: Path) -> dict[str, str]:
 
 
 @contextmanager
-def s3_bucket(endpoint: str, scratch: Path, bucket: str) -> Iterator[Any]:
-    """This process's environment pointed at the moto server (restored afterwards) and a fresh bucket there,
-    removed with everything in it afterwards: the bucket's s3fs filesystem."""
-    import boto3
-    import fsspec
+def s3_environment(endpoint: str, scratch: Path) -> Iterator[None]:
+    """This process's environment pointed at the S3 server at ``endpoint`` (restored afterwards).
+
+    s3fs filesystems are cached per process by their arguments, not by the environment, and each keeps the endpoint
+    its client was made with: one made for an earlier test's server would serve this test (and one made for this
+    test's server, later tests). None of them is kept on either side. Every moto server of a process serves the same
+    buckets, so a request sent to the wrong server would still succeed: only a server's own record would tell."""
+    import s3fs
 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in aws_environment(endpoint, scratch).items():
             patch.setenv(name, value)
         patch.delenv("AWS_PROFILE", raising=False)
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            yield
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+@contextmanager
+def s3_bucket(endpoint: str, scratch: Path, bucket: str) -> Iterator[Any]:
+    """:func:`s3_environment` and a fresh bucket on that server, removed with everything in it afterwards: the
+    bucket's s3fs filesystem."""
+    import boto3
+    import fsspec
+
+    with s3_environment(endpoint, scratch):
         boto3.client("s3").create_bucket(Bucket=bucket)
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         try:
