@@ -495,6 +495,9 @@ class HeldBuffers:
     def buffer(self, sent: torch.Tensor | None, worker: int, slot: int) -> torch.Tensor:
         """The item's buffer: ``sent`` (kept when it is a reused slot's), else the slot's kept one."""
         if sent is None:
+            if (worker, slot) not in self.buffers:  # the worker's epoch and the trainer's are out of step
+                raise RuntimeError(f"an item of input worker {worker} came without its buffer (slot {slot}), "
+                                   "which never crossed to this loader")
             return self.buffers[(worker, slot)]
         if slot >= 0:
             self.buffers[(worker, slot)] = sent
