@@ -474,9 +474,10 @@ def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: Ite
         nbytes = tensor.numel() * tensor.element_size()
         layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
         offset += nbytes
+    sent: torch.Tensor | None
     if buffers is None:
-        target = torch.empty(offset, dtype=torch.uint8)
-        sent, origin, slot = target, (-1, -1), -1
+        target = sent = torch.empty(offset, dtype=torch.uint8)
+        origin, slot = (-1, -1), -1
     else:
         target, sent, origin, slot = buffers.next(offset)
     view = target.numpy()
