@@ -462,7 +462,11 @@ def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dic
 def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: ItemBuffers | None = None) -> dict[str, Any]:
     """The rows of an item (``batch``, its batches ``sizes`` rows each) as one contiguous byte buffer (the worker's
     next reused shared buffer from ``buffers``, else a private one) and its layout, to cross from a DataLoader
-    worker to the trainer in one piece; :func:`unpack_item` gives back its batches as views of the same bytes."""
+    worker to the trainer in one piece; :func:`unpack_item` gives back its batches as views of the same bytes.
+
+    A reused buffer crosses once per epoch (``PACKED`` is None after): a shared tensor sent costs a connection to
+    the worker for its file descriptor and, in the trainer, a fresh mapping whose pages fault in again; the
+    trainer keeps what crossed (:class:`HeldBuffers`) and reads the next items of that slot from it."""
     layout = []
     offset = 0
     for name, tensor in batch.items():
@@ -470,22 +474,47 @@ def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: Ite
         nbytes = tensor.numel() * tensor.element_size()
         layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
         offset += nbytes
-    target, origin = buffers.next(offset) if buffers is not None else (torch.empty(offset, dtype=torch.uint8), (-1, -1))
+    sent: torch.Tensor | None
+    if buffers is None:
+        target = sent = torch.empty(offset, dtype=torch.uint8)
+        origin, slot = (-1, -1), -1
+    else:
+        target, sent, origin, slot = buffers.next(offset)
     view = target.numpy()
     for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
         view[start:start + nbytes] = tensor.numpy().reshape(-1).view(np.uint8)
-    return {PACKED: target, LAYOUT: json.dumps({"tensors": layout, "sizes": list(sizes), "origin": list(origin)})}
+    return {PACKED: sent, LAYOUT: json.dumps({"tensors": layout, "sizes": list(sizes), "origin": list(origin),
+                                              "slot": slot})}
 
 
-def unpack_item(item: dict[str, Any]) -> tuple[list[dict[str, torch.Tensor]], tuple[int, int]]:
-    """The batches of an item from :func:`pack_item` (views of its buffer) and its origin; a plain batch as a
-    list of one (origin (-1, -1))."""
+class HeldBuffers:
+    """The trainer's end of the workers' reused buffers: each (worker, slot)'s buffer as it last crossed."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def buffer(self, sent: torch.Tensor | None, worker: int, slot: int) -> torch.Tensor:
+        """The item's buffer: ``sent`` (kept when it is a reused slot's), else the slot's kept one."""
+        if sent is None:
+            if (worker, slot) not in self.buffers:  # the worker's epoch and the trainer's are out of step
+                raise RuntimeError(f"an item of input worker {worker} came without its buffer (slot {slot}), "
+                                   "which never crossed to this loader")
+            return self.buffers[(worker, slot)]
+        if slot >= 0:
+            self.buffers[(worker, slot)] = sent
+        return sent
+
+
+def unpack_item(item: dict[str, Any], held: HeldBuffers | None = None) -> tuple[list[dict[str, torch.Tensor]], tuple[int, int]]:
+    """The batches of an item from :func:`pack_item` (views of its buffer, from ``held`` when it did not cross
+    with the item) and its origin; a plain batch as a list of one (origin (-1, -1))."""
     if PACKED not in item:
         return [item], (-1, -1)
-    buffer, layout = item[PACKED], json.loads(item[LAYOUT])
+    layout = json.loads(item[LAYOUT])
+    worker, number = layout["origin"]
+    buffer = (held or HeldBuffers()).buffer(item[PACKED], worker, layout["slot"])
     batch = {name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
              for name, dtype, shape, start, nbytes in layout["tensors"]}
-    worker, number = layout["origin"]
     return split_rows(batch, layout["sizes"]), (worker, number)
 
 
@@ -498,30 +527,47 @@ class ItemBuffers:
     a buffer again only after the item that used it is done. ``count`` (the DataLoader's prefetch + 2) is more items
     than the DataLoader lets a worker run ahead, so the wait never blocks a loader that keeps to that; if it would
     (a consumer that stopped marking), the item gets a buffer of its own after ``patience_s``, never a hang.
+    A reused buffer crosses to the trainer with the first item of its slot in each epoch only; the trainer keeps
+    it (:class:`HeldBuffers`), and later items of the slot cross as their layout alone.
     """
 
-    def __init__(self, released: torch.Tensor, worker: int, count: int, patience_s: float = 2.0) -> None:
+    def __init__(self, released: torch.Tensor, worker: int, count: int, patience_s: float = 2.0,
+                 trainer_holds: bool = True) -> None:
         self.released, self.worker, self.patience_s = released, worker, patience_s
+        # Whether the trainer holds the buffers that crossed (HeldBuffers); not when the DataLoader pins the
+        # items: the trainer then gets a pinned copy of each, and each item's buffer must cross.
+        self.trainer_holds = trainer_holds
         self.buffers: list[torch.Tensor | None] = [None] * count
+        self.sent = [False] * count  # whether the trainer holds the slot's buffer (crossed this epoch)
         self.items = 0
         self.floor = 0  # items numbered below are free: items of an epoch that has ended (see new_epoch)
 
-    def next(self, nbytes: int) -> tuple[torch.Tensor, tuple[int, int]]:
-        """A buffer of ``nbytes`` for the worker's next item, and the item's origin (worker, item number)."""
+    def next(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], int]:
+        """A buffer of ``nbytes`` for the worker's next item; what must cross with the item (the whole buffer
+        when the trainer does not hold it yet this epoch, else None); the item's origin (worker, item number);
+        its slot (-1: not held by the trainer, always sent)."""
         number, slot = self.items, self.items % len(self.buffers)
         self.items += 1
         previous = number - len(self.buffers)  # the item that used this slot last
         if previous >= 0 and not self._done(previous):
-            return torch.empty(nbytes, dtype=torch.uint8), (self.worker, number)
+            own = torch.empty(nbytes, dtype=torch.uint8)
+            return own, own, (self.worker, number), -1
         held = self.buffers[slot]
         if held is None or held.numel() < nbytes:
             held = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-        return held[:nbytes], (self.worker, number)
+            self.sent[slot] = False
+        if not self.trainer_holds:
+            return held[:nbytes], held[:nbytes], (self.worker, number), -1
+        sent = None if self.sent[slot] else held
+        self.sent[slot] = True
+        return held[:nbytes], sent, (self.worker, number), slot
 
     def new_epoch(self) -> None:
         """The worker starts an epoch: every item it made before is free. The trainer finished the last epoch's
         steps, and the items made past its end were dropped by the DataLoader, never handed on (nor marked)."""
         self.floor = self.items
+        # Items made past the last epoch's end were dropped unseen, buffers with them: each crosses again.
+        self.sent = [False] * len(self.buffers)
 
     def _done(self, number: int) -> bool:
         if number < self.floor:
@@ -619,6 +665,7 @@ class ExampleStream(IterableDataset):
         # (:class:`ItemBuffers`; set by the loader from its prefetch).
         self._released = torch.full((max(1, num_workers),), -1, dtype=torch.int64).share_memory_()
         self._items_in_flight = 4
+        self._pinned_items = False
         self._buffers: ItemBuffers | None = None
         self.units = example_units(root, self.days, dataset=dataset, columns=columns)
         self._unit_index = {unit: i for i, unit in enumerate(self.units)}
@@ -778,7 +825,8 @@ class ExampleStream(IterableDataset):
             pa.set_cpu_count(1)  # one thread per worker: the workers are the parallelism
             workers, skips = [workers[info.id]], [skips[info.id]]
             if self._buffers is None:  # a worker's buffers live as long as it (across epochs)
-                self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight)
+                self._buffers = ItemBuffers(self._released, info.id, self._items_in_flight,
+                                            trainer_holds=not self._pinned_items)
             self._buffers.new_epoch()
         buffers = self._buffers if info is not None else None
         for units, skip in zip(workers, skips, strict=True):
@@ -821,10 +869,12 @@ class StreamLoader:
         # Set before the workers start (at the first epoch) and see it: more buffers per worker than the items
         # the DataLoader lets it run ahead (prefetch_factor), so a worker never waits for one.
         stream._items_in_flight = prefetch_factor + 2
+        stream._pinned_items = pin_memory
         stream._released.fill_(-1)
         self.items = DataLoader(stream, batch_size=None, num_workers=stream.num_workers, pin_memory=pin_memory,
                                 prefetch_factor=prefetch_factor, persistent_workers=True, generator=generator,
                                 ) if stream.num_workers else None
+        self.held = HeldBuffers()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         """A batch's tensors are views of its worker's reused buffer, valid until the batch after it is asked for
@@ -836,7 +886,7 @@ class StreamLoader:
         origin = (-1, -1)
         try:
             for item in self.items:
-                batches, origin = unpack_item(item)
+                batches, origin = unpack_item(item, self.held)
                 yield from batches
                 if origin[0] >= 0:  # every batch of the item has been handed on and the next asked for
                     released[origin[0]] = origin[1]

@@ -123,10 +123,10 @@ def test_a_workers_buffers_are_reused_only_once_the_trainer_is_done_with_their_i
     released = torch.full((1,), -1, dtype=torch.int64)
     buffers = ItemBuffers(released, 0, count=2, patience_s=0.05)
     first, second = buffers.next(100), buffers.next(100)
-    assert [first[1], second[1]] == [(0, 0), (0, 1)]
+    assert [first[2], second[2]] == [(0, 0), (0, 1)] and [first[3], second[3]] == [0, 1]
     # Item 0 is still in use: item 2 gets a buffer of its own after the wait instead of overwriting it.
     third = buffers.next(100)
-    assert third[1] == (0, 2) and not third[0].is_shared()
+    assert third[2] == (0, 2) and not third[0].is_shared() and third[1] is third[0] and third[3] == -1
     released[0] = 1  # items 0 and 1 done: item 3 reuses item 1's buffer
     assert buffers.next(80)[0].data_ptr() == second[0].data_ptr()
     released[0] = 2  # item 2 (in a buffer of its own) done too: item 4 reuses item 0's
@@ -135,7 +135,33 @@ def test_a_workers_buffers_are_reused_only_once_the_trainer_is_done_with_their_i
     buffers.next(100)  # item 5, never marked
     buffers.new_epoch()
     reused = buffers.next(100)  # item 6 takes item 4's slot at once, no wait
-    assert reused[1] == (0, 6) and reused[0].is_shared()
+    assert reused[2] == (0, 6) and reused[0].is_shared()
+
+
+def test_a_reused_buffer_crosses_once_an_epoch_and_the_trainer_reads_the_next_items_from_its_copy():
+    released = torch.full((1,), -1, dtype=torch.int64)
+    buffers = ItemBuffers(released, 0, count=2)
+    held = data.HeldBuffers()
+    rows = [{"x": torch.arange(6, dtype=torch.int64) + 10 * i} for i in range(7)]
+
+    def cross(i: int) -> tuple[Any, list[int]]:
+        item = pack_item(rows[i], [4, len(rows[i]["x"]) - 4], buffers)
+        released[0] = i
+        batches, _ = unpack_item(item, held)
+        return item[data.PACKED], torch.cat([b["x"] for b in batches]).tolist()
+
+    sent = [cross(i) for i in range(4)]
+    assert [s is not None for s, _ in sent] == [True, True, False, False]  # each slot's buffer crossed once
+    assert [x for _, x in sent] == [r["x"].tolist() for r in rows[:4]]
+    rows[4] = {"x": torch.arange(9, dtype=torch.int64)}  # a larger item: a new buffer, which crosses
+    grown, x = cross(4)
+    assert grown is not None and x == list(range(9))
+    buffers.new_epoch()  # the last epoch's tail may have been dropped unseen: every buffer crosses again
+    assert all(s is not None and x == r["x"].tolist() for (s, x), r in zip([cross(5), cross(6)], rows[5:], strict=True))
+    with pytest.raises(RuntimeError, match="without its buffer"):  # never read as another buffer
+        unpack_item(pack_item(rows[0], [6], buffers), data.HeldBuffers())
+    pinned = ItemBuffers(released, 0, count=2, trainer_holds=False)  # the trainer gets a pinned copy of each
+    assert all(pinned.next(10)[1] is not None for _ in range(3))
 
 
 def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):
