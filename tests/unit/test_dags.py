@@ -96,6 +96,25 @@ print(json.dumps({{"heavy": sorted(m for m in {HEAVY!r} if m in sys.modules),
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dag_file", ["pin_daily_features.py", "pin_ranker_training.py", "pinflow_hpo.py"])
+def test_the_busiest_dags_parse_without_taskflow(dag_file):
+    """TaskFlow's modules cost a parse most of a hello DAG's; these DAGs' own tasks are plain operators, so that
+    each parses within 2x of a hello DAG (benchmarks/dag_parse.py). A `@task` added to one of them fails here."""
+    path = str(DAGS / dag_file)
+    code = f"""
+import importlib, runpy, sys
+import airflow.dag_processing.dagbag  # the DAG processor's own (its parent has it)
+from airflow.utils.file import iter_airflow_imports
+for module in iter_airflow_imports({path!r}):
+    importlib.import_module(module)
+runpy.run_path({path!r})
+print("airflow.sdk.definitions.decorators" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", f"{dag_file}: its parse imports TaskFlow (a @task?)"
+
+
+@pytest.mark.unit
 def test_no_taskflow_argument_is_named_like_a_context_key(dagbag):
     """A TaskFlow task given a positional argument named like a context key ("ds") fails every run at execution
     ("The key 'ds' in args is a part of kwargs and therefore reserved"), which parsing does not show."""
