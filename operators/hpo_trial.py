@@ -49,10 +49,8 @@ class StudyCreateOperator(BaseOperator):
         return hpo.create_study(run.dag_id, run.run_id, params, team=str(params["team"]))
 
 
-class StudyPromoteOperator(BaseOperator):
-    """Registers the best trial's model and puts it through the promotion gate (``hpo.promote_best``); its outlet
-    (the champion asset) gets an event only when the model is promoted, so corpus inference does not rerun for a
-    model that was not. ``study`` is the study task's XCom."""
+class _OfStudyOperator(BaseOperator):
+    """A task at the study's end: ``study`` is the study task's XCom (name, family, metric...)."""
 
     template_fields: Sequence[str] = ("study",)
     ui_color = "#e8dcff"
@@ -60,6 +58,12 @@ class StudyPromoteOperator(BaseOperator):
     def __init__(self, *, study: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.study = study
+
+
+class StudyPromoteOperator(_OfStudyOperator):
+    """Registers the best trial's model and puts it through the promotion gate (``hpo.promote_best``); its outlet
+    (the champion asset) gets an event only when the model is promoted, so corpus inference does not rerun for a
+    model that was not."""
 
     def execute(self, context: Context) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowSkipException
@@ -76,16 +80,9 @@ class StudyPromoteOperator(BaseOperator):
         return decision
 
 
-class StudySummaryOperator(BaseOperator):
+class StudySummaryOperator(_OfStudyOperator):
     """The study's summary (``hpo.summarize``) in its XCom and its log; when the run ends it becomes the run's note
-    (``operators.run_notes``). ``study`` is the study task's XCom."""
-
-    template_fields: Sequence[str] = ("study",)
-    ui_color = "#e8dcff"
-
-    def __init__(self, *, study: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.study = study
+    (``operators.run_notes``)."""
 
     def execute(self, context: Context) -> dict[str, Any]:
         from operators import hpo
