@@ -501,6 +501,9 @@ class HeldBuffers:
                                    "which never crossed to this loader")
             return self.buffers[(worker, slot)]
         if slot >= 0:
+            if not sent.is_shared():  # a pinned copy: the worker's later items would land in its own buffer, unseen
+                raise RuntimeError(f"input worker {worker} kept its buffer back from a loader that pins its items "
+                                   "(pin_memory): the stream's workers were started by a loader without pin_memory")
             self.buffers[(worker, slot)] = sent
         return sent
 

@@ -162,6 +162,8 @@ def test_a_reused_buffer_crosses_once_an_epoch_and_the_trainer_reads_the_next_it
         unpack_item(pack_item(rows[0], [6], buffers), data.HeldBuffers())
     pinned = ItemBuffers(released, 0, count=2, trainer_holds=False)  # the trainer gets a pinned copy of each
     assert all(pinned.next(10)[1] is not None for _ in range(3))
+    with pytest.raises(RuntimeError, match="pin_memory"):  # a slot's buffer that is a copy is never kept
+        data.HeldBuffers().buffer(torch.empty(8, dtype=torch.uint8), 0, 1)
 
 
 def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):
