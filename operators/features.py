@@ -325,8 +325,7 @@ def announce_examples(ds: str, run_type: str) -> dict[str, str]:
 
 class AnnounceExamplesOperator(BaseOperator):
     """The feature DAG's last task: :func:`announce_examples` for the run's day ``ds`` (templated), its outlet the
-    ``pinflow_examples`` asset. A plain operator rather than a @task: TaskFlow's modules would cost the DAG's parse
-    more than the DAG itself does."""
+    ``pinflow_examples`` asset. Not a @task: the DAG's parse time (docs/architecture.md)."""
 
     template_fields: Sequence[str] = ("ds",)
 

@@ -32,8 +32,7 @@ def __getattr__(name: str) -> Any:
 
 
 # -- the study's own tasks -----------------------------------------------------------------------------------
-# Plain operators rather than @task functions (the DAG's parse time): Airflow builds a @task through four operator
-# classes, copying the DAG's params at each, and TaskFlow's modules cost a parse more than the whole DAG does.
+# Plain operators rather than @task functions: the DAG's parse time (docs/architecture.md).
 class StudyCreateOperator(BaseOperator):
     """Checks the run's form and creates the study, or continues it (``hpo.create_study``): its XCom is the study
     (name, family, metric...), which promote and summary read."""
@@ -44,8 +43,8 @@ class StudyCreateOperator(BaseOperator):
         from operators import hpo
         from operators.run_conf import check_run_conf
 
+        check_run_conf(context)
         params, run = dict(context["params"]), context["dag_run"]
-        check_run_conf({"dag_run": run, "params": params})
         return hpo.create_study(run.dag_id, run.run_id, params, team=str(params["team"]))
 
 

@@ -157,8 +157,8 @@ def family_dataset(model: str) -> str:
 
 class TrainingPlanOperator(BaseOperator):
     """The training DAG's first task: checks the run's form and plans the evaluation and training days
-    (:func:`plan_training_days`); its XCom is the plan the training task reads. A plain operator rather than a
-    @task: TaskFlow's modules would cost the DAG's parse more than the DAG itself does."""
+    (:func:`plan_training_days`); its XCom is the plan the training task reads. Not a @task: the DAG's parse
+    time (docs/architecture.md)."""
 
     def execute(self, context: Context) -> dict[str, Any]:
         from operators.run_conf import check_run_conf
