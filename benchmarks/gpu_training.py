@@ -270,7 +270,7 @@ def check_input(work: Path, batch: int, procs: int, gpus: int) -> dict[str, Any]
         stream.set_epoch(epoch)
         started, rows = time.perf_counter(), 0
         for item in loader:
-            rows += int(family.finish(item, context)["row_id"].shape[0])
+            rows += int(item["row_id"].shape[0])  # finish is the step's (on the GPU), not the input's
         rates.append(rows / (time.perf_counter() - started))
     return {"cpus": cpus, "num_workers": workers, "num_threads": threads, "batch_size": batch,
             "examples_per_s": round(rates[-1], 1)}

@@ -10,11 +10,13 @@ batches (``RankerParams`` defaults, ``--batch-size`` rows) of the training days:
   0, 1 and 2 input workers: examples delivered per second, nothing trained;
 * ``ray_examples_per_s`` — the Ray engine alone (``training.ray_input``: a Ray Data pipeline on a local cluster of
   every CPU), the same batches;
-* ``model_step_examples_per_s`` — the model alone: forward, backward and AdamW on batches already in memory.
+* ``model_step_examples_per_s`` — the model alone: the family's ``finish`` (the gather of the sequence's content
+  embeddings, which a job runs on the training device as the step's first part), forward, backward and AdamW on
+  batches already in memory.
 
 Each pipeline figure is the median epoch over the training days after the first (which starts the input workers,
 or loads the run's state into the Ray cluster's workers, once, as in a job), timed from the start of the epoch's
-pipeline to its last batch, each batch finished as the trainer finishes it (the family's ``finish``). The last
+pipeline to its last batch, as the trainer gets the batches. The last
 line printed is one JSON object with those figures, ``workers_2_vs_0``, ``ray_vs_local`` (Ray over the local engine
 at 0 workers) and ``best_pipeline_vs_model_step`` (above 1: the input can feed the model on this machine).
 """
@@ -83,14 +85,13 @@ def local_stream(config: Any, family: Any, context: Any, workers: int) -> Any:
                          num_workers=workers, seed=config.seed)
 
 
-def delivered(make: Any, finish: Any) -> float:
-    """Examples per second of one epoch of batches, each finished as the trainer finishes it (the family's
-    ``finish``), from the start of the epoch's pipeline (``make()``: its workers or its Ray Data job) to its last
-    batch: what a job waits for, per epoch."""
+def delivered(make: Any) -> float:
+    """Examples per second of one epoch of batches, from the start of the epoch's pipeline (``make()``: its
+    workers or its Ray Data job) to its last batch: what a job waits for, per epoch."""
     started = time.perf_counter()
     rows = 0
     for item in make():
-        rows += int(finish(item)["row_id"].shape[0])
+        rows += int(item["row_id"].shape[0])
     return rows / (time.perf_counter() - started)
 
 
@@ -103,7 +104,7 @@ def local_rate(config: Any, family: Any, context: Any, workers: int, epochs: int
     rates = []
     for epoch in range(epochs):
         stream.set_epoch(epoch)
-        rates.append(delivered(lambda: loader, lambda batch: family.finish(batch, context)))
+        rates.append(delivered(lambda: loader))
     return statistics.median(rates[1:])
 
 
@@ -117,8 +118,8 @@ def ray_rate(config: Any, family: Any, context: Any, epochs: int) -> float:
     try:
         stream = local_stream(config, family, context, 0)
         engine = RayExampleBatches(stream, config.to_dict())
-        rates = [delivered(lambda e=epoch: engine.batches(e, 0, stream.steps_per_epoch(e)),  # type: ignore[misc]
-                           lambda batch: family.finish(batch, context)) for epoch in range(epochs)]
+        rates = [delivered(lambda e=epoch: engine.batches(e, 0, stream.steps_per_epoch(e)))  # type: ignore[misc]
+                 for epoch in range(epochs)]
         return statistics.median(rates[1:])
     finally:
         if started:
@@ -134,7 +135,7 @@ def model_rate(config: Any, family: Any, context: Any, steps: int) -> float:
     stream.set_epoch(0)
     resident = []
     for batch in stream:
-        resident.append(family.finish(batch, context))
+        resident.append(batch)
         if len(resident) >= 8:
             break
     torch.manual_seed(0)
@@ -143,6 +144,7 @@ def model_rate(config: Any, family: Any, context: Any, steps: int) -> float:
     model.train()
 
     def step(batch: dict[str, Any]) -> int:
+        batch = family.finish(batch, context)  # as training.train's step does
         loss, _ = family.loss(model(batch), batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

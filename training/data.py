@@ -120,6 +120,7 @@ class PinEmbeddings:
         # non-negative integers (as they usually are), a direct id -> row index instead of a binary search.
         self._padded = np.concatenate([self.vectors, np.zeros((1, self.dim), dtype=np.float32)])
         self._dense: np.ndarray | None = None
+        self._on_device: dict[str, torch.Tensor] = {}  # the padded table, per device it is gathered on
         if len(self.pin_ids) and self.pin_ids[0] >= 0 and self.pin_ids[-1] < 16 * len(self.pin_ids) + 4096:
             self._dense = np.full(int(self.pin_ids[-1]) + 1, -1, dtype=np.int64)
             self._dense[self.pin_ids] = np.arange(len(self.pin_ids))
@@ -146,12 +147,28 @@ class PinEmbeddings:
         pos = np.minimum(pos, len(self.pin_ids) - 1)
         return np.where(self.pin_ids[pos] == pin_ids, pos, -1)
 
+    def table_rows(self, pin_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Row of each id (any shape) in the table :meth:`take` reads: the pin's, or the zero row after the last
+        (``len(self)``) for an unknown pin and where ``mask`` is False."""
+        rows = self.rows(pin_ids)
+        known = rows >= 0 if mask is None else (rows >= 0) & mask
+        return np.where(known, rows, len(self.pin_ids))
+
+    def take(self, table_rows: np.ndarray) -> np.ndarray:
+        """The embeddings at ``table_rows`` (of :meth:`table_rows`) as float32 [..., dim]: a gather, no search."""
+        return np.take(self._padded, table_rows, axis=0)
+
+    def gather(self, table_rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`take` on the device of ``table_rows`` (the table copied there once): the same floats."""
+        key = str(table_rows.device)
+        if key not in self._on_device:
+            self._on_device[key] = torch.from_numpy(self._padded).to(table_rows.device)
+        return torch.nn.functional.embedding(table_rows, self._on_device[key])
+
     def lookup(self, pin_ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
         """Embeddings of ``pin_ids`` (any shape) as float32 [..., dim]; unknown pins, and those where ``mask`` is
         False, get zeros."""
-        rows = self.rows(pin_ids)
-        known = rows >= 0 if mask is None else (rows >= 0) & mask
-        return np.take(self._padded, np.where(known, rows, len(self.pin_ids)), axis=0)
+        return self.take(self.table_rows(pin_ids, mask))
 
 
 # --- sequences referenced by examples ------------------------------------------------------------

@@ -81,8 +81,10 @@ class ModelFamily:
         raise NotImplementedError
 
     def finish(self, batch: dict[str, torch.Tensor], context: Any) -> dict[str, torch.Tensor]:
-        """The trainer's end of ``encode``, on each batch as it arrives from the input workers: what multiplies a
-        batch's size (a dense lookup by ids) is cheaper done here than shipped between processes. None by default."""
+        """The trainer's end of ``encode``, on each batch as it arrives from the input workers, already on the
+        training device, as the first part of the step: what multiplies a batch's size (a dense lookup by ids) is
+        cheaper done here, on the device, than shipped between processes and copied to it. Must work on any device
+        (the batch's tensors say which). Nothing by default."""
         return batch
 
     # --- model ----------------------------------------------------------------------------------

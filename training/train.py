@@ -555,7 +555,6 @@ class Trainer:
                 batch = next(batches, None)  # the time spent here is time waiting for input
                 if batch is None:
                     break
-                batch = self.family.finish(batch, self.context)  # the trainer's end of encode: input work too
                 computed = time.perf_counter()
                 stats = self.train_step(batch, loss_hook=self.faults.loss_hook(self.step))
                 self.input_clock.add(computed - waited, time.perf_counter() - computed)
@@ -618,7 +617,8 @@ class Trainer:
         import torch.distributed as dist
 
         cfg, device = self.config, self.device
-        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        # The family finishes the batch on the device, as part of the step (a GPU's gather, not the input's work).
+        inputs = self.family.finish({k: v.to(device, non_blocking=True) for k, v in batch.items()}, self.context)
         examples = int(inputs["row_id"].shape[0])
         losses = []
         heads: dict[str, Any] = {}

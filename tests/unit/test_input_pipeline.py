@@ -246,8 +246,26 @@ def test_encode_in_two_halves_equals_the_whole_batch_and_is_row_wise(world: Path
 def test_a_lookup_masks_and_treats_unknown_ids_as_zeros():
     pins = PinEmbeddings(np.array([3, 1, 7]), np.arange(6, dtype=np.float32).reshape(3, 2) + 1)
     ids = np.array([[1, 2, 7], [3, 0, -5]])
-    out = pins.lookup(ids, mask=np.array([[True, True, False], [True, True, True]]))
+    mask = np.array([[True, True, False], [True, True, True]])
+    out = pins.lookup(ids, mask=mask)
     assert out.tolist() == [[[3, 4], [0, 0], [0, 0]], [[1, 2], [0, 0], [0, 0]]]
+    # The trainer's half (finish): the rows found in the workers, gathered where the batch is.
+    gathered = pins.gather(torch.from_numpy(pins.table_rows(ids, mask)))
+    assert gathered.dtype == torch.float32 and gathered.tolist() == out.tolist()
+
+
+def test_the_ranker_encodes_rows_of_the_content_table_and_finish_gathers_their_embeddings(world: Path):
+    from training.data import read_examples
+    from training.models.pin_ranker.inputs import _pad_lists
+
+    pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
+    table = read_examples(world, DAYS[1], EXAMPLE_COLUMNS)
+    encoded = encode_ids(table, pins, 8)
+    assert "seq_pin_ids" not in encoded and encoded["seq_pin_rows"].shape == (table.num_rows, 8)
+    ids, mask = _pad_lists(table.column("seq_pin_ids"), 8, np.int64)
+    assert mask.any() and not mask.all()
+    finished = with_sequence_embeddings(encoded, pins)
+    assert np.array_equal(finished["seq_pin_emb"].numpy(), pins.lookup(ids, mask=mask))
     far = PinEmbeddings(np.array([10**12, 5]), np.ones((2, 2), dtype=np.float32))  # no direct index: searched
     assert far.lookup(np.array([5, 10**12, 6])).tolist() == [[1, 1], [1, 1], [0, 0]]
 

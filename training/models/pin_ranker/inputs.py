@@ -91,8 +91,10 @@ def encode_batch(
 def encode_ids(
     table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
 ) -> dict[str, torch.Tensor]:
-    """:func:`encode_batch` but for the sequence's content embeddings: ``seq_pin_ids`` [B, N] in place of
-    ``seq_pin_emb`` [B, N, D], D times smaller (:func:`with_sequence_embeddings` looks them up)."""
+    """:func:`encode_batch` but for the sequence's content embeddings: ``seq_pin_rows`` [B, N], their rows in the
+    table of ``pins`` (:meth:`PinEmbeddings.table_rows`), in place of ``seq_pin_emb`` [B, N, D], D times smaller
+    (:func:`with_sequence_embeddings` gathers them). The search for each id's row is done here, in the input
+    workers; what is left to the trainer is the gather."""
 
     def col(name: str, dtype: type) -> np.ndarray:
         return np.array(table.column(name).to_numpy(), dtype=dtype)
@@ -103,7 +105,7 @@ def encode_ids(
     ages, _ = _pad_lists(table.column("seq_age_hours"), sequence_length, np.float32)
     pin_ids = col("pin_id", np.int64)
     arrays = {
-        "seq_pin_ids": seq_pins,
+        "seq_pin_rows": pins.table_rows(seq_pins, mask),
         "seq_actions": np.where(mask, actions + 1, 0),
         "seq_categories": np.where(mask, categories, -1),
         "seq_age_hours": np.where(mask, ages, 0.0).astype(np.float32),
@@ -122,9 +124,10 @@ def encode_ids(
 
 
 def with_sequence_embeddings(batch: dict[str, torch.Tensor], pins: PinEmbeddings) -> dict[str, torch.Tensor]:
-    """``seq_pin_ids`` of :func:`encode_ids` replaced by ``seq_pin_emb``, their content embeddings (zeros past the
-    sequence's end), first among the inputs as :func:`encode_batch` makes them."""
-    embeddings = pins.lookup(batch["seq_pin_ids"].numpy(), mask=batch["seq_mask"].numpy())
-    rest = {name: value for name, value in batch.items() if name != "seq_pin_ids"}
-    return {"seq_pin_emb": torch.from_numpy(embeddings), **rest}
+    """``seq_pin_rows`` of :func:`encode_ids` replaced by ``seq_pin_emb``, their content embeddings (zeros past the
+    sequence's end and for unknown pins), first among the inputs as :func:`encode_batch` makes them. ``pins`` must
+    be the table the rows were found in: every process's context is read from the same snapshot (``prepare``)."""
+    embeddings = pins.gather(batch["seq_pin_rows"])  # on the batch's device: the training step's
+    rest = {name: value for name, value in batch.items() if name != "seq_pin_rows"}
+    return {"seq_pin_emb": embeddings, **rest}
 
