@@ -252,6 +252,8 @@ def test_a_lookup_masks_and_treats_unknown_ids_as_zeros():
     # The trainer's half (finish): the rows found in the workers, gathered where the batch is.
     gathered = pins.gather(torch.from_numpy(pins.table_rows(ids, mask)))
     assert gathered.dtype == torch.float32 and gathered.tolist() == out.tolist()
+    far = PinEmbeddings(np.array([10**12, 5]), np.ones((2, 2), dtype=np.float32))  # no direct index: searched
+    assert far.lookup(np.array([5, 10**12, 6])).tolist() == [[1, 1], [1, 1], [0, 0]]
 
 
 def test_the_ranker_encodes_rows_of_the_content_table_and_finish_gathers_their_embeddings(world: Path):
@@ -266,8 +268,6 @@ def test_the_ranker_encodes_rows_of_the_content_table_and_finish_gathers_their_e
     assert mask.any() and not mask.all()
     finished = with_sequence_embeddings(encoded, pins)
     assert np.array_equal(finished["seq_pin_emb"].numpy(), pins.lookup(ids, mask=mask))
-    far = PinEmbeddings(np.array([10**12, 5]), np.ones((2, 2), dtype=np.float32))  # no direct index: searched
-    assert far.lookup(np.array([5, 10**12, 6])).tolist() == [[1, 1], [1, 1], [0, 0]]
 
 
 # --- the data-bound verdict --------------------------------------------------------------------------------
