@@ -88,7 +88,8 @@ _HASH_PROBE: list[int] = []
 
 def take_hash_probe(con: duckdb.DuckDBPyConnection) -> int:
     if not _HASH_PROBE:
-        (value,) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchone() or (0,)
+        # fetchall: a result left open by fetchone makes the connection's next con.sql() fail (DuckDB 2).
+        ((value,),) = con.execute(f"SELECT sum(hash(v) % 1000003)::BIGINT FROM {_PROBE_IDS} AS t(v)").fetchall()
         _HASH_PROBE.append(int(value))
     return _HASH_PROBE[0]
 

@@ -273,3 +273,17 @@ def test_window_shards_take_pin_totals_from_the_recorded_ones_or_every_pins_part
     rebuilt = build_sharded(root, day, "window")[contracts.PIN_WINDOW]
     assert rebuilt["totals"] == meta["totals"] and rebuilt["global_rates"] == meta["global_rates"]
     assert read_table(root, contracts.PIN_WINDOW, day).equals(read_table(sharded, contracts.PIN_WINDOW, day))
+
+
+@pytest.mark.unit
+def test_the_first_connection_of_a_process_takes_the_hash_probe_and_stays_usable() -> None:
+    import subprocess
+    import sys
+
+    # A fresh process: the probe is taken on its first connection (once per process), whose next query must work.
+    code = ("from features import sharding, step_io\n"
+            "with step_io.connect() as con:\n"
+            "    assert con.sql('SELECT 42').fetchall() == [(42,)]\n"
+            "assert sharding.hash_probe() == sharding._HASH_PROBE[0]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
