@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from core.config import FeaturesConfig
-from core.contracts import RAW_EVENTS, RAW_PINS, SequenceDigest
+from core.contracts import RAW_EVENTS, RAW_PINS, USER_SEQUENCE, SequenceDigest
 from core.failures import DataError, InfraError
 from core.storage import (
     MARKER,
@@ -66,6 +66,11 @@ BATCH_ROWS = 256 * 1024
 FILE_BYTES = 64 * 1024 * 1024
 WRITER_THREADS = 2
 ROW_GROUP_ROWS = 64 * 1024
+# A shard's file is all the next day's shard reads of its dataset, and its row groups are what that shard's DuckDB
+# threads divide: a sequences shard of 8 (24,000 users, four lists of up to 50 each, one row group) was read on one
+# thread. Sequence files of shards have row groups of 4,096 rows (about 5 MB): the next sequences shard takes about
+# 17% less time (benchmarks/features.py). Other outputs' rows are small; their row groups stay as they are.
+SHARD_ROW_GROUP_ROWS = {USER_SEQUENCE: 4096}
 # The defaults of every build parameter: the platform configuration's, defined once in core.config.
 DEFAULTS = FeaturesConfig()
 
@@ -227,7 +232,8 @@ def write_query(
     target = publish(shard.folder(dataset)) if shard is not None else write_partition(root, dataset, ds)
     with target as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
-        files = ShardFile(join(staging, shard_file(shard.index)), schema) if shard else _ParquetFiles(staging, schema)
+        files = (ShardFile(join(staging, shard_file(shard.index)), schema, SHARD_ROW_GROUP_ROWS.get(dataset, ROW_GROUP_ROWS))
+                 if shard else _ParquetFiles(staging, schema))
         with files:
             for batch in reader:
                 if not batch.num_rows:
@@ -266,8 +272,8 @@ class ShardFile:
     releases the GIL): the encoding overlaps the query instead of following it (it was 10-15% of a shard's time).
     At most WRITER_THREADS + 1 tables are held. No table at all still writes the file (the schema)."""
 
-    def __init__(self, path: str, schema: pa.Schema):
-        self.path, self.schema = path, schema
+    def __init__(self, path: str, schema: pa.Schema, row_group_rows: int = ROW_GROUP_ROWS):
+        self.path, self.schema, self.row_group_rows = path, schema, row_group_rows
         self.files = ExitStack()
         self.running: list[Future[None]] = []
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="parquet-writer")  # one file: its tables in order
@@ -279,7 +285,7 @@ class ShardFile:
     def write(self, table: pa.Table) -> None:
         if len(self.running) > WRITER_THREADS:
             self.running.pop(0).result()
-        self.running.append(self.pool.submit(self.writer.write_table, table, row_group_size=ROW_GROUP_ROWS))
+        self.running.append(self.pool.submit(self.writer.write_table, table, row_group_size=self.row_group_rows))
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         try:

@@ -163,6 +163,28 @@ def test_cli_builds_the_shard_its_array_index_picks_and_merges(roots: tuple[Path
 
 
 @pytest.mark.unit
+def test_sequence_shards_are_written_in_small_row_groups_the_next_shard_reads_in_parallel(
+    roots: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow.parquet as pq
+
+    whole, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day = BUILT[-1]
+    monkeypatch.setitem(step_io.SHARD_ROW_GROUP_ROWS, contracts.USER_SEQUENCE, 4)
+    for step in ("sequences", "examples"):
+        build_sharded(root, day, step)
+    for dataset, most in ((contracts.USER_SEQUENCE, 4), (contracts.EXAMPLES, step_io.ROW_GROUP_ROWS)):
+        files = storage.data_files(root, dataset, day)
+        sizes = [pq.ParquetFile(f).metadata.row_group(i).num_rows for f in files for i in range(pq.ParquetFile(f).num_row_groups)]
+        assert max(sizes) <= most and (len(sizes) > len(files)) == (dataset == contracts.USER_SEQUENCE), dataset
+        assert sorted_by(read_table(root, dataset, day), KEYS[dataset]).equals(
+            sorted_by(read_table(whole, dataset, day), KEYS[dataset])
+        ), dataset
+
+
+@pytest.mark.unit
 def test_an_input_republished_during_the_build_publishes_nothing(roots: tuple[Path, Path], tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     whole, _ = roots
