@@ -68,8 +68,8 @@ WRITER_THREADS = 2
 ROW_GROUP_ROWS = 64 * 1024
 # A shard's file is all the next day's shard reads of its dataset, and its row groups are what that shard's DuckDB
 # threads divide: a sequences shard of 8 (24,000 users, four lists of up to 50 each, one row group) was read on one
-# thread. Sequence files of shards have row groups of 4,096 rows (about 5 MB): the next sequences shard takes about
-# 17% less time (benchmarks/features.py). Other outputs' rows are small; their row groups stay as they are.
+# thread. Sequence files of shards have row groups of 4,096 rows (about 5 MB): the next day's sequences shard of 8
+# took 17-26% less time (docs/data.md). Other outputs' rows are small; their row groups stay as they are.
 SHARD_ROW_GROUP_ROWS = {USER_SEQUENCE: 4096}
 # The defaults of every build parameter: the platform configuration's, defined once in core.config.
 DEFAULTS = FeaturesConfig()
