@@ -463,9 +463,12 @@ def read_unit(
 PACKED, LAYOUT = "_packed", "_layout"  # an item's tensors in one buffer (:func:`pack_item`)
 # Rows encoded at once, and what a DataLoader worker hands over at a time (batches_per_item batches): encoding
 # thousands of rows in one call costs a third less per row than a batch of hundreds, and what crosses from a worker
-# to the trainer costs a fixed price per item (a descriptor passed, a mapping), which a small batch alone would not
-# repay. The rows' batches are the same either way (``encode`` is row-wise, see ``training.sdk``).
-ITEM_ROWS = 4096
+# to the trainer costs a fixed price per item (its layout, the loader's queues, the trainer's unpacking), which a
+# small batch alone would not repay. 8192: two workers delivered 1.63-1.70x what none did on 2 cores, against
+# 1.43-1.56x with 4096 and 1.58-1.68x with 16384 (benchmarks/input_pipeline.py, alternately). The rows' batches are
+# the same either way (``encode`` is row-wise, see ``training.sdk``); a run resumed from a checkpoint taken with
+# another item size keeps that one (``load_position``).
+ITEM_ROWS = 8192
 
 
 def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict[str, torch.Tensor]]:
@@ -725,8 +728,10 @@ class ExampleStream(IterableDataset):
         }
 
     def load_position(self, state: dict[str, int]) -> None:
-        """Continue from a :meth:`position` (the next :meth:`__iter__` starts right after it)."""
-        layout = ("seed", "world_size", "num_workers", "batch_size", "batches_per_item", "total_rows")
+        """Continue from a :meth:`position` (the next :meth:`__iter__` starts right after it). Call it before the
+        stream's loader starts its workers. The items' size is this version's (``ITEM_ROWS``), not the run's: one
+        taken from a checkpoint of another keeps the order of the run it resumes."""
+        layout = ("seed", "world_size", "num_workers", "batch_size", "total_rows")
         changed = {k: (state[k], getattr(self, k)) for k in layout if k in state and state[k] != getattr(self, k)}
         if changed:
             raise ValueError(
@@ -734,6 +739,8 @@ class ExampleStream(IterableDataset):
                 + ", ".join(f"{k}: saved {a}, now {b}" for k, (a, b) in changed.items())
                 + ": resume with the same seed, world size, num_workers, batch_size and days"
             )
+        if self.num_workers and "batches_per_item" in state:
+            self.batches_per_item = self.encode_batches = int(state["batches_per_item"])
         self.set_epoch(int(state["epoch"]), int(state["batches"]))
 
     def worker_batches(self, epoch: int) -> list[int]:

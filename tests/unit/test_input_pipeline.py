@@ -94,6 +94,23 @@ def test_resume_with_workers_is_exact_at_every_position(world: Path, monkeypatch
         assert [b["impression_id"].tolist() for b in resumed.loader()] == expected[skip:], skip
 
 
+def test_a_checkpoint_taken_with_another_item_size_resumes_in_its_own_order(world: Path, monkeypatch):
+    monkeypatch.setattr(data, "ITEM_ROWS", 48)  # the version that took the checkpoint: items of 3 batches of 16
+    before = stream(world, num_workers=2)
+    before.set_epoch(1)
+    expected = [b["impression_id"].tolist() for b in before.loader()]
+    monkeypatch.setattr(data, "ITEM_ROWS", 96)  # this version: items of 6 batches, another order with workers
+    now = stream(world, num_workers=2)
+    now.set_epoch(1)
+    assert [b["impression_id"].tolist() for b in now.loader()] != expected
+    for skip in (4, 8):
+        resumed = stream(world, num_workers=2)
+        resumed.load_position(before.position(1, skip))
+        assert resumed.batches_per_item == resumed.encode_batches == 3
+        assert [b["impression_id"].tolist() for b in resumed.loader()] == expected[skip:], skip
+        assert resumed.position(1, skip + 1)["batches_per_item"] == 3  # its next checkpoints keep it
+
+
 def test_the_loaders_workers_serve_every_epoch_in_its_own_order(world: Path):
     persistent = stream(world, num_workers=2)
     loader = persistent.loader()
