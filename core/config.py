@@ -226,7 +226,9 @@ class TrainingConfig(Section):
         None, ge=1, le=256, description="torch threads per training process; empty: derived with num_workers (2 on a "
         "GPU node, the CPUs the workers leave on a CPU node)"
     )
-    prefetch_factor: int = Field(4, ge=1, le=64, description="items (of 4096 rows) each input worker prepares ahead")
+    prefetch_factor: int = Field(
+        4, ge=1, le=64, description="items (of 8192 rows, training.data.ITEM_ROWS) each input worker prepares ahead"
+    )
     pin_memory: bool | None = Field(None, description="page-locked batches for faster copies to the GPU; empty: on CUDA")
     input_engine: Literal["local", "ray"] = Field(
         "local", description="local: each process reads its input with its own worker processes (DataLoader); ray: "

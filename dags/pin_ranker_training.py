@@ -98,7 +98,7 @@ extra links open the job's console page and the MLflow run.
         "input_engine": Param(_training.input_engine, enum=["local", "ray"], description="local: each training process reads its input with its own worker processes; ray: a Ray Data pipeline on the cluster's CPU workers builds the batches (the same batches)."),
         "num_workers": Param(_training.num_workers, type=["null", "integer"], minimum=0, maximum=64, description="Input worker processes per training process (input_engine local; empty: derived from the node's CPUs)."),
         "num_threads": Param(_training.num_threads, type=["null", "integer"], minimum=1, maximum=256, description="Torch threads per training process (empty: derived from the node's CPUs)."),
-        "prefetch_factor": Param(_training.prefetch_factor, type="integer", minimum=1, maximum=64, description="Batches each input worker prepares ahead."),
+        "prefetch_factor": Param(_training.prefetch_factor, type="integer", minimum=1, maximum=64, description="Items (of 8192 rows) each input worker prepares ahead."),
         "pin_memory": Param(_training.pin_memory, type=["null", "boolean"], description="Page-locked batches for faster copies to the GPU (empty: on CUDA)."),
         "promotion_tolerance": Param(_training.promotion_tolerance, type="number", minimum=0, maximum=0.1, description="How much worse than the champion's mean AUC a new model may be and still be promoted."),
         "approval_timeout_h": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=720, description=f"For a family with promotion: approval, hours to wait for a person's answer on the Required Actions page; no answer leaves the champion as it is (empty: {_cfg.promotion.approval_timeout_h})."),
