@@ -111,10 +111,17 @@ def test_a_changed_or_missing_shard_or_manifest_is_a_data_error_naming_the_file(
         sharded_export.load(str(folder), family, sha256=digest)
 
 
-def test_an_export_on_an_object_store_is_read_from_one_local_copy_per_file_removed_with_the_model(exported):
+def test_an_export_on_an_object_store_is_read_from_one_local_copy_per_file_removed_with_the_model(
+    exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The in-memory filesystem stands for S3 (moto in tests/integration): a looked-up table's file is fetched once
     into a local cache, checked there, and the cache goes when the model does; a missing file names its URL."""
     import gc
+    import tempfile
+
+    # The caches under the test's folder: the model of the failed lookup below lives on in the error's frames, and
+    # its cache would outlive the test.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     import uuid
 
     import fsspec
