@@ -226,8 +226,7 @@ def relay_state(source: Path, target: Path, shards: int, window_days: int) -> No
             for i in range(shards):
                 # Written as a shard writes its file (the same writer and row groups), not as DuckDB's COPY would.
                 rows = con.sql(f"SELECT * FROM read_parquet([{files}]) WHERE hash({key}) % {shards} = {i} ORDER BY {key}")
-                row_groups = step_io.SHARD_ROW_GROUP_ROWS.get(dataset, step_io.ROW_GROUP_ROWS)
-                with step_io.ShardFile(str(dst / sharding.shard_file(i)), schema, row_groups) as out:
+                with step_io.ShardFile(str(dst / sharding.shard_file(i)), schema, step_io.shard_row_groups(dataset)) as out:
                     out.write(step_io.conform(rows.to_arrow_table(), schema))
             meta = read_metadata(source, dataset, day) | {"shards": shards,
                                                           "hash_buckets": sharding.hash_layout(key, shards)}

@@ -71,6 +71,13 @@ ROW_GROUP_ROWS = 64 * 1024
 # thread. Sequence files of shards have row groups of 4,096 rows (about 5 MB): the next day's sequences shard of 8
 # took 17-26% less time (docs/data.md). Other outputs' rows are small; their row groups stay as they are.
 SHARD_ROW_GROUP_ROWS = {USER_SEQUENCE: 4096}
+
+
+def shard_row_groups(dataset: str) -> int:
+    """Rows per row group of a shard's file of ``dataset``."""
+    return SHARD_ROW_GROUP_ROWS.get(dataset, ROW_GROUP_ROWS)
+
+
 # The defaults of every build parameter: the platform configuration's, defined once in core.config.
 DEFAULTS = FeaturesConfig()
 
@@ -232,7 +239,7 @@ def write_query(
     target = publish(shard.folder(dataset)) if shard is not None else write_partition(root, dataset, ds)
     with target as staging:
         reader = relation.to_arrow_reader(BATCH_ROWS)
-        files = (ShardFile(join(staging, shard_file(shard.index)), schema, SHARD_ROW_GROUP_ROWS.get(dataset, ROW_GROUP_ROWS))
+        files = (ShardFile(join(staging, shard_file(shard.index)), schema, shard_row_groups(dataset))
                  if shard else _ParquetFiles(staging, schema))
         with files:
             for batch in reader:

@@ -177,7 +177,8 @@ def test_sequence_shards_are_written_in_small_row_groups_the_next_shard_reads_in
         build_sharded(root, day, step)
     for dataset, most in ((contracts.USER_SEQUENCE, 4), (contracts.EXAMPLES, step_io.ROW_GROUP_ROWS)):
         files = storage.data_files(root, dataset, day)
-        sizes = [pq.ParquetFile(f).metadata.row_group(i).num_rows for f in files for i in range(pq.ParquetFile(f).num_row_groups)]
+        metas = [pq.ParquetFile(f).metadata for f in files]
+        sizes = [m.row_group(i).num_rows for m in metas for i in range(m.num_row_groups)]
         assert max(sizes) <= most and (len(sizes) > len(files)) == (dataset == contracts.USER_SEQUENCE), dataset
         assert sorted_by(read_table(root, dataset, day), KEYS[dataset]).equals(
             sorted_by(read_table(whole, dataset, day), KEYS[dataset])

@@ -118,13 +118,13 @@ def test_an_export_on_an_object_store_is_read_from_one_local_copy_per_file_remov
     into a local cache, checked there, and the cache goes when the model does; a missing file names its URL."""
     import gc
     import tempfile
+    import uuid
+
+    import fsspec
 
     # The caches under the test's folder: the model of the failed lookup below lives on in the error's frames, and
     # its cache would outlive the test.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    import uuid
-
-    import fsspec
 
     fs = fsspec.filesystem("memory")
     url = f"memory://sharded-{uuid.uuid4().hex}/model"
