@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "pinflow-bench-input")
     parser.add_argument("--days", type=int, default=19, help="training days read (default: %(default)s, the demo's)")
     # 12: one epoch's ratio of 2 workers to none ranges about 1.55-2.05 on a 2-core machine (its speed drifts within
-    # seconds); the median of 11 such ratios moved by about 0.03 between runs, of 5 by about 0.1.
+    # seconds), too wide for a median of 5; what is left between runs is the machine's drift over minutes.
     parser.add_argument("--epochs", type=int, default=12, help="epochs per engine; the median of all but the first "
                         "is reported (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=512)
