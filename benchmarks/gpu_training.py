@@ -263,6 +263,7 @@ def check_input(work: Path, batch: int, procs: int, gpus: int) -> dict[str, Any]
     family = config.family_instance()
     context = family.prepare(config.root, list(config.train_days), config.eval_ds)
     stream = ExampleStream(config.root, config.train_days, lambda t: family.encode(t, context), batch_size=batch,
+                           encode_into=lambda t, alloc: family.encode_into(t, context, alloc),
                            dataset=family.dataset, columns=family.columns, num_workers=workers)
     loader = stream.loader(prefetch_factor=config.prefetch_factor, generator=torch.Generator().manual_seed(0))
     rates = []

@@ -84,6 +84,7 @@ def local_stream(config: Any, family: Any, context: Any, workers: int) -> Any:
     from training.data import ExampleStream
 
     return ExampleStream(config.root, config.train_days, lambda table: family.encode(table, context),
+                         encode_into=lambda table, alloc: family.encode_into(table, context, alloc),
                          batch_size=config.batch_size, dataset=family.dataset, columns=family.columns,
                          num_workers=workers, seed=config.seed)
 

@@ -154,9 +154,14 @@ class PinEmbeddings:
         known = rows >= 0 if mask is None else (rows >= 0) & mask
         return np.where(known, rows, len(self.pin_ids))
 
-    def take(self, table_rows: np.ndarray) -> np.ndarray:
-        """The embeddings at ``table_rows`` (of :meth:`table_rows`) as float32 [..., dim]: a gather, no search."""
-        return np.take(self._padded, table_rows, axis=0)
+    def take(self, table_rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The embeddings at ``table_rows`` (of :meth:`table_rows`) as float32 [..., dim]: a gather, no search
+        (into ``out`` when given)."""
+        if out is None:
+            return np.take(self._padded, table_rows, axis=0)
+        if len(table_rows) and not 0 <= int(table_rows.min()) <= int(table_rows.max()) <= len(self.pin_ids):
+            raise IndexError(f"table rows outside [0, {len(self.pin_ids)}]")
+        return np.take(self._padded, table_rows, axis=0, out=out, mode="clip")  # clip: checked, and unbuffered
 
     def gather(self, table_rows: torch.Tensor) -> torch.Tensor:
         """:meth:`take` on the device of ``table_rows`` (the table copied there once): the same floats."""
@@ -471,6 +476,38 @@ PACKED, LAYOUT = "_packed", "_layout"  # an item's tensors in one buffer (:func:
 ITEM_ROWS = 8192
 
 
+# How an encode makes its tensors (shape, dtype): :func:`new_tensor`, or an input worker's :class:`Placement`.
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class Placement:
+    """An :data:`Alloc` over the buffer of a worker's next item (``target``; None: none yet): each tensor a view of
+    its next bytes (64-byte aligned), so that an ``encode_into`` writes the item where it crosses to the trainer
+    and :func:`pack_item` copies nothing; a tensor that does not fit is made as usual (and copied)."""
+
+    def __init__(self, target: torch.Tensor | None) -> None:
+        self.target, self.end = target, 0
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        start = -(-self.end // 64) * 64
+        if self.target is None or start + nbytes > self.target.numel():
+            return torch.empty(shape, dtype=dtype)
+        self.end = start + nbytes
+        return self.target[start:start + nbytes].view(dtype).view(shape)
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` lies in ``target`` when it is one of this placement's (contiguous, inside), else None."""
+        if self.target is None or not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != self.target.untyped_storage().data_ptr():
+            return None
+        start = tensor.data_ptr() - self.target.data_ptr()
+        return start if 0 <= start and start + tensor.numel() * tensor.element_size() <= self.end else None
+
+
 def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict[str, torch.Tensor]]:
     """``batch`` (rows encoded at once) cut into batches of ``sizes`` rows, views of its tensors."""
     if len(sizes) == 1:
@@ -479,30 +516,38 @@ def split_rows(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dic
     return [dict(zip(batch, views, strict=True)) for views in zip(*parts, strict=True)]
 
 
-def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: ItemBuffers | None = None) -> dict[str, Any]:
+def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: ItemBuffers | None = None,
+              item: ItemSlot | None = None, placement: Placement | None = None) -> dict[str, Any]:
     """The rows of an item (``batch``, its batches ``sizes`` rows each) as one contiguous byte buffer (the worker's
-    next reused shared buffer from ``buffers``, else a private one) and its layout, to cross from a DataLoader
-    worker to the trainer in one piece; :func:`unpack_item` gives back its batches as views of the same bytes.
+    next reused shared buffer from ``buffers``: ``item``, reserved before the batch was encoded, else the next;
+    without ``buffers`` a private one) and its layout, to cross from a DataLoader worker to the trainer in one
+    piece; :func:`unpack_item` gives back its batches as views of the same bytes. The tensors an ``encode_into``
+    already wrote into the item's buffer (``placement``) stay where they are; the rest are copied in.
 
     A reused buffer crosses once per epoch (``PACKED`` is None after): a shared tensor sent costs a connection to
     the worker for its file descriptor and, in the trainer, a fresh mapping whose pages fault in again; the
     trainer keeps what crossed (:class:`HeldBuffers`) and reads the next items of that slot from it."""
     layout = []
-    offset = 0
+    end = placement.end if placement is not None else 0
     for name, tensor in batch.items():
-        offset = -(-offset // 64) * 64  # aligned for any dtype's view
         nbytes = tensor.numel() * tensor.element_size()
-        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-        offset += nbytes
+        start = placement.offset_of(tensor) if placement is not None else None
+        if start is None:
+            start = -(-end // 64) * 64  # aligned for any dtype's view
+            end = start + nbytes
+        layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start, nbytes))
     sent: torch.Tensor | None
     if buffers is None:
-        target = sent = torch.empty(offset, dtype=torch.uint8)
+        target = sent = torch.empty(end, dtype=torch.uint8)
         origin, slot = (-1, -1), -1
     else:
-        target, sent, origin, slot = buffers.next(offset)
+        target, sent, origin, slot = buffers.finish(item if item is not None else buffers.reserve(), end)
+    # The placed tensors are in the target unless it is another buffer (the slot's grown, or one of the item's own).
+    in_place = placement is not None and placement.target is not None and target.data_ptr() == placement.target.data_ptr()
     view = target.numpy()
     for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
-        view[start:start + nbytes] = tensor.numpy().reshape(-1).view(np.uint8)
+        if not (in_place and placement.offset_of(tensor) is not None):  # type: ignore[union-attr]
+            view[start:start + nbytes] = tensor.contiguous().numpy().reshape(-1).view(np.uint8)
     return {PACKED: sent, LAYOUT: json.dumps({"tensors": layout, "sizes": list(sizes), "origin": list(origin),
                                               "slot": slot})}
 
@@ -541,6 +586,16 @@ def unpack_item(item: dict[str, Any], held: HeldBuffers | None = None) -> tuple[
     return split_rows(batch, layout["sizes"]), (worker, number)
 
 
+@dataclass(frozen=True)
+class ItemSlot:
+    """A worker's next item (:meth:`ItemBuffers.reserve`): its number, its slot (-1: a buffer of its own) and the
+    slot's buffer as it was (None: none yet)."""
+
+    number: int
+    slot: int
+    buffer: torch.Tensor | None
+
+
 class ItemBuffers:
     """A DataLoader worker's shared-memory buffers, one per item in flight, reused in turn.
 
@@ -565,14 +620,26 @@ class ItemBuffers:
         self.items = 0
         self.floor = 0  # items numbered below are free: items of an epoch that has ended (see new_epoch)
 
-    def next(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], int]:
-        """A buffer of ``nbytes`` for the worker's next item; what must cross with the item (the whole buffer
-        when the trainer does not hold it yet this epoch, else None); the item's origin (worker, item number);
-        its slot (-1: not held by the trainer, always sent)."""
+    def reserve(self) -> ItemSlot:
+        """The worker's next item: its number and slot, once the item that used the slot last is done (else slot
+        -1: a buffer of its own), with the slot's buffer as it is, which an encode may write into
+        (:class:`Placement`) before :meth:`finish` sizes it."""
         number, slot = self.items, self.items % len(self.buffers)
         self.items += 1
         previous = number - len(self.buffers)  # the item that used this slot last
         if previous >= 0 and not self._done(previous):
+            return ItemSlot(number, -1, None)
+        return ItemSlot(number, slot, self.buffers[slot])
+
+    def next(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], int]:
+        return self.finish(self.reserve(), nbytes)
+
+    def finish(self, item: ItemSlot, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], int]:
+        """A buffer of ``nbytes`` for ``item`` (its slot's, grown if it is smaller); what must cross with the item
+        (the whole buffer when the trainer does not hold it yet this epoch, else None); the item's origin (worker,
+        item number); its slot (-1: not held by the trainer, always sent)."""
+        number, slot = item.number, item.slot
+        if slot < 0:
             own = torch.empty(nbytes, dtype=torch.uint8)
             return own, own, (self.worker, number), -1
         held = self.buffers[slot]
@@ -653,6 +720,7 @@ class ExampleStream(IterableDataset):
         encode: Callable[[pa.Table], dict[str, torch.Tensor]],
         *,
         batch_size: int,
+        encode_into: Callable[[pa.Table, Alloc], dict[str, torch.Tensor]] | None = None,
         dataset: str = EXAMPLES,
         columns: Sequence[str] = (),
         rank: int = 0,
@@ -668,6 +736,9 @@ class ExampleStream(IterableDataset):
         self.root = root
         self.days = [ds_str(d) for d in days]
         self.encode = encode
+        # encode, writing each tensor where alloc says (in a worker: the item's shared buffer); None: encode's
+        # tensors are copied there.
+        self.encode_into = encode_into
         self.dataset = dataset
         self.columns = list(columns)
         self.batch_size = batch_size
@@ -866,12 +937,15 @@ class ExampleStream(IterableDataset):
                 if table is not None:
                     tables.append(table)
                 if tables and (table is None or len(tables) == size):
-                    batch = self.encode(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+                    rows = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
                     sizes = [t.num_rows for t in tables]
                     if buffers is None:
-                        yield from split_rows(batch, sizes)
-                    else:
-                        yield pack_item(batch, sizes, buffers)
+                        yield from split_rows(self.encode(rows), sizes)
+                    else:  # encoded into the buffer the item crosses in, where the encode can
+                        item = buffers.reserve()
+                        placement = Placement(item.buffer)
+                        batch = self.encode_into(rows, placement) if self.encode_into else self.encode(rows)
+                        yield pack_item(batch, sizes, buffers, item, placement)
                     tables, size = [], self.encode_batches
 
     def loader(self, *, pin_memory: bool = False, prefetch_factor: int = 2, generator: Any = None) -> StreamLoader:

@@ -341,6 +341,7 @@ class Trainer:
             cfg.input_root,
             cfg.train_days,
             lambda table: family.encode(table, context),
+            encode_into=lambda table, alloc: family.encode_into(table, context, alloc),
             batch_size=cfg.batch_size,
             dataset=family.dataset,
             columns=family.columns,

@@ -4,10 +4,12 @@ the trainer-side end of encode, and the data-bound verdict."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -183,11 +185,68 @@ def test_a_reused_buffer_crosses_once_an_epoch_and_the_trainer_reads_the_next_it
         data.HeldBuffers().buffer(torch.empty(8, dtype=torch.uint8), 0, 1)
 
 
+def test_an_item_encoded_into_its_buffer_is_not_copied_and_equals_the_plain_encode(world: Path):
+    from training.data import read_examples
+
+    pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
+    table = read_examples(world, DAYS[1], EXAMPLE_COLUMNS)
+    released = torch.full((1,), -1, dtype=torch.int64)
+    buffers, held = ItemBuffers(released, 0, count=1), data.HeldBuffers()
+
+    def cross(rows: Any) -> tuple[data.Placement, Any, dict[str, torch.Tensor]]:
+        """One item through the worker's one buffer; compared at once (the next item reuses the buffer)."""
+        item = buffers.reserve()
+        placement = data.Placement(item.buffer)
+        packed = pack_item(encode_ids(rows, pins, 8, alloc=placement), [len(rows)], buffers, item, placement)
+        released[0] = item.number
+        (got,), _ = unpack_item(packed, held)
+        want = encode_ids(rows, pins, 8)
+        assert list(got) == list(want)
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+        return placement, packed, got
+
+    first, _, _ = cross(table)  # the slot has no buffer yet: made as usual, then copied into a new one
+    assert first.end == 0
+    second, packed, got = cross(table)  # the slot's buffer: every tensor written where it crosses
+    layout = json.loads(packed[data.LAYOUT])["tensors"]
+    assert second.end > 0 and all(second.offset_of(t) == start for t, (*_, start, _) in zip(got.values(), layout, strict=True))
+    smaller, _, _ = cross(table.slice(0, 40))  # the last item of an epoch: fewer rows, the same buffer
+    assert 0 < smaller.end < second.end
+    more = pa.concat_tables([read_examples(world, DAYS[0], EXAMPLE_COLUMNS), table])
+    grown, _, big = cross(more)  # does not fit: a bigger buffer, everything copied into it
+    assert grown.end < sum(t.numel() * t.element_size() for t in big.values())
+
+
+def test_the_ranker_cuts_each_sequence_to_its_first_steps_and_pads_the_rest(world: Path):
+    from training.data import read_examples
+
+    pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
+    table = read_examples(world, DAYS[1], EXAMPLE_COLUMNS)
+    steps = 8
+    got = encode_ids(table, pins, steps)
+    lengths = [len(v) for v in table.column("seq_pin_ids").to_pylist()]
+    assert min(lengths) < steps < max(lengths)  # both padded and cut rows
+    for r, row in enumerate(table.select(["seq_pin_ids", "seq_actions", "seq_categories", "seq_age_hours"]).to_pylist()):
+        n, pad = min(lengths[r], steps), steps - min(lengths[r], steps)
+        rows = pins.table_rows(np.array(row["seq_pin_ids"][:n], dtype=np.int64)).tolist()
+        assert got["seq_pin_rows"][r].tolist() == rows + [len(pins)] * pad  # the zero row after the table's
+        assert got["seq_actions"][r].tolist() == [a + 1 for a in row["seq_actions"][:n]] + [0] * pad
+        assert got["seq_categories"][r].tolist() == row["seq_categories"][:n] + [-1] * pad
+        ages = np.array(row["seq_age_hours"][:n] + [0.0] * pad, dtype=np.float32)
+        assert got["seq_age_hours"][r].numpy().tobytes() == ages.tobytes()
+        assert got["seq_mask"][r].tolist() == [True] * n + [False] * pad
+
+
 def test_worker_batches_equal_the_batches_encoded_one_at_a_time(world: Path):
-    """Rows are encoded an item at a time (a worker's, or ITEM_ROWS without workers): the batches equal those
-    encoded batch by batch, because encode is row-wise."""
-    for workers in (0, 2):
-        s = stream(world, num_workers=workers)
+    """Rows are encoded an item at a time (a worker's, or ITEM_ROWS without workers; a worker's into the buffer its
+    item crosses in where the encode can): the batches equal those encoded batch by batch, because encode is
+    row-wise."""
+    pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
+    for workers in (0, 2, "2, encode_into"):
+        s = stream(world, num_workers=int(str(workers)[0]))
+        if workers == "2, encode_into":
+            s = stream(world, num_workers=2, encode_into=lambda t, alloc: encode_ids(t, pins, 8, alloc=alloc))
+            s.encode = lambda t: encode_ids(t, pins, 8)
         s.set_epoch(2)
         one_at_a_time = [s.encode(t) for units in s.plan(2)[0] for t in s.iter_tables(units, 2)]
         got = sorted((b for b in s.loader()), key=lambda b: int(b["impression_id"][0]))

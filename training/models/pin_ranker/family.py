@@ -15,7 +15,7 @@ from torch import nn
 from core.contracts import DENSE_FEATURES, EMBEDDING_DIM, EXAMPLES, LABELS, RAW_PINS
 from core.failures import DataError
 from core.storage import Location
-from training.data import PinEmbeddings, latest_complete_day
+from training.data import Alloc, PinEmbeddings, latest_complete_day, new_tensor
 from training.models.pin_ranker.evaluate import evaluate, metrics_of, predict_day, with_mean_auc
 from training.models.pin_ranker.inputs import EXAMPLE_COLUMNS, choose_managed_ids, encode_ids, with_sequence_embeddings
 from training.models.pin_ranker.model import (
@@ -70,7 +70,10 @@ class PinRankerFamily(ModelFamily):
         return pins
 
     def encode(self, table: pa.Table, context: Any) -> dict[str, torch.Tensor]:
-        batch = encode_ids(table, context, self.params.sequence_length, self.params.surfaces)
+        return self.encode_into(table, context, new_tensor)
+
+    def encode_into(self, table: pa.Table, context: Any, alloc: Alloc) -> dict[str, torch.Tensor]:
+        batch = encode_ids(table, context, self.params.sequence_length, self.params.surfaces, alloc)
         batch["row_id"] = batch.pop("impression_id")
         return batch
 

@@ -11,7 +11,7 @@ import torch
 
 from core.contracts import DENSE_FEATURES, EXAMPLES, LABELS, SURFACES
 from core.storage import Location, data_files, read_parquet
-from training.data import PinEmbeddings
+from training.data import Alloc, PinEmbeddings, new_tensor
 from training.models.pin_ranker.ids import MANAGED_FEATURES, managed_layout, select_managed
 from training.models.pin_ranker.model import ModelConfig
 
@@ -61,18 +61,30 @@ def choose_managed_ids(root: Location, train_days: list[str], config: ModelConfi
     return chosen
 
 
-def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
+# What encode_ids gives, in this order.
+ENCODED = ("seq_pin_rows", "seq_actions", "seq_categories", "seq_age_hours", "seq_mask", "cand_pin_emb", "pin_id",
+           "user_id", "category", "creator_id", "surface", "dense", "labels", "impression_id")
+def _list_values(column: pa.ChunkedArray | pa.Array, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``steps`` items of each list, as one flat array (row after row), and how many each row has."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     offsets = arr.offsets.to_numpy().astype(np.int64)
     flat = arr.values.to_numpy(zero_copy_only=False)
-    lengths = np.minimum(np.diff(offsets), steps)
-    pos = np.arange(steps)
-    mask = pos[None, :] < lengths[:, None]
-    if flat.size == 0:
-        return np.zeros(mask.shape, dtype=dtype), mask
-    idx = np.where(mask, offsets[:-1, None] + pos[None, :], 0)
-    return np.where(mask, flat[idx], 0).astype(dtype), mask
+    full = np.diff(offsets)
+    lengths = np.minimum(full, steps)
+    if np.array_equal(lengths, full):
+        return flat[offsets[0]:offsets[-1]], lengths
+    # Longer lists cut to their first ``steps`` items: each kept item's position in ``flat``.
+    starts = np.repeat(offsets[:-1] - (np.cumsum(lengths) - lengths), lengths)
+    return flat[starts + np.arange(int(lengths.sum()))], lengths
+
+
+def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
+    values, lengths = _list_values(column, steps)
+    mask = np.arange(steps)[None, :] < lengths[:, None]
+    padded: np.ndarray = np.zeros(mask.shape, dtype=dtype)
+    padded[mask] = values  # a mask's True items in row-major order: each row's first ``lengths`` items
+    return padded, mask
 
 
 def surface_ids(column: pa.ChunkedArray | pa.Array, surfaces: tuple[str, ...] = SURFACES) -> np.ndarray:
@@ -89,38 +101,47 @@ def encode_batch(
 
 
 def encode_ids(
-    table: pa.Table, pins: PinEmbeddings, sequence_length: int, surfaces: tuple[str, ...] = SURFACES
+    table: pa.Table,
+    pins: PinEmbeddings,
+    sequence_length: int,
+    surfaces: tuple[str, ...] = SURFACES,
+    alloc: Alloc = new_tensor,
 ) -> dict[str, torch.Tensor]:
     """:func:`encode_batch` but for the sequence's content embeddings: ``seq_pin_rows`` [B, N], their rows in the
     table of ``pins`` (:meth:`PinEmbeddings.table_rows`), in place of ``seq_pin_emb`` [B, N, D], D times smaller
     (:func:`with_sequence_embeddings` gathers them). The search for each id's row is done here, in the input
-    workers; what is left to the trainer is the gather."""
+    workers; what is left to the trainer is the gather.
 
-    def col(name: str, dtype: type) -> np.ndarray:
-        return np.array(table.column(name).to_numpy(), dtype=dtype)
+    Each tensor is made by ``alloc`` and written once, in place: an input worker's ``alloc`` gives views of the
+    shared buffer its item crosses to the trainer in (``training.data.Placement``), so nothing is copied there."""
+    rows, steps = table.num_rows, sequence_length
+    out: dict[str, torch.Tensor] = {}
 
-    seq_pins, mask = _pad_lists(table.column("seq_pin_ids"), sequence_length, np.int64)
-    actions, _ = _pad_lists(table.column("seq_actions"), sequence_length, np.int64)
-    categories, _ = _pad_lists(table.column("seq_categories"), sequence_length, np.int64)
-    ages, _ = _pad_lists(table.column("seq_age_hours"), sequence_length, np.float32)
-    pin_ids = col("pin_id", np.int64)
-    arrays = {
-        "seq_pin_rows": pins.table_rows(seq_pins, mask),
-        "seq_actions": np.where(mask, actions + 1, 0),
-        "seq_categories": np.where(mask, categories, -1),
-        "seq_age_hours": np.where(mask, ages, 0.0).astype(np.float32),
-        "seq_mask": mask,
-        "cand_pin_emb": pins.lookup(pin_ids),
-        "pin_id": pin_ids,
-        "user_id": col("user_id", np.int64),
-        "category": col("category", np.int64),
-        "creator_id": col("creator_id", np.int64),
-        "surface": surface_ids(table.column("surface"), surfaces),
-        "dense": np.stack([col(name, np.float32) for name in DENSE_FEATURES], axis=1),
-        "labels": np.stack([col(label, np.float32) for label in LABELS], axis=1),
-        "impression_id": col("impression_id", np.int64),
-    }
-    return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    def new(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+        out[name] = alloc(shape, dtype)
+        return out[name].numpy()
+
+    seq_pins, lengths = _list_values(table.column("seq_pin_ids"), steps)
+    mask = new("seq_mask", (rows, steps), torch.bool)
+    np.less(np.arange(steps)[None, :], lengths[:, None], out=mask)
+    # The padding: row len(pins) (the zero row), action 0, category -1, age 0. The real items in row-major order.
+    for name, values, dtype, padding in (
+        ("seq_pin_rows", pins.table_rows(seq_pins), torch.int64, len(pins)),
+        ("seq_actions", _list_values(table.column("seq_actions"), steps)[0].astype(np.int64) + 1, torch.int64, 0),
+        ("seq_categories", _list_values(table.column("seq_categories"), steps)[0], torch.int64, -1),
+        ("seq_age_hours", _list_values(table.column("seq_age_hours"), steps)[0], torch.float32, 0),
+    ):
+        padded = new(name, (rows, steps), dtype)
+        padded.fill(padding)
+        padded[mask] = values
+    pins.take(pins.table_rows(table.column("pin_id").to_numpy()), out=new("cand_pin_emb", (rows, pins.dim), torch.float32))
+    for name in ("pin_id", "user_id", "category", "creator_id"):
+        new(name, (rows,), torch.int64)[:] = table.column(name).to_numpy()
+    new("surface", (rows,), torch.int64)[:] = surface_ids(table.column("surface"), surfaces)
+    for name, columns in (("dense", DENSE_FEATURES), ("labels", LABELS)):
+        np.stack([table.column(c).to_numpy() for c in columns], axis=1, out=new(name, (rows, len(columns)), torch.float32))
+    new("impression_id", (rows,), torch.int64)[:] = table.column("impression_id").to_numpy()
+    return {name: out[name] for name in ENCODED}
 
 
 def with_sequence_embeddings(batch: dict[str, torch.Tensor], pins: PinEmbeddings) -> dict[str, torch.Tensor]:
