@@ -334,13 +334,14 @@ def test_a_lookup_masks_and_treats_unknown_ids_as_zeros():
 
 def test_the_ranker_encodes_rows_of_the_content_table_and_finish_gathers_their_embeddings(world: Path):
     from training.data import read_examples
-    from training.models.pin_ranker.inputs import _pad_lists
 
     pins = PinEmbeddings.from_snapshot(world, DAYS[-1])
     table = read_examples(world, DAYS[1], EXAMPLE_COLUMNS)
     encoded = encode_ids(table, pins, 8)
     assert "seq_pin_ids" not in encoded and encoded["seq_pin_rows"].shape == (table.num_rows, 8)
-    ids, mask = _pad_lists(table.column("seq_pin_ids"), 8, np.int64)
+    lists = [(v + [0] * 8)[:8] for v in table.column("seq_pin_ids").to_pylist()]
+    ids = np.array(lists, dtype=np.int64)
+    mask = np.array([[i < len(v) for i in range(8)] for v in table.column("seq_pin_ids").to_pylist()])
     assert mask.any() and not mask.all()
     finished = with_sequence_embeddings(encoded, pins)
     assert np.array_equal(finished["seq_pin_emb"].numpy(), pins.lookup(ids, mask=mask))

@@ -64,6 +64,8 @@ def choose_managed_ids(root: Location, train_days: list[str], config: ModelConfi
 # What encode_ids gives, in this order.
 ENCODED = ("seq_pin_rows", "seq_actions", "seq_categories", "seq_age_hours", "seq_mask", "cand_pin_emb", "pin_id",
            "user_id", "category", "creator_id", "surface", "dense", "labels", "impression_id")
+
+
 def _list_values(column: pa.ChunkedArray | pa.Array, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``steps`` items of each list, as one flat array (row after row), and how many each row has."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -76,15 +78,6 @@ def _list_values(column: pa.ChunkedArray | pa.Array, steps: int) -> tuple[np.nda
     # Longer lists cut to their first ``steps`` items: each kept item's position in ``flat``.
     starts = np.repeat(offsets[:-1] - (np.cumsum(lengths) - lengths), lengths)
     return flat[starts + np.arange(int(lengths.sum()))], lengths
-
-
-def _pad_lists(column: pa.ChunkedArray | pa.Array, steps: int, dtype: type) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``steps`` items of each list, zero-padded to [B, steps], and the mask of real items."""
-    values, lengths = _list_values(column, steps)
-    mask = np.arange(steps)[None, :] < lengths[:, None]
-    padded: np.ndarray = np.zeros(mask.shape, dtype=dtype)
-    padded[mask] = values  # a mask's True items in row-major order: each row's first ``lengths`` items
-    return padded, mask
 
 
 def surface_ids(column: pa.ChunkedArray | pa.Array, surfaces: tuple[str, ...] = SURFACES) -> np.ndarray:
