@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -230,16 +232,19 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    torch_args = parse_args(
-        torchrun_args(
+    # torchrun's per-rank folders (its error files), which it would otherwise leave in /tmp after every job.
+    logs = tempfile.mkdtemp(prefix="pinflow-torchrun-")
+    torch_args = parse_args([
+        f"--log-dir={logs}",
+        *torchrun_args(
             command,
             nproc_per_node=args.nproc_per_node,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=rdzv_id,
-        )
-    )
+        ),
+    ])
     oom_kills = cgroup_oom_kills()
     try:
         run(torch_args)
@@ -262,6 +267,8 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
         print(f"pinflow launch: stopped by {err.sigval.name}; workers stopped; node exits {int(ExitCode.INFRA)}",
               file=sys.stderr)
         return int(ExitCode.INFRA)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return int(ExitCode.OK)
 
 

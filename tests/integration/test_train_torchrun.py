@@ -537,3 +537,18 @@ def test_a_sharded_export_evaluates_registers_and_scores_what_the_gathered_model
     assert champion is not None and "error" not in champion, champion
     for label, value in sharded["metrics"]["auc"].items():
         assert champion["metrics"]["auc"][label] == pytest.approx(value, abs=1e-6), label
+
+
+def test_the_launcher_leaves_no_folder_of_torchrun_behind(tmp_path: Path):
+    """torchrun keeps its ranks' error files in a folder of its own, in the temp directory unless told, and leaves it
+    there: the launcher gives it one and removes it after the workers, whether they succeed or fail."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    for code in (0, 3):
+        done = subprocess.run(
+            [sys.executable, "-m", "training.launch", "--nproc-per-node", "2", "--", "-c", f"raise SystemExit({code})"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert (done.returncode == 0) == (code == 0), done.stderr[-2000:]
+    assert sorted(p.name for p in temp.iterdir()) == []
