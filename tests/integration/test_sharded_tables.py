@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,12 @@ WORKER = Path(__file__).with_name("sharded_tables_worker.py")
 
 def launch(ranks: int, *args: object) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(WORKER),
-         *map(str, args)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
+    with tempfile.TemporaryDirectory(prefix="pinflow-torchrun-") as logs:  # else torchrun leaves one in /tmp
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             f"--log-dir={logs}", str(WORKER), *map(str, args)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+        )
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 
