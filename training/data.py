@@ -527,11 +527,12 @@ def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: Ite
     A reused buffer crosses once per epoch (``PACKED`` is None after): a shared tensor sent costs a connection to
     the worker for its file descriptor and, in the trainer, a fresh mapping whose pages fault in again; the
     trainer keeps what crossed (:class:`HeldBuffers`) and reads the next items of that slot from it."""
-    layout = []
+    layout, placed = [], []
     end = placement.end if placement is not None else 0
     for name, tensor in batch.items():
         nbytes = tensor.numel() * tensor.element_size()
         start = placement.offset_of(tensor) if placement is not None else None
+        placed.append(start is not None)
         if start is None:
             start = -(-end // 64) * 64  # aligned for any dtype's view
             end = start + nbytes
@@ -545,8 +546,8 @@ def pack_item(batch: dict[str, torch.Tensor], sizes: Sequence[int], buffers: Ite
     # The placed tensors are in the target unless it is another buffer (the slot's grown, or one of the item's own).
     in_place = placement is not None and placement.target is not None and target.data_ptr() == placement.target.data_ptr()
     view = target.numpy()
-    for (_, _, _, start, nbytes), tensor in zip(layout, batch.values(), strict=True):
-        if not (in_place and placement.offset_of(tensor) is not None):  # type: ignore[union-attr]
+    for (_, _, _, start, nbytes), tensor, is_placed in zip(layout, batch.values(), placed, strict=True):
+        if not (in_place and is_placed):
             view[start:start + nbytes] = tensor.contiguous().numpy().reshape(-1).view(np.uint8)
     return {PACKED: sent, LAYOUT: json.dumps({"tensors": layout, "sizes": list(sizes), "origin": list(origin),
                                               "slot": slot})}
