@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/features.py                       # >= 5M events in the day, 30-day history
     .venv/bin/python benchmarks/features.py --events 500000       # a quick run
+    .venv/bin/python benchmarks/features.py --events 20800000 --memory-limit 14GB --sharding-only  # shards, 4x day
 
 Setup (not timed): one synthetic day of about ``--events`` events (``features.synthetic``), and a cheap
 history of ``--window-days`` days before it (so that the incremental window has a day that leaves): copies of the same day shifted back by whole days (ids
@@ -19,9 +20,10 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
   into that many shards per step, each shard its own process (as the DAG's array jobs run it; here one after another),
   from the day's events bucketed as validation writes them (``--buckets``, not timed with the build: ``bucketing``)
   and the state a build in as many shards left the day before, each step merged: ``work_vs_unsharded`` is the CPU-
-  seconds of the shards and merges over the unsharded build's, ``parallel_vs_unsharded`` the time with one machine
-  per shard (each step's slowest shard plus its merge) over the unsharded build's, and ``equal`` whether every output
-  holds the unsharded rows.
+  seconds of the shards and merges over the unsharded build's (the incremental build run just before and after the
+  shards, averaged), ``parallel_vs_unsharded`` the time with one machine per shard (each step's slowest shard plus its
+  merge) over the unsharded build's, and ``equal`` whether every output holds the unsharded rows.
+  ``--sharding-only`` measures only these (for a day too large for the full recompute and pandas).
 
 Two configurations, on the same day: ``default`` (the platform's ``negative_downsample``, 1.0) and ``benchmark``
 (``--negative-downsample``, 0.2). ``--repeat N``: N rounds of the three phases per config, each phase's fastest
@@ -566,18 +568,20 @@ def link_inputs(source: Path, target: Path, window_days: int) -> None:
             link.symlink_to(partition(source, dataset, day))
 
 
-def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, count: int,
-                     unsharded: dict[str, Any]) -> dict[str, Any]:
+def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, count: int) -> dict[str, Any]:
     """The incremental build of DAY in ``count`` shards per step, each shard a process as the array job runs it (one
     after another here), from the state a ``count``-shard build of the day before left; each step merged.
 
     ``work_vs_unsharded``: the shards' and merges' CPU-seconds (every thread) over the unsharded build's (the same
-    measure of the same run, interpreter start excluded on both sides; ``process_work_vs_unsharded`` includes each
-    shard process's start and imports). ``parallel_vs_unsharded``: each step's slowest shard plus its merge, in
-    seconds, over the unsharded build's seconds (a machine per shard). ``equal``: every output holds the unsharded
-    build's rows.
+    measure, interpreter start excluded on both sides; ``process_work_vs_unsharded`` includes each shard process's
+    start and imports). ``parallel_vs_unsharded``: each step's slowest shard plus its merge, in seconds, over the
+    unsharded build's seconds (a machine per shard). The unsharded build is the incremental phase run just before
+    and just after the shards, averaged (``unsharded``): this machine's speed drifts by a third over minutes (its
+    page cache, its neighbours), which a baseline from the start of the run would put into the ratios. ``equal``:
+    every output holds the unsharded build's rows.
     """
     say(f"sharding: {count} shard(s) per step")
+    baseline = [run_phase("incremental", args, root)]
     shutil.rmtree(sharded_root, ignore_errors=True)
     sharded_root.mkdir()
     link_inputs(root, sharded_root, args.window_days)
@@ -601,6 +605,8 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
         parallel += max(seconds) + merge_s
         steps[step] = {"shard_seconds": seconds, "shard_cpu_s": cpus, "merge_s": round(merge_s, 3)}
     equal = compare_rows(root, sharded_root)
+    baseline.append(run_phase("incremental", args, root))
+    unsharded = {key: sum(b[key] for b in baseline) / len(baseline) for key in ("cpu_s", "seconds")}
     result = {
         "work_vs_unsharded": round(cpu / unsharded["cpu_s"], 3),
         "parallel_vs_unsharded": round(parallel / unsharded["seconds"], 3),
@@ -608,6 +614,7 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
         "process_work_vs_unsharded": round(process_cpu / unsharded["cpu_s"], 3),
         "cpu_s": round(cpu, 3),
         "parallel_s": round(parallel, 3),
+        "unsharded": {key: [round(b[key], 3) for b in baseline] for key in ("cpu_s", "seconds")},
         "steps": steps,
         **({} if all(v == "equal" for v in equal.values()) else {"differ": equal}),
     }
@@ -637,7 +644,7 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
             if phase not in best or result["seconds"] < best[phase]["seconds"]:
                 best[phase] = result
     incremental, full, pandas = best["incremental"], best["full"], best["pandas"]
-    sharding = {str(count): measure_sharding(args, root, sharded_root, count, incremental) for count in args.shard_counts}
+    sharding = {str(count): measure_sharding(args, root, sharded_root, count) for count in args.shard_counts}
 
     events = world["events"]
     return {
@@ -676,6 +683,19 @@ def measure(args: argparse.Namespace, world: dict[str, Any], root: Path, full_ro
     }
 
 
+def measure_sharding_only(args: argparse.Namespace, world: dict[str, Any], root: Path, sharded_root: Path) -> dict[str, Any]:
+    """``--sharding-only``: the sharded builds of the benchmark config (each with its unsharded baseline), without the
+    full recompute and pandas (which need about 4x and 8x the memory of the build): the curve at day sizes that one
+    machine cannot compare against pandas."""
+    sharding = {str(count): measure_sharding(args, root, sharded_root, count) for count in args.shard_counts}
+    return {
+        "events": world["events"], "negative_downsample": args.negative_downsample,
+        "sharding": {count: {k: r[k] for k in ("work_vs_unsharded", "parallel_vs_unsharded", "equal")}
+                     for count, r in sharding.items()},
+        "sharding_details": sharding,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=5_200_000, help="events in the measured day (default: 5.2M)")
@@ -692,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="shard counts of the sharded builds (benchmark config only; empty: skip; default: 1,2,4,8)")
     parser.add_argument("--buckets", type=int, default=step_io.DEFAULTS.event_buckets,
                         help="buckets of the day's events that the shards read (default: %(default)s)")
+    parser.add_argument("--sharding-only", action="store_true",
+                        help="measure only the unsharded incremental build and the sharded builds (benchmark config): "
+                        "for days too large for the full recompute and pandas on this machine")
     parser.add_argument("--workdir", default=None, help="where to build (default: a temporary folder, removed)")
     parser.add_argument("--phase", choices=("incremental", "full", "pandas", "shard", "buckets"), help=argparse.SUPPRESS)
     parser.add_argument("--step", help=argparse.SUPPRESS)
@@ -731,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.shard_counts:
             bucketing = run_phase("buckets", args, root, ["--buckets", str(args.buckets)])
             say(f"events bucketed in {bucketing['seconds']:.1f}s ({bucketing['cpu_s']:.1f} CPU-s)")
+        if args.sharding_only:
+            print(json.dumps(measure_sharding_only(args, world, root, sharded_root)), flush=True)
+            return 0
         link_inputs(root, full_root, args.window_days)
 
         configs = {"default": step_io.DEFAULTS.negative_downsample, "benchmark": args.negative_downsample}
