@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-_HOME = Path(tempfile.mkdtemp(prefix="pinflow-test-"))
+# The system's temporary folder, as the first process of the session (pytest-xdist's controller) found it: workers
+# inherit the controller's TMPDIR below and must not nest theirs in it. (Not PINFLOW_*: the platform refuses an
+# unknown PINFLOW_ variable as a typo.)
+_SYSTEM_TEMP = os.environ.setdefault("PYTEST_PINFLOW_SYSTEM_TEMP", tempfile.gettempdir())
+_HOME = Path(tempfile.mkdtemp(prefix="pinflow-test-", dir=_SYSTEM_TEMP))
+# The temporary folder of the session and of every process it starts: what a process that a test kills or cancels
+# cannot remove (torchrun's error folders, multiprocessing's, MLflow's, Ray's sessions) goes with the session instead
+# of staying in /tmp. A short path: Ray puts its sockets under it (AF_UNIX paths: at most 107 bytes).
+_TEMP = Path(tempfile.mkdtemp(prefix="pft-", dir=_SYSTEM_TEMP))
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 os.environ.update(
     {
@@ -25,6 +34,7 @@ os.environ.update(
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_HOME / 'airflow' / 'airflow.db'}",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
         "GX_ANALYTICS_ENABLED": "False",
+        "TMPDIR": str(_TEMP),
     }
 )
 (_HOME / "airflow").mkdir(parents=True, exist_ok=True)
@@ -56,8 +66,10 @@ def airflow_db(pinflow_home: Path) -> Path:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The session's homes go with it (each pytest-xdist worker has its own): tests leave no file behind."""
+    """The session's homes and temporary folder go with it (each pytest-xdist worker has its own): tests leave no file
+    behind."""
     shutil.rmtree(_HOME, ignore_errors=True)
+    shutil.rmtree(_TEMP, ignore_errors=True)
 
 
 # The longest files first, so that two pytest-xdist workers finish together (the many short unit tests fill in
