@@ -742,9 +742,9 @@ class Trainer:
                 full[name] = gather_full(module, build)
         metrics = self.evaluate_in_world() if self.sharded_exports and self.family.splits_evaluation else None
         self.heartbeat.update(progress=0, force=True, phase="trained", step=self.step)
-        dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         self.loader = None  # its input workers stop
-        self.stop_ray_input()
+        self.stop_ray_input()  # its barrier is the last collective
+        dist.destroy_process_group()  # no collective may wait on rank 0 from here on
         if not self.env.is_main:
             return None
         return self.finish(full, total_seen, input_summary, metrics)
@@ -819,8 +819,8 @@ class Trainer:
 
         if not self.ray_started:
             ray.shutdown()
-        if dist.is_initialized():
-            dist.barrier()
+        if self.env.world_size > 1:
+            dist.barrier()  # needs the process group: called before it is destroyed
         if self.ray_started:
             ray.shutdown()
 
