@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda number, _frame: stopping.append(number))
-    server = subprocess.Popen(command, start_new_session=True)
+    # Without MLflow's server-side jobs (GenAI evaluation, scorers; pinflow runs none): with them, every start makes a
+    # folder in /dev/shm for their queue that nothing removes.
+    server = subprocess.Popen(command, start_new_session=True,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     while server.poll() is None and not stopping:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):

@@ -27,6 +27,8 @@ def test_the_mlflow_ui_serves_the_platforms_store_and_stops_with_its_whole_group
         port = s.getsockname()[1]
     env = {**os.environ, "PINFLOW_HOME": str(tmp_path / "home")}
     env.pop("PINFLOW_MLFLOW__TRACKING_URI", None)
+    shm = Path("/dev/shm")
+    folders_before = {d for d in shm.iterdir() if d.is_dir()} if shm.is_dir() else set()
     ui = subprocess.Popen([sys.executable, "scripts/mlflow_ui.py", "--port", str(port)], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -44,3 +46,6 @@ def test_the_mlflow_ui_serves_the_platforms_store_and_stops_with_its_whole_group
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "home")], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the MLflow UI left behind: {left}"
+    # Nor a folder: MLflow's server-side jobs are off (with them each start left their queue's folder in /dev/shm).
+    made = ({d for d in shm.iterdir() if d.is_dir()} - folders_before) if shm.is_dir() else set()
+    assert not made, f"the MLflow UI left folders in /dev/shm: {sorted(map(str, made))}"

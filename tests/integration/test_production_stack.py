@@ -162,6 +162,9 @@ class Stack:
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
             "MLFLOW_SERVER_ALLOWED_HOSTS": self.mlflow_url.removeprefix("http://"),
             "MLFLOW_S3_ENDPOINT_URL": moto,
+            # Natively, the queue folder of MLflow's server-side jobs (unused here) would outlive the test in /dev/shm
+            # (the compose file's container has a /dev/shm of its own).
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         }
         passwords = airflow_home / "auth" / "passwords.json"
         compose_init.write_passwords_file(passwords, {"admin": self.admin_password})
