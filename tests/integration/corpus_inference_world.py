@@ -88,7 +88,7 @@ def register_sharded(root: Path, scratch: Path, tracking_uri: str) -> str:
     out = scratch / "sharded-export"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         f"--log-dir={scratch / 'torchrun-logs'}", str(here.with_name("sharded_tables_worker.py")), "export", str(out), str(root), DAYS[0], DAYS[-1], "0",
+         str(here.with_name("sharded_tables_worker.py")), "export", str(out), str(root), DAYS[0], DAYS[-1], "0",
          json.dumps(PARAMS["pin_ranker"]), "row_wise"],
         cwd=here.parents[2], capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": str(here.parents[2]), "OMP_NUM_THREADS": "1"},

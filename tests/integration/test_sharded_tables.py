@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,11 @@ WORKER = Path(__file__).with_name("sharded_tables_worker.py")
 
 def launch(ranks: int, *args: object) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryDirectory(prefix="pinflow-torchrun-") as logs:  # else torchrun leaves one in /tmp
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-             f"--log-dir={logs}", str(WORKER), *map(str, args)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-        )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(WORKER),
+         *map(str, args)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
 
 
