@@ -11,8 +11,6 @@ import logging
 import os
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from core.contracts import EVENTS_BY_PIN, EVENTS_BY_USER, EVENTS_SCHEMA, RAW_EVENTS
 from core.storage import (
     METADATA_FILE,
@@ -28,11 +26,13 @@ from core.storage import (
 from features.sharding import Shard, ShardPart, hash_layout, shard_file, shard_part
 from features.step_io import (
     DEFAULTS,
+    ROW_GROUP_ROWS,
     DuckDBSettings,
     connect,
     create_view,
     events_hint,
     input_versions,
+    parquet_writer,
     partition_ref,
     query_table,
     require_input,
@@ -90,8 +90,8 @@ def write_event_buckets(
                 for bucket in range(count):
                     table = query_table(con, "SELECT * EXCLUDE (bucket) FROM bucketed WHERE bucket = $b", {"b": bucket})
                     rows += table.num_rows
-                    with open_output(join(out, shard_file(bucket))) as sink:
-                        pq.write_table(table, sink, row_group_size=64 * 1024)
+                    with open_output(join(out, shard_file(bucket))) as sink, parquet_writer(sink, table.schema, bucketed=True) as writer:
+                        writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
                 meta = {
                     "dataset": dataset, "ds": ds, "source": partition_ref(RAW_EVENTS, ds), "source_version": version,
                     "rows": rows, "hash_buckets": hash_layout(key, count),

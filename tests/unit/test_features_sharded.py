@@ -241,6 +241,39 @@ def test_shards_reading_bucketed_events_equal_the_unsharded_build(roots: tuple[P
 
 
 @pytest.mark.unit
+def test_files_of_bucketed_layouts_are_lz4_without_list_statistics_and_unsharded_ones_unchanged(
+    roots: tuple[Path, Path], bucketed: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    whole, _ = roots
+    day = BUILT[-1]
+
+    def codecs_and_statistics(root: Path, dataset: str) -> tuple[set[str], set[str]]:
+        codecs, with_statistics = set(), set()
+        for f in storage.data_files(root, dataset, day):
+            meta = pq.ParquetFile(f).metadata
+            for i in range(meta.num_row_groups):
+                for c in range(meta.num_columns):
+                    column = meta.row_group(i).column(c)
+                    codecs.add(column.compression)
+                    if column.is_stats_set:
+                        with_statistics.add(column.path_in_schema.split(".")[0])
+        return codecs, with_statistics
+
+    # A shard's output and the bucketed events (read whole by the next shards): LZ4, no statistics of list elements.
+    for root, dataset in ((bucketed, contracts.USER_SEQUENCE), (bucketed, contracts.USER_DAILY),
+                          (bucketed, contracts.EVENTS_BY_USER), (bucketed, contracts.EVENTS_BY_PIN)):
+        codecs, with_statistics = codecs_and_statistics(root, dataset)
+        assert codecs == {"LZ4"}, dataset  # pyarrow's name of LZ4_RAW
+        lists = {f.name for f in pq.read_schema(storage.data_files(root, dataset, day)[0]) if pa.types.is_list(f.type)}
+        assert with_statistics and not with_statistics & lists, dataset
+    # The unsharded build's files as they were: Snappy, statistics on every column (lists included).
+    codecs, with_statistics = codecs_and_statistics(whole, contracts.USER_SEQUENCE)
+    assert codecs == {"SNAPPY"} and with_statistics == set(contracts.USER_SEQUENCE_SCHEMA.names)
+
+
+@pytest.mark.unit
 def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp_path: Path) -> None:
     day = BUILT[1]
     names = lambda files: [storage.name_of(f) for f in files]  # noqa: E731
