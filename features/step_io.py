@@ -218,17 +218,17 @@ def write_query(
     *,
     sums: Sequence[str] = (),
     sums_key: str = "sums",
-    transform: Callable[[pa.Table], pa.Table] | None = None,
     digest: SequenceDigest | None = None,
     shard: Shard | None = None,
+    late_metadata: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
 
-    Batches (passed through ``transform`` first, if given) are cast to the contract ``schema`` as they
-    come, so the result never sits whole in memory.
+    Batches are cast to the contract ``schema`` as they come, so the result never sits whole in memory.
     Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
-    ``content_digest`` of what was written when a ``digest`` is given). A ``shard`` writes its own folder in
-    the build's staging area instead (:class:`Shard`).
+    ``content_digest`` of what was written when a ``digest`` is given). ``late_metadata`` (queries of their own on
+    ``con``, such as counts of the inputs) runs once the result is read, while its last batches still encode: its
+    keys update ``metadata``. A ``shard`` writes its own folder in the build's staging area instead (:class:`Shard`).
     """
     inputs = [str(ref) for ref in metadata.get("inputs", [])]
     versions = input_versions(root, inputs)
@@ -245,14 +245,15 @@ def write_query(
             for batch in reader:
                 if not batch.num_rows:
                     continue
-                table = pa.Table.from_batches([batch])
-                conformed = conform(transform(table) if transform else table, schema)
+                conformed = conform(pa.Table.from_batches([batch]), schema)
                 files.write(conformed)
                 rows += conformed.num_rows
                 for column in sums:
                     totals[column] += int(pc.sum(conformed[column]).as_py() or 0)
                 if digest is not None:
                     digest.update(conformed)
+            if late_metadata is not None:
+                metadata = {**metadata, **late_metadata()}
         changed = [ref for ref, version in input_versions(root, inputs).items() if versions.get(ref) != version]
         if changed:  # raised inside the publish: nothing of this output becomes visible
             raise InfraError(

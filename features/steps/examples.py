@@ -255,7 +255,11 @@ def build_examples(
         }
         params |= keep_params
         params["seq_ds"] = dt.date.fromisoformat(features_ds)
-        counts = one_row(con, IMPRESSION_COUNTS_SQL)
+
+        def impression_counts() -> dict[str, int]:
+            impressions, unknown_pin = one_row(con, IMPRESSION_COUNTS_SQL)
+            return {"impressions": int(impressions), "impressions_unknown_pin": int(unknown_pin)}
+
         metadata = {
             "step": "examples",
             "dataset": EXAMPLES,
@@ -264,8 +268,8 @@ def build_examples(
             "inputs": inputs,
             "missing_inputs": missing_inputs,
             "missing_days": [features_ds] if missing_inputs else [],
-            "impressions": int(counts[0]),
-            "impressions_unknown_pin": int(counts[1]),
+            "impressions": None,  # counted while the examples' file encodes (``impression_counts``)
+            "impressions_unknown_pin": None,
             "negative_downsample": negative_downsample,
             "negative_weight": 1.0 / negative_downsample if negative_downsample > 0 else None,
             "seed": seed,
@@ -280,6 +284,6 @@ def build_examples(
         }
         summary = write_query(
             con, EXAMPLES_SQL.replace(KEEP_NEGATIVE, keep_negative), params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
-            sums=LABELS, sums_key="positives", shard=shard,
+            sums=LABELS, sums_key="positives", shard=shard, late_metadata=impression_counts,
         )
     return {EXAMPLES: summary}
