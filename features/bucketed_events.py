@@ -90,7 +90,10 @@ def write_event_buckets(
                 for bucket in range(count):
                     table = query_table(con, "SELECT * EXCLUDE (bucket) FROM bucketed WHERE bucket = $b", {"b": bucket})
                     rows += table.num_rows
-                    with open_output(join(out, shard_file(bucket))) as sink, parquet_writer(sink, table.schema, bucketed=True) as writer:
+                    with (
+                        open_output(join(out, shard_file(bucket))) as sink,
+                        parquet_writer(sink, table.schema, bucketed=True) as writer,
+                    ):
                         writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
                 meta = {
                     "dataset": dataset, "ds": ds, "source": partition_ref(RAW_EVENTS, ds), "source_version": version,

@@ -227,8 +227,8 @@ def write_query(
     Batches are cast to the contract ``schema`` as they come, so the result never sits whole in memory.
     Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
     ``content_digest`` of what was written when a ``digest`` is given). ``late_metadata`` (queries of their own on
-    ``con``, such as counts of the inputs) runs once the result is read, while its last batches still encode: its
-    keys update ``metadata``. A ``shard`` writes its own folder in the build's staging area instead (:class:`Shard`).
+    ``con``, such as counts of the inputs) runs once the result is read, while its files still encode: its keys
+    update ``metadata``. A ``shard`` writes its own folder in the build's staging area instead (:class:`Shard`).
     """
     inputs = [str(ref) for ref in metadata.get("inputs", [])]
     versions = input_versions(root, inputs)
