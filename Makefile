@@ -12,6 +12,8 @@ export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN := sqlite:///$(AIRFLOW_HOME)/airflow.db
+# Importing torchrec creates torch's compile cache folder: here, not /tmp/torchinductor_<user>.
+export TORCHINDUCTOR_CACHE_DIR ?= $(PINFLOW_HOME)/torchinductor
 # Ports and URLs in one place: `make airflow PORT=9090` moves the API server (UI, REST API and the execution API
 # that task processes report to) and the log servers next to it; print-env gives the same to a shell.
 PORT ?= 8080
@@ -54,14 +56,12 @@ install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db $(AIRFLOW_HOME)/.pools-sy
 # (in dev) brings fbgemm-gpu-cpu. `pip check` then reports only that declaration ("torchrec 1.8.0 requires
 # fbgemm-gpu, which is not installed"); nothing else is missing. RecBole is installed without its dependencies
 # too: only the MovieLens 100K copy in its wheel is read (features/movielens.py, the real-data test), never its code.
-# The import check puts the compile cache folder that importing torchrec creates in PINFLOW_HOME, not in /tmp.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt torchrec==1.8.0 recbole==1.2.1
-	TORCHINDUCTOR_CACHE_DIR=$(PINFLOW_HOME)/torchinductor \
-	  $(BIN)/python -c "import torchrec, fbgemm_gpu, importlib.util; assert importlib.util.find_spec('recbole')"
+	$(BIN)/python -c "import torchrec, fbgemm_gpu, importlib.util; assert importlib.util.find_spec('recbole')"
 	touch $@
 
 $(AIRFLOW_HOME)/airflow.db: $(VENV)/.installed
@@ -143,5 +143,5 @@ print-env:
 	  AIRFLOW__API__HOST AIRFLOW__API__PORT AIRFLOW__API__BASE_URL AIRFLOW__CORE__EXECUTION_API_SERVER_URL \
 	  AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT \
 	  AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT \
-	  PINFLOW_MLFLOW__UI_URL PATH; do \
+	  PINFLOW_MLFLOW__UI_URL TORCHINDUCTOR_CACHE_DIR PATH; do \
 	  echo "export $$v='$${!v}'"; done
