@@ -221,6 +221,7 @@ def write_query(
     digest: SequenceDigest | None = None,
     shard: Shard | None = None,
     late_metadata: Callable[[], dict[str, Any]] | None = None,
+    last_query: bool = False,
 ) -> dict[str, Any]:
     """Stream the result of ``sql`` into the partition ``dataset/ds`` (atomically, with ``_metadata.json``).
 
@@ -228,7 +229,9 @@ def write_query(
     Returns ``metadata`` with ``rows`` (and the totals of the ``sums`` columns under ``sums_key``, and the
     ``content_digest`` of what was written when a ``digest`` is given). ``late_metadata`` (queries of their own on
     ``con``, such as counts of the inputs) runs once the result is read, while its files still encode: its keys
-    update ``metadata``. A ``shard`` writes its own folder in the build's staging area instead (:class:`Shard`).
+    update ``metadata``. ``last_query``: the step's last use of ``con``, which is then closed as soon as the result is
+    read, so DuckDB frees its memory while the files still encode. A ``shard`` writes its own folder in the build's
+    staging area instead (:class:`Shard`).
     """
     inputs = [str(ref) for ref in metadata.get("inputs", [])]
     versions = input_versions(root, inputs)
@@ -254,6 +257,8 @@ def write_query(
                     digest.update(conformed)
             if late_metadata is not None:
                 metadata = {**metadata, **late_metadata()}
+            if last_query:
+                con.close()  # ``connect`` closes it again: a no-op
         changed = [ref for ref, version in input_versions(root, inputs).items() if versions.get(ref) != version]
         if changed:  # raised inside the publish: nothing of this output becomes visible
             raise InfraError(

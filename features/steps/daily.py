@@ -138,6 +138,6 @@ def build_daily(
                 con, sql, {"unknown": UNKNOWN_ID} if dataset == USER_DAILY else None,
                 root, dataset, ds, schema, {**base, "dataset": dataset}, shard=shard,
                 # The pin side's totals: a window shard adds them to the previous window's instead of reading every pin.
-                sums=PIN_TOTAL_COLUMNS if dataset == PIN_DAILY else (),
+                sums=PIN_TOTAL_COLUMNS if dataset == PIN_DAILY else (), last_query=dataset == PIN_DAILY,
             )
     return summary

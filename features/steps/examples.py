@@ -284,6 +284,6 @@ def build_examples(
         }
         summary = write_query(
             con, EXAMPLES_SQL.replace(KEEP_NEGATIVE, keep_negative), params, root, EXAMPLES, ds, EXAMPLES_SCHEMA, metadata,
-            sums=LABELS, sums_key="positives", shard=shard, late_metadata=impression_counts,
+            sums=LABELS, sums_key="positives", shard=shard, late_metadata=impression_counts, last_query=True,
         )
     return {EXAMPLES: summary}

@@ -217,6 +217,6 @@ def build_sequences(
         sql = USER_SEQUENCE_SQL.format(engagements=engagements)
         summary = write_query(
             con, sql, sql_params, root, USER_SEQUENCE, ds, USER_SEQUENCE_SCHEMA, metadata, digest=SequenceDigest(),
-            shard=shard,
+            shard=shard, last_query=True,
         )
     return {USER_SEQUENCE: summary}

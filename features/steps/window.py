@@ -412,6 +412,6 @@ def build_window(
             "global_rates_source": source,
         }
         summary[PIN_WINDOW] = write_query(
-            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW, ds, PIN_WINDOW_SCHEMA, pin_meta, shard=shard
+            con, PIN_WINDOW_SQL, pin_params, root, PIN_WINDOW, ds, PIN_WINDOW_SCHEMA, pin_meta, shard=shard, last_query=True
         )
     return summary

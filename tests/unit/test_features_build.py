@@ -443,6 +443,24 @@ def test_negative_downsampling_keeps_positives_and_is_deterministic(root: Path) 
 
 
 @pytest.mark.unit
+def test_a_steps_last_query_closes_its_connection_once_read_and_writes_every_row(tmp_path: Path) -> None:
+    import duckdb
+
+    schema = pa.schema([pa.field("user_id", pa.int64(), nullable=False)])
+    rows = 3 * step_io.BATCH_ROWS + 5  # several batches, encoded after the connection closed
+    with step_io.connect(ENGINE) as con:
+        summary = step_io.write_query(
+            con, f"SELECT range AS user_id FROM range({rows}) ORDER BY user_id", None, tmp_path, "features/last_query",
+            D1, schema, {"inputs": []}, late_metadata=lambda: {"counted": con.sql("SELECT 42").fetchall()[0][0]},
+            last_query=True,
+        )
+        with pytest.raises(duckdb.ConnectionException):
+            con.execute("SELECT 1")
+    assert summary["rows"] == rows and summary["counted"] == 42  # late_metadata ran before the close
+    assert read_table(tmp_path, "features/last_query", D1)["user_id"].to_pylist() == list(range(rows))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("rate", [0.2, 0.5, 1e-3, 0.999999, 1 - 2**-53, 1.0, 0.0, 2**-52, 0.1 + 2**-40])
 def test_the_sampling_condition_keeps_exactly_the_impressions_of_the_documented_hash(rate: float) -> None:
     """The SQL compares md5 hex strings; it must keep exactly those with int(md5[:13], 16) / 2^52 < rate."""
