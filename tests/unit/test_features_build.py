@@ -447,7 +447,7 @@ def test_a_steps_last_query_closes_its_connection_once_read_and_writes_every_row
     import duckdb
 
     schema = pa.schema([pa.field("user_id", pa.int64(), nullable=False)])
-    rows = 3 * step_io.BATCH_ROWS + 5  # several batches, encoded after the connection closed
+    rows = 3 * step_io.BATCH_ROWS + 5  # several batches: the last still encodes when the connection closes
     with step_io.connect(ENGINE) as con:
         summary = step_io.write_query(
             con, f"SELECT range AS user_id FROM range({rows}) ORDER BY user_id", None, tmp_path, "features/last_query",
