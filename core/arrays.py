@@ -19,8 +19,12 @@ def array_index(environ: dict[str, str] | None = None) -> int | None:
     """This process's index in an array job, from the first of ``ARRAY_INDEX_VARIABLES`` that is set."""
     env = os.environ if environ is None else environ
     for name in ARRAY_INDEX_VARIABLES:
-        if env.get(name, "") != "":
-            return int(env[name])
+        value = env.get(name, "")
+        if value != "":
+            if not value.strip().isdigit():
+                raise UserError(f"{name}={value!r} is not an array index (a whole number from 0): unset it, or set it "
+                                "to this process's shard position")
+            return int(value)
     return None
 
 

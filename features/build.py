@@ -148,51 +148,143 @@ def missing_shards(staging: str, step: str, count: int) -> list[int]:
     ]
 
 
-def merge_shards(root: str | os.PathLike[str], ds: str | dt.date, step: str, staging: str, count: int) -> dict[str, Any]:
+def recorded_settings(features: FeaturesConfig, *, skip_validation: bool) -> dict[str, Any]:
+    """The build settings as the steps' metadata records them (what a merge checks its shards were built with)."""
+    return {
+        "window_days": features.window_days, "prior_impressions": features.pin_prior_impressions,
+        "sequence_length": features.sequence_length, "negative_downsample": features.negative_downsample,
+        "seed": features.negative_downsample_seed, "skip_validation": skip_validation,
+    }
+
+
+def merge_shards(
+    root: str | os.PathLike[str], ds: str | dt.date, step: str, staging: str, count: int,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Publish the partitions of ``step`` for ``ds`` from the ``count`` shards in ``staging``; their summaries.
 
     Cheap (no data is read): each partition is published whole (``core.storage.publish``) with one file per shard
     (linked locally, copied server-side on an object store) and the shards' metadata merged: ``rows``,
-    ``positives`` and ``sums`` summed, ``shards`` recorded. Every other metadata key must be equal in every shard (the same
-    inputs, parameters and validation fingerprints): shards built from different data are never merged (DataError).
-    A shard's missing output is an InfraError (a retry builds it). The staging folder is removed afterwards.
+    ``positives`` and ``sums`` summed, ``shards`` recorded. The shards must be those this merge names: of ``ds``,
+    ``count`` of them, built with ``settings`` (``recorded_settings``; a ConfigError otherwise: merge with the
+    build's flags). Every other metadata key must be equal in every shard (the same inputs, parameters and
+    validation fingerprints): shards built from different data are never merged (DataError; they are removed, so
+    that the step's rerun builds every shard again). A shard's missing output is an InfraError (a retry builds it).
+    Afterwards the step's shard outputs are removed from ``staging``, and the folder itself once empty.
     """
     ds = ds_str(ds)
     missing = missing_shards(staging, step, count)
     if missing:
-        raise InfraError(f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}: a retry builds them")
+        raise InfraError(_missing_shards_message(root, ds, step, staging, count, missing))
     summary: dict[str, Any] = {}
-    for dataset in STEP_DATASETS[step]:
-        # Each shard's published version (on an object store the version folder its marker names).
-        folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
-        metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
-        merged = {k: v for k, v in metas[0].items() if k not in _PER_SHARD_KEYS}
-        for i, meta in enumerate(metas[1:], start=1):
-            other = {k: v for k, v in meta.items() if k not in _PER_SHARD_KEYS}
-            if other != merged:
-                differ = sorted(k for k in set(other) | set(merged) if other.get(k) != merged.get(k))
-                raise DataError(
-                    f"{dataset} ds={ds}: shard {i} was built from other inputs or settings than shard 0 ({', '.join(differ)} "
-                    f"differ; an input was rebuilt during the build?): rerun the step, which rebuilds every shard"
-                )
-        for key in _SUMMED_KEYS:
-            if key in metas[0]:
-                merged[key] = sum(int(m[key]) for m in metas)
-        for key in _SUMMED_DICTS:  # absent from a shard built before it was recorded: left out (its readers fall back)
-            if all(key in m for m in metas):
-                merged[key] = {k: sum(int(m[key][k]) for m in metas) for k in metas[0][key]}
-        if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
-            merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
-        merged["shards"] = count
-        # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
-        merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
-        with write_partition(root, dataset, ds) as out:
-            for i, folder in enumerate(folders):
-                copy_file(join(folder, shard_file(i)), join(out, shard_file(i)))
-            write_json(join(out, METADATA_FILE), merged)
-        summary[dataset] = merged
-    remove_tree(staging)
+    try:
+        # Every dataset's shards checked before any is published: a step's partitions are published together.
+        shards: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
+        for dataset in STEP_DATASETS[step]:
+            # Each shard's published version (on an object store the version folder its marker names).
+            folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
+            metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
+            _check_shards_named(dataset, ds, staging, count, metas, settings or {})
+            common = {k: v for k, v in metas[0].items() if k not in _PER_SHARD_KEYS}
+            for i, meta in enumerate(metas[1:], start=1):
+                other = {k: v for k, v in meta.items() if k not in _PER_SHARD_KEYS}
+                if other != common:
+                    differ = sorted(k for k in set(other) | set(common) if other.get(k) != common.get(k))
+                    _remove_shards(staging, step)
+                    raise DataError(
+                        f"{dataset} ds={ds}: shard {i} was built from other inputs or settings than shard 0 ({', '.join(differ)} "
+                        f"differ; an input was rebuilt during the build?): nothing was published and the step's shards "
+                        f"in {staging} were removed, so that rerunning the step builds every shard from the current inputs"
+                    )
+            shards[dataset] = folders, metas
+        for dataset, (folders, metas) in shards.items():
+            merged = {k: v for k, v in metas[0].items() if k not in _PER_SHARD_KEYS}
+            for key in _SUMMED_KEYS:
+                if key in metas[0]:
+                    merged[key] = sum(int(m[key]) for m in metas)
+            for key in _SUMMED_DICTS:  # absent from a shard built before it was recorded: left out (its readers fall back)
+                if all(key in m for m in metas):
+                    merged[key] = {k: sum(int(m[key][k]) for m in metas) for k in metas[0][key]}
+            if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
+                merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
+            merged["shards"] = count
+            # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
+            merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
+            with write_partition(root, dataset, ds) as out:
+                for i, folder in enumerate(folders):
+                    copy_file(join(folder, shard_file(i)), join(out, shard_file(i)))
+                write_json(join(out, METADATA_FILE), merged)
+            summary[dataset] = merged
+    except FileNotFoundError as exc:
+        # Another merge of the same shards published them and removed them meanwhile (a partition appears only whole).
+        raise InfraError(
+            f"{step} of ds={ds}: a shard's file in {staging} disappeared during the merge ({exc.filename}): another "
+            "merge of the same shards ran at the same time? Nothing half-published; a rerun says whether the day is "
+            "merged"
+        ) from None
+    _remove_shards(staging, step)
     return summary
+
+
+def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, staging: str, count: int,
+                            missing: list[int]) -> str:
+    from core.arrays import format_shards
+    from core.storage import is_complete, read_metadata
+
+    what = f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}"
+    if len(missing) == count:
+        first = STEP_DATASETS[step][0]
+        published = read_metadata(root, first, ds).get("shards") if is_complete(root, first, ds) else None
+        if published:
+            what += f" (none built yet, or already merged: {first} ds={ds} is published from {published} shard(s))"
+    return (f"{what}: build them (the same command without --merge, with --run-shards {format_shards(missing)}), "
+            "then merge; in the DAG the task's retry builds them")
+
+
+def _check_shards_named(dataset: str, ds: str, staging: str, count: int, metas: list[dict[str, Any]],
+                        settings: dict[str, Any]) -> None:
+    """ConfigError unless every shard's metadata says it is shard i of ``count`` of ``ds``, built with ``settings``."""
+    from core.failures import ConfigError
+
+    for i, meta in enumerate(metas):
+        built = {"ds": meta.get("ds"), "shards": meta.get("shards"), "shard": meta.get("shard")}
+        if built != {"ds": ds, "shards": count, "shard": i}:
+            raise ConfigError(
+                f"{dataset}: shard-{i:05d} in {staging} is shard {built['shard']} of {built['shards']} of ds={built['ds']}, "
+                f"but this merge is of {count} shard(s) of ds={ds}: merge with the --ds and --shards the shards were "
+                "built with (nothing was published)"
+            )
+        differ = sorted(k for k, v in settings.items() if k in meta and meta[k] != v)
+        if differ:
+            given = ", ".join(f"{k} {meta[k]!r} (this merge: {settings[k]!r})" for k in differ)
+            raise ConfigError(
+                f"{dataset} ds={ds}: the shards in {staging} were built with {given}: merge with the settings they were "
+                "built with, or rebuild them (nothing was published)"
+            )
+
+
+def _remove_shards(staging: str, step: str) -> None:
+    """Remove the step's shard outputs from ``staging`` (and their unfinished temporaries), then the folders above
+    them up to ``staging`` itself where left empty; nothing else under it (the spec refuses a staging folder that
+    holds data)."""
+    from core.storage import is_remote, local_path
+
+    for dataset in STEP_DATASETS[step]:
+        remove_tree(join(staging, *dataset.split("/")))
+        if exists(join(staging, *dataset.split("/"))):
+            log.warning("could not remove the merged shards in %s (permissions?): remove the folder by hand",
+                        join(staging, *dataset.split("/")))
+        if is_remote(staging):
+            continue  # an object store has no empty folders
+        top, folder = local_path(staging), local_path(join(staging, *dataset.split("/"))).parent
+        while True:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another step's shards, anything else: left alone), or gone
+                break
+            if folder == top:
+                break
+            folder = folder.parent
 
 
 # --- CLI ------------------------------------------------------------------------------------------------
@@ -283,6 +375,8 @@ def run(spec: BuildSpec, run_shards: str = "") -> dict[str, Any]:
     if spec.skip_validation:
         log.warning("skip_validation: building %s from raw partitions that may not have passed validation", spec.ds)
     check_root(spec.root)
+    if run_shards and spec.shards <= 1:
+        raise ValueError(f"--run-shards {run_shards} picks shards of a sharded build: give --shards N > 1 and --staging too")
     if spec.shards > 1 or spec.merge:
         return _run_sharded(spec, engine, require, run_shards)
     if spec.step != "all":
@@ -305,7 +399,8 @@ def _run_sharded(spec: BuildSpec, engine: DuckDBSettings, require: bool, run_sha
     from core.arrays import parse_shards, shards_of_this_process
 
     if spec.merge:
-        return merge_shards(spec.root, spec.ds, spec.step, spec.staging, spec.shards)
+        settings = recorded_settings(spec.features(), skip_validation=spec.skip_validation)
+        return merge_shards(spec.root, spec.ds, spec.step, spec.staging, spec.shards, settings)
     features = spec.features()
     summary: dict[str, Any] = {}
     for index in shards_of_this_process(parse_shards(run_shards) or list(range(spec.shards))):
@@ -331,6 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except ValueError as exc:  # a bad setting (the typed settings' or a step's own check): fix the command
         print(f"features.build: USER error: {exc}", file=sys.stderr)
+        return int(ExitCode.USER)
+    except PermissionError as exc:  # nothing was published (a partition appears only whole)
+        print(f"features.build: USER error: {exc.strerror} on {exc.filename}: make it writable by this user, or "
+              "choose another --root / --staging", file=sys.stderr)
         return int(ExitCode.USER)
     except Exception as exc:
         if classify(exc) is FailureClass.USER:

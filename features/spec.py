@@ -19,6 +19,8 @@ from core.storage import parse_ds
 
 Step = Literal["daily", "window", "sequences", "examples", "all"]
 SPEC_FILE = "BUILD.json"
+# Under the storage root: the shard outputs of sharded builds not merged yet (no dataset's folder starts with _).
+STAGING = "_staging"
 
 _FEATURES = FeaturesConfig()  # the defaults of a spec written by hand: the configuration's, defined once there
 # The spec's fields that are settings of the ``features:`` section, checked by its model.
@@ -54,6 +56,10 @@ class BuildSpec(BaseModel):
         self.features()
         if (self.shards > 1 or self.merge) and (self.step == "all" or not self.staging):
             raise ValueError("a sharded build needs one step (daily, window, sequences or examples) and a staging folder")
+        if self.staging:
+            problem = staging_problem(self.root, self.staging)
+            if problem:
+                raise ValueError(problem)
         return self
 
     def features(self) -> FeaturesConfig:
@@ -84,6 +90,28 @@ class BuildSpec(BaseModel):
         from core.storage import write_json
 
         write_json(path, self.model_dump())
+
+
+def staging_problem(root: str, staging: str) -> str:
+    """Why ``staging`` cannot hold a sharded build's shards ('' if it can): a merge removes the shard outputs under
+    it, so it must not be the storage root, a folder above it, or a folder of the root's data (only ``_staging``)."""
+    from core.storage import is_remote, join, local_path
+
+    def normal(location: str) -> str:
+        return location.rstrip("/") if is_remote(location) else str(local_path(location).resolve())
+
+    if is_remote(root) != is_remote(staging):
+        return ""
+    base, folder = normal(root), normal(staging)
+    allowed = normal(join(root, STAGING))
+    if base == folder or base.startswith(folder + "/"):
+        where = "the storage root" if base == folder else f"a folder above the storage root {root}"
+    elif folder.startswith(base + "/") and not (folder + "/").startswith(allowed + "/"):
+        where = f"inside the storage root {root}, among its data"
+    else:
+        return ""
+    return (f"staging = {staging!r} is {where}: the shards write there and the merge removes them; use a folder "
+            f"under {join(root, STAGING)} (where the DAG's builds stage) or outside the storage root")
 
 
 def _problem(error: Any) -> str:

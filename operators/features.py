@@ -36,7 +36,6 @@ STEP_OUTPUTS = {
     "sequences": ("features/user_sequence",),
     "examples": ("examples",),
 }
-STAGING = "_staging"  # under the storage root: shard outputs of builds not merged yet (no dataset starts with _)
 # A staging folder of another build unwritten for this many build timeouts is abandoned (removed at the next merge).
 ABANDONED_AFTER_TIMEOUTS = 2
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
@@ -63,6 +62,7 @@ def build_spec(root: str, ds: str, step: str, features: FeaturesConfig, *, skip_
 
 def staging_folder(root: str, step: str, ds: str, key: str) -> str:
     from core.storage import join
+    from features.spec import STAGING
 
     return join(root, STAGING, "features", step, f"ds={ds}", key)
 
@@ -239,11 +239,12 @@ class FeatureBuildOperator(ComputeJobOperator):
     def _publish(self, plan: FeaturePlan) -> dict[str, Any]:
         """Publish the shards (a sharded step) or read what the job published; log gaps; the summaries."""
         from core import config, storage
-        from features.build import merge_shards
+        from features.build import merge_shards, recorded_settings
 
         root = config.load().storage_root
         if plan.staging:
-            summary = merge_shards(root, self.ds, self.step, plan.staging, plan.shards)
+            settings = recorded_settings(plan.features, skip_validation=plan.spec.skip_validation)
+            summary = merge_shards(root, self.ds, self.step, plan.staging, plan.shards, settings)
             self._remove_abandoned_staging(plan)
         else:
             summary = {}

@@ -11,7 +11,7 @@ import pytest
 
 from core import contracts, storage
 from core.config import FeaturesConfig
-from core.failures import DataError, InfraError
+from core.failures import DataError, ExitCode, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
 from features import bucketed_events, build, sharding, step_io
 from features.steps.daily import build_daily
@@ -136,6 +136,8 @@ def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_pat
         build.merge_shards(root, day, "examples", staging, 2)
     # Nothing was published: the day's examples are still the 3-shard build.
     assert storage.read_json(storage.join(partition(root, contracts.EXAMPLES, day), storage.METADATA_FILE)) == before
+    # The mixed shards are gone, so that the step's rerun (the same staging folder) builds every shard again.
+    assert build.missing_shards(staging, "examples", 2) == [0, 1]
 
 
 @pytest.mark.unit
@@ -160,6 +162,91 @@ def test_cli_builds_the_shard_its_array_index_picks_and_merges(roots: tuple[Path
     expected = read_table(whole, contracts.USER_SEQUENCE, day)
     assert sorted_by(read_table(root, contracts.USER_SEQUENCE, day), key).equals(sorted_by(expected, key))
     assert len(storage.data_files(root, contracts.USER_SEQUENCE, day)) == 4
+
+
+@pytest.mark.unit
+def test_a_merge_publishes_only_the_shards_it_names_and_removes_only_them(
+    roots: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging = BUILT[-1], tmp_path / "staging"
+    args = ["--root", str(root), "--ds", day, "--step", "sequences", "--staging", str(staging),
+            "--window-days", "3", "--sequence-length", "6", "--skip-validation", "--threads", "1"]
+    published = read_metadata(root, contracts.USER_SEQUENCE, day)
+    assert build.main([*args, "--shards", "4"]) == 0  # every shard, in this process
+    (staging / "notes.txt").write_text("not a shard")
+    capsys.readouterr()
+    for wrong, says in (
+        (["--shards", "3"], f"is shard 0 of 4 of ds={day}, but this merge is of 3 shard(s) of ds={day}"),
+        (["--shards", "4", "--ds", BUILT[-2]], f"but this merge is of 4 shard(s) of ds={BUILT[-2]}"),
+        (["--shards", "4", "--sequence-length", "7"], "were built with sequence_length 6 (this merge: 7)"),
+    ):
+        assert build.main([*args, *wrong, "--merge"]) == ExitCode.USER
+        assert says in capsys.readouterr().err
+        assert read_metadata(root, contracts.USER_SEQUENCE, day) == published  # nothing published
+        assert build.missing_shards(str(staging), "sequences", 4) == []  # the shards kept
+    assert build.main([*args, "--shards", "4", "--merge"]) == 0
+    assert read_metadata(root, contracts.USER_SEQUENCE, day)["shards"] == 4
+    assert [p.name for p in staging.iterdir()] == ["notes.txt"]  # only the merged shards removed
+    capsys.readouterr()
+    assert build.main([*args, "--shards", "4", "--merge"]) == ExitCode.INFRA  # merged twice: says so
+    assert f"already merged: features/user_sequence ds={day} is published from 4 shard(s)" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_staging_folder_that_holds_data_and_run_shards_without_shards_are_refused(
+    roots: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from features.spec import staging_problem
+
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day = BUILT[-1]
+    args = ["--root", str(root), "--ds", day, "--step", "daily", "--skip-validation", "--threads", "1"]
+    published = read_metadata(root, contracts.USER_DAILY, day)
+    for staging, says in ((root, "is the storage root"), (tmp_path, "is a folder above the storage root"),
+                          (root / "features", "is inside the storage root")):
+        assert build.main([*args, "--shards", "2", "--staging", str(staging), "--merge"]) == ExitCode.USER
+        assert says in capsys.readouterr().err
+    assert build.main([*args, "--run-shards", "1"]) == ExitCode.USER
+    assert "--run-shards 1 picks shards of a sharded build: give --shards N > 1" in capsys.readouterr().err
+    assert read_metadata(root, contracts.USER_DAILY, day) == published and (root / "raw").is_dir()
+    assert staging_problem(str(root), str(root / "_staging" / "x")) == staging_problem(str(root), str(tmp_path / "s")) == ""
+    assert staging_problem("s3://b/r", "s3://b/r/_staging/x") == "" != staging_problem("s3://b/r", "s3://b/r/_stagingx")
+
+    def unwritable(*_: object) -> None:
+        raise PermissionError(13, "Permission denied", str(root / "features"))
+
+    monkeypatch.setattr(build, "run", unwritable)
+    assert build.main(args) == ExitCode.USER
+    assert f"Permission denied on {root / 'features'}: make it writable" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_merge_whose_shards_another_merge_published_meanwhile_fails_as_infra(
+    roots: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging = BUILT[-1], str(tmp_path / "staging")
+    for index in range(2):
+        build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE,
+                         shard=sharding.Shard(index, 2, staging))
+    published = read_metadata(root, contracts.USER_DAILY, day)
+    copy = build.copy_file
+
+    def other_merge_won(source: str, target: str) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+        copy(source, target)
+
+    monkeypatch.setattr(build, "copy_file", other_merge_won)
+    with pytest.raises(InfraError, match="disappeared during the merge .*another merge of the same shards"):
+        build.merge_shards(root, day, "daily", staging, 2)
+    assert read_metadata(root, contracts.USER_DAILY, day) == published
 
 
 @pytest.mark.unit

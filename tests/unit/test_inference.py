@@ -244,6 +244,8 @@ def test_shard_lists_and_array_indexes():
     assert arrays.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "0", "JOB_COMPLETION_INDEX": "2"}) == [3]
     with pytest.raises(UserError, match="array index 3 is outside"):
         arrays.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "3"})
+    with pytest.raises(UserError, match="PINFLOW_ARRAY_INDEX='abc' is not an array index"):
+        arrays.shards_of_this_process([3, 5, 9], {"PINFLOW_ARRAY_INDEX": "abc"})
 
 
 def test_the_entry_point_scores_its_array_index_and_publishes(tmp_path: Path, monkeypatch, capsys):
