@@ -64,7 +64,7 @@ start training (trigger `pin_ranker_training` from its form to train on older da
     tags=["pinflow", "features"],
     default_args=default_args("data-eng", retry_delay=timedelta(minutes=2)),
     params={
-        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day. To rebuild a past day at once, leave this empty and set the Logical date to that day instead (00:00 UTC): the run is named for the day and its build steps wait only for the day before it, not for a newer run."),
+        "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day. To rebuild a past day at once, leave this empty and set the Logical date to that day instead (00:00 UTC): the run is then dated that day and its build steps wait only for the day before it, not for a run dated later."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
         "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
         "shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, description=f"Split each build step into this many jobs by user / pin id hash (empty: features.shards = {_cfg.features.shards})."),

@@ -415,6 +415,8 @@ def _run_sharded(spec: BuildSpec, engine: DuckDBSettings, require: bool, run_sha
 def main(argv: Sequence[str] | None = None) -> int:
     from core import config
 
+    # A job's log (a local node log, CloudWatch, the pod's) then says which shard it built and how (window mode, gaps).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec: BuildSpec | None = None
     try:
         defaults = config.load().features
@@ -442,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{spec.duckdb_temp_directory or tempfile.gettempdir()}; the task's retries build it again)")
         print(f"features.build: {classify(exc).value} error: {exc}{hint}", file=sys.stderr)
         return int(exit_code_for(exc))
-    print(json.dumps(summary, indent=2, sort_keys=True))
+    print(json.dumps(summary, sort_keys=True))  # one line: a log's last lines keep the progress lines above it
     return 0
 
 

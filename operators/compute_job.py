@@ -180,6 +180,7 @@ class ComputeJobOperator(BaseOperator):
 
     def execute(self, context: Context) -> Any:
         from core import config
+        from operators import links
         from operators.backends import JobState, get_backend, validate_for
 
         stored = self._stored(context)
@@ -214,7 +215,8 @@ class ComputeJobOperator(BaseOperator):
                 self.before_submit(context, backend, submission)
                 job_id = self.submit(context, backend, submission)
                 self.log.info("submitted %s %s to %s%s: %s", self.what, job_id, submission.backend,
-                              f" ({submission.summary})" if submission.summary else "", backend.console_url(job_id))
+                              f" ({submission.summary})" if submission.summary else "",
+                              links.console_url(submission.backend, job_id, backend.console_url(job_id)))
             job = submission.ref(job_id)
         store: Any = context.get("task_state_store")
         if store is not None:

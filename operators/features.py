@@ -188,7 +188,7 @@ class FeatureBuildOperator(ComputeJobOperator):
     # -- ComputeJobOperator --------------------------------------------------------------------------------------
     def name_parts(self, context: Context) -> tuple[str, ...]:
         ti = context["ti"]
-        return ("features", ti.dag_id, ti.run_id, ti.task_id)
+        return ("features", ti.task_id, ti.dag_id, ti.run_id)  # the task first: the name is cut at 63 characters
 
     def watch(self) -> Watch:
         from core import config
@@ -260,7 +260,10 @@ class FeatureBuildOperator(ComputeJobOperator):
                     "%s ds=%s: missing days %s, computed from raw %s",
                     dataset, self.ds, meta.get("missing_days"), meta.get("computed_from_raw", []),
                 )
-        self.log.info("%s ds=%s: %s", self.step, self.ds, summary)
+        for dataset, meta in summary.items():  # the whole metadata is the task's return value (XCom)
+            self.log.info("published %s ds=%s: %s rows%s%s", dataset, self.ds, meta.get("rows"),
+                          f", {meta['shards']} shards" if meta.get("shards") else "",
+                          f", {meta['mode']} ({meta.get('mode_reason')})" if meta.get("mode") else "")
         self._built = summary
         return summary
 

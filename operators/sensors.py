@@ -124,8 +124,8 @@ class RawPartitionSensor(BaseSensorOperator):
         self.deferrable = deferrable
 
     def log_what_a_rebuild_waits_for(self, context: Context) -> None:
-        """A manual run of another day than its logical date (the form's ``ds``; Airflow names the run for when it
-        was triggered) has build steps with ``depends_on_past``: they wait for the run before that logical date,
+        """A manual run of another day than its logical date (the form's ``ds``; the logical date is when it was
+        triggered unless the form sets it) has build steps with ``depends_on_past``: they wait for the run before that logical date,
         e.g. the daily run that unpausing started, still waiting for its day's data. Say so first, and how to
         rebuild the day at once."""
         dag_run, logical = context.get("dag_run"), context.get("logical_date")
@@ -135,11 +135,11 @@ class RawPartitionSensor(BaseSensorOperator):
         named = logical.date().isoformat()
         if named != self.ds:
             self.log.warning(
-                "This run builds ds=%s but is named for %s (its logical date: when it was triggered). Its build steps "
+                "This run builds ds=%s but is dated %s (its logical date: when it was triggered). Its build steps "
                 "(window_features, user_sequences, training_examples) wait until the DAG's run before %s has finished "
                 "them (depends_on_past: each day extends the day before), for example the daily run that unpausing "
                 "the DAG started, which waits up to %.0f h for its day's raw data. To rebuild %s at once, trigger "
-                "again with the form's Logical date set to %sT00:00:00Z and ds empty: the run is then named for the "
+                "again with the form's Logical date set to %sT00:00:00Z and ds empty: the run is then dated that "
                 "day and waits only for the day before it; or mark that waiting run's tasks skipped.",
                 self.ds, named, named, float(self.timeout) / 3600, self.ds, self.ds)
 

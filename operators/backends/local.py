@@ -264,10 +264,11 @@ class LocalBackend:
 
     def logs(self, job_id: str, tail: int = 50) -> str:
         request = self._request(job_id)
-        if "array" in request:  # the children that failed (or have not ended), not every child of a big array
-            nodes = [(index, node) for index, node in enumerate(request["nodes"])
+        if "array" in request:  # the children that failed (or have not ended), else the first: not all of a big array
+            children = list(enumerate(request["nodes"]))
+            nodes = [(index, node) for index, node in children
                      if not Path(node["exit_file"]).exists()
-                     or Path(node["exit_file"]).read_text().strip() not in ("0",)][:5]
+                     or Path(node["exit_file"]).read_text().strip() not in ("0",)][:5] or children[:5]
             return "\n".join(
                 f"--- array child {index} ({node['log']}) ---\n"
                 + "\n".join(Path(node["log"]).read_text(errors="replace").splitlines()[-tail:]

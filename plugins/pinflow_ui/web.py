@@ -244,10 +244,14 @@ def render_run(request: Request, data: dict[str, Any]) -> str:
         "WAITING", "ADMITTED", "SUBMITTED", "RUNNING")
     parts = []
     if not jobs and data["dag_id"] in NO_TRAINING:
-        parts.append(f'<p class="muted">{escape(data["dag_id"])} {NO_TRAINING[data["dag_id"]]}: this tab shows '
-                     f'training jobs only. See the run\'s task logs in Airflow, and {_a(f"{_prefix(request)}/data-quality", "Data quality")} '
-                     "for the days' validation.</p>")
-    elif not jobs:
+        # Nothing of a training job to show (no loss, checkpoint or MLflow run): the empty sections read as a stuck job.
+        parts.append(f'<p class="big">{escape(data["dag_id"])} {NO_TRAINING[data["dag_id"]]}: it runs no training '
+                     "job, and this tab shows training jobs only. Its jobs, their shards and what they built are in "
+                     f'the run\'s task logs in Airflow; {_a(f"{_prefix(request)}/data-quality", "Data quality")} shows '
+                     "the days' validation.</p>")
+        parts.append(f'<p>{_a(data["links"]["airflow_run"], "This DAG run in Airflow", top=True)}</p>')
+        return _layout(request, f"Run {data['dag_id']} / {data['run_id']}", "".join(parts))
+    if not jobs:
         parts.append('<p class="muted">No training job recorded for this DAG run yet: its train task has not '
                      "started (it waits for its upstream tasks).</p>")
     else:
@@ -463,7 +467,9 @@ def render_models(request: Request, families: list[dict[str, Any]]) -> str:
 
 def render_job(request: Request, job: dict[str, Any] | None, logs: str, backend: str, job_id: str) -> str:
     if job is None:
-        body = f'<p class="muted">No job {escape(job_id)} on {escape(backend)} in the job history.</p>'
+        body = (f'<p class="muted">Job {escape(job_id)} on {escape(backend)} is not in the job history, which records '
+                "training jobs (their quota, time and cost): a feature build or scoring job is described by its "
+                "task's log.</p>")
     else:
         body = _table(["field", "value"], [[escape(k), escape(str(v))] for k, v in job.items() if k != "links"])
         body += f"<p>{_run_link(request, job)}</p>"

@@ -123,7 +123,7 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
     assert summary[contracts.USER_DAILY]["rows"] == storage.read_table(root, contracts.USER_DAILY, DAY).num_rows > 0
     whole = {d: storage.read_table(root, d, DAY) for d in (contracts.USER_DAILY, contracts.PIN_DAILY)}
     jobs = sorted(p.name for p in (Path(platform.home) / "jobs").iterdir())
-    assert len(jobs) == 1 and jobs[0].startswith("features-pin-daily-features")
+    assert len(jobs) == 1 and jobs[0].startswith("features-daily-aggregates-pin-daily-features")
 
     sharded = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True,
                                    shards=3, deferrable=False)
@@ -133,6 +133,11 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
         assert len(storage.data_files(root, dataset, DAY)) == 3
         assert storage.read_table(root, dataset, DAY).sort_by(key).equals(whole[dataset].sort_by(key))
     assert not any(Path(root, "_staging").rglob("*.parquet"))
+    # Each child's log says which shard it built (what the job page shows of a job that succeeded).
+    from operators.backends import get_backend
+
+    logs = get_backend("local", platform).logs(sharded.job_name(context(), 2))
+    assert all(f"building daily of ds={DAY}, shard {i} of 3" in logs for i in range(3)), logs
 
 
 @pytest.mark.unit
@@ -187,7 +192,6 @@ def test_a_merge_removes_sharded_builds_abandoned_long_ago_and_keeps_recent_ones
 def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: PlatformConfig, tmp_path: Path) -> None:
 
     from operators.backends import get_backend
-    from operators.jobs import job_name
 
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
     path = str(tmp_path / "BUILD.json")
@@ -195,7 +199,7 @@ def test_a_retry_waits_for_the_job_an_earlier_try_left_running(platform: Platfor
     # Try 1 submitted its job (slowed down, so that it still runs when try 2 starts) and then its worker was lost.
     slow = ["-c", "import runpy, sys, time; time.sleep(2); sys.argv = ['features.build', *sys.argv[1:]]; "
             "runpy.run_module('features.build', run_name='__main__')", "--spec", path]
-    spec = build_job_spec(slow, name=job_name("features", "pin_daily_features", "manual__1", "daily_aggregates", "try1"),
+    spec = build_job_spec(slow, name=op.job_name(context(), 1),
                           shards=[], cfg=platform, features=platform.features, backend="local")
     get_backend("local", platform).submit(spec)
     summary = op.execute(context(try_number=2))

@@ -147,7 +147,8 @@ def test_training_run_page_reads_progress_curve_checkpoint_mlflow_and_promotion(
     ended = web.render_run(_request(), pages.training_run(world, "pin_ranker_training", "run-1", dag_run_state="success"))
     assert 'http-equiv="refresh"' not in ended
     features = web.render_run(_request(), pages.training_run(world, "pin_daily_features", "other"))
-    assert "builds its features: this tab shows training jobs only" in features
+    assert "builds its features: it runs no training job, and this tab shows training jobs only" in features
+    assert "Loss" not in features and "Last checkpoint" not in features  # no empty training sections
     assert "has not started" in web.render_run(_request(), pages.training_run(world, "pin_ranker_training", "none"))
 
 

@@ -187,7 +187,7 @@ def test_a_manual_rebuild_of_another_day_says_what_it_waits_for_and_how_to_run_a
         said = " ".join(warnings)
         assert ("wait until the DAG's run before 2026-12-05" in said) == warned, (run_type, logical, said)
         if warned:
-            assert f"builds ds={DS} but is named for 2026-12-05" in said and f"Logical date set to {DS}T00:00:00Z" in said
+            assert f"builds ds={DS} but is dated 2026-12-05" in said and f"Logical date set to {DS}T00:00:00Z" in said
 
 
 def test_sensor_timeout_is_a_data_failure_naming_the_partitions() -> None:
