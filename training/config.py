@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import types
 import typing
@@ -234,11 +235,23 @@ class RunConfig:
         problems = []
         if not self.train_days:
             problems.append("train_days is empty: give at least one day")
+        dates = []
         for ds in [*self.train_days, self.eval_ds]:
             try:
-                parse_ds(ds)
+                dates.append(parse_ds(ds))
             except ValueError as e:
                 problems.append(str(e))
+        if len(dates) == len(self.train_days) + 1:
+            *train, evaluated = dates
+            repeated = sorted({d for d in self.train_days if self.train_days.count(d) > 1})
+            if repeated:
+                problems.append(f"train_days repeats {', '.join(repeated)}: give each day once")
+            late = sorted({ds for ds, day in zip(self.train_days, train, strict=True) if day >= evaluated})
+            if late:
+                problems.append(
+                    f"train_days {', '.join(late)} not before eval_ds {self.eval_ds}: a model evaluated on a day it "
+                    "trained on, or before its training days, looks better than it is (the promotion gate would "
+                    "trust it); train on days before eval_ds")
         for name in "epochs batch_size eval_batch_size log_every keep_checkpoints dist_timeout_s prefetch_factor".split():
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
@@ -246,10 +259,13 @@ class RunConfig:
                      "train_days_requested").split():
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
-        if self.lr <= 0:
-            problems.append(f"lr={self.lr} must be positive")
-        if self.sparse_lr <= 0:
-            problems.append(f"sparse_lr={self.sparse_lr} must be positive")
+        for name in ("lr", "sparse_lr"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive (and finite)")
+        for name in ("weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must not be negative (and finite)"
+                                + (" (0 = no clipping)" if name == "grad_clip" else ""))
         if self.sharded_export_above_mib < 0:
             problems.append(f"sharded_export_above_mib={self.sharded_export_above_mib} must not be negative")
         if self.embedding_memory_mb < 0:

@@ -321,8 +321,16 @@ def test_config_checks_types_and_values():
 def test_constructing_a_run_config_validates_it_and_names_the_source():
     run = RunConfig.checked("RUN.json of job-1", **REQUIRED, lr=1)
     assert run.lr == 1.0 and isinstance(run.lr, float) and RunConfig.from_dict(run.to_dict()) == run
-    with pytest.raises(ConfigError, match=r"^RUN.json of job-1 is invalid: epochs=0 must be positive; lr=-1.0 must be positive$"):
+    with pytest.raises(ConfigError, match=r"^RUN.json of job-1 is invalid: epochs=0 must be positive; lr=-1.0 must be positive \(and finite\)$"):
         RunConfig.checked("RUN.json of job-1", **REQUIRED, lr=-1, epochs=0)
+    for bad, says in (({"lr": float("nan")}, "lr=nan must be positive"), ({"lr": float("inf")}, "lr=inf must be positive"),
+                      ({"grad_clip": -1}, r"grad_clip=-1.0 must not be negative \(and finite\) \(0 = no clipping\)"),
+                      ({"weight_decay": -1}, "weight_decay=-1.0 must not be negative"),
+                      ({"train_days": ["2026-01-01", "2026-01-01"]}, "train_days repeats 2026-01-01: give each day once"),
+                      ({"train_days": ["2026-01-01", "2026-01-02", "2026-01-03"]},
+                       "train_days 2026-01-02, 2026-01-03 not before eval_ds 2026-01-02: a model evaluated on a day it trained on")):
+        with pytest.raises(ConfigError, match=says):
+            RunConfig.checked("RUN.json of job-1", **{**REQUIRED, **bad})
     with pytest.raises(ConfigError, match=r"RUN.json of job-1: unknown key\(s\) 'batchsize' \(did you mean 'batch_size'"):
         RunConfig.checked("RUN.json of job-1", **REQUIRED, batchsize=8)
     with pytest.raises(ConfigError, match=r"trial 3 is invalid: strategy: 'zero3' is not one of"):
