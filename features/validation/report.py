@@ -37,7 +37,7 @@ PROFILE_FILE = "profile.json"
 DATA_DOCS_DIR = "data_docs"
 QUARANTINE_FILE = "QUARANTINE.json"
 # The scheme of ``content_fingerprint``; a report with another one (or none) does not vouch for the contents.
-FINGERPRINT_SCHEME = "parquet-footers-v1"
+FINGERPRINT_SCHEME = "parquet-footers-v2"
 
 
 def report_dir(root: storage.Location, dataset: str, ds: str | dt.date) -> str:
@@ -147,12 +147,16 @@ class ValidationReport:
 # --- the content fingerprint -------------------------------------------------------------------------
 
 
-def _files_with_sizes(location: storage.Location) -> list[tuple[str, int]]:
-    """(name, size) of the plain files directly in a folder, sorted by name; [] if there is none."""
+def _files_with_stamps(location: storage.Location) -> list[tuple[str, int, str]]:
+    """(name, size, write stamp) of the plain files directly in a folder, sorted by name; [] if there is none.
+
+    The stamp changes whenever a file is written: its modification time in ns on a local root (a copy that keeps
+    it, such as ``shutil.copy2`` or a hard link, keeps the stamp), its ETag on an object store (a hash of its bytes).
+    """
     if not storage.is_remote(location):
         try:
             with os.scandir(storage.local_path(location)) as entries:
-                return sorted((e.name, e.stat().st_size) for e in entries if e.is_file())
+                return sorted((e.name, (st := e.stat()).st_size, str(st.st_mtime_ns)) for e in entries if e.is_file())
         except FileNotFoundError:
             return []
     fs, key = storage.filesystem(location)
@@ -160,7 +164,8 @@ def _files_with_sizes(location: storage.Location) -> list[tuple[str, int]]:
         listing = fs.ls(key, detail=True)
     except FileNotFoundError:
         return []
-    return sorted((storage.name_of(e["name"]), int(e["size"])) for e in listing if e.get("type") == "file")
+    return sorted((storage.name_of(e["name"]), int(e["size"]), str(e.get("ETag") or e.get("LastModified") or ""))
+                  for e in listing if e.get("type") == "file")
 
 
 def _read_range(location: str, start: int, end: int) -> bytes:
@@ -173,20 +178,21 @@ def _read_range(location: str, start: int, end: int) -> bytes:
 
 
 def content_fingerprint(location: storage.Location) -> str:
-    """A cheap fingerprint of a partition folder's current contents, ``parquet-footers-v1:<sha256>``.
+    """A cheap fingerprint of a partition folder's current contents, ``parquet-footers-v2:<sha256>``.
 
-    Over every file but the marker and hidden ones: its name, its size and, for a Parquet file, the hash of its
-    footer (row counts, offsets and every column chunk's statistics), for another file (``_metadata.json``) the
-    hash of its bytes. A rewrite, an added, removed or replaced file changes it; reading it costs one small
-    ranged read per file, on a local root or an object store alike. On an object store, of the version folder
-    the partition's marker names (``core.storage.resolve``): the same contents fingerprint the same anywhere.
+    Over every file but the marker and hidden ones: its name, its size, its write stamp (``_files_with_stamps``:
+    a rewrite that keeps the size and the footer, such as a value changed in an uncompressed column, still changes
+    it) and, for a Parquet file, the hash of its footer (row counts, offsets and every column chunk's statistics),
+    for another file (``_metadata.json``) the hash of its bytes. A rewrite, an added, removed or replaced file
+    changes it; reading it costs one listing and one small ranged read per file, on a local root or an object store
+    alike. On an object store, of the version folder the partition's marker names (``core.storage.resolve``).
     """
     return storage.read_version(location, _fingerprint)
 
 
 def _fingerprint(location: str) -> str:
     digest = hashlib.sha256(FINGERPRINT_SCHEME.encode())
-    for name, size in _files_with_sizes(location):
+    for name, size, stamp in _files_with_stamps(location):
         if name == storage.MARKER or name.startswith("."):
             continue
         path = storage.join(location, name)
@@ -198,7 +204,7 @@ def _fingerprint(location: str) -> str:
                 content = _read_range(path, size - 8 - footer, size)
         if not content:  # not Parquet, or not valid Parquet (validation fails it): the whole file
             content = storage.read_bytes(path)
-        digest.update(json.dumps([name, size, hashlib.sha256(content).hexdigest()]).encode())
+        digest.update(json.dumps([name, size, stamp, hashlib.sha256(content).hexdigest()]).encode())
     return f"{FINGERPRINT_SCHEME}:{digest.hexdigest()}"
 
 
@@ -220,6 +226,8 @@ def unvalidated_reason(root: storage.Location, dataset: str, ds: str | dt.date) 
     recorded = report.get("fingerprint")
     if not recorded:
         return fingerprint, f"its report {result} records no content fingerprint (validated by an older version)"
+    if recorded.split(":")[0] != FINGERPRINT_SCHEME:
+        return fingerprint, f"its report {result} records a fingerprint of an older version ({recorded.split(':')[0]})"
     if recorded != fingerprint:
         return fingerprint, f"its contents changed since it passed validation at {report.get('validated_at')} ({result})"
     return fingerprint, None

@@ -513,6 +513,35 @@ def test_build_needs_a_passed_validation_report_for_the_current_contents(
     assert "validated_inputs" not in read_metadata(root, contracts.EXAMPLES, D1)
 
 
+@pytest.mark.unit
+def test_a_rewrite_that_keeps_the_size_and_the_footer_changes_the_fingerprint(tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from features.validation.report import content_fingerprint
+
+    folder, file = tmp_path / "ds=2026-01-01", tmp_path / "ds=2026-01-01" / "part-00000.parquet"
+    folder.mkdir()
+
+    def write(ids: list[int]) -> bytes:  # uncompressed, plain: a middle value changed keeps every byte count
+        pq.write_table(pa.table({"event_id": pa.array(ids, pa.int64())}), str(file) + ".new", compression="NONE",
+                       use_dictionary=False)
+        os.replace(str(file) + ".new", file)
+        data = file.read_bytes()
+        return data[-8 - int.from_bytes(data[-8:-4], "little"):]
+
+    footer = write([1, 5, 3, 9])
+    before = content_fingerprint(folder)
+    size = file.stat().st_size
+    assert write([1, 5, 5, 9]) == footer and file.stat().st_size == size  # a duplicated id, the same footer
+    assert content_fingerprint(folder) != before
+    copy = tmp_path / "copy" / "ds=2026-01-01"
+    shutil.copytree(folder, copy)  # copy2 keeps the write stamp: the same contents, the same fingerprint
+    assert content_fingerprint(copy) == content_fingerprint(folder)
+
+
 # --- errors and CLI -------------------------------------------------------------------------------------
 
 
