@@ -193,11 +193,16 @@ def validate_partition(
             thresholds=config.model_dump(),
             fingerprint=fingerprint,
         )
-        # Only a complete partition is moved: an incomplete one may still be landing. The move comes before
-        # the report is written, so that the report says where the partition went.
+        # Only a complete partition is moved: an incomplete one may still be landing. The failed verdict is written
+        # first (a full disk or a kill then leaves the partition where it was, never a stale passed verdict), then
+        # the partition moved, then the report again, saying where it went.
         record = None
         if quarantine and not report.success and found.complete:
-            record = report.quarantine = quarantine_partition(root, name, day)
+            report.duration_s = round(time.perf_counter() - started, 3)
+            write_report(report, docs_dir if rendered else None)
+            record = quarantine_partition(root, name, day)
+            # None: another validation moved it meanwhile; the report names its record (the newest).
+            report.quarantine = record or next(reversed(quarantine_records(root, name, day)), None)
         report.duration_s = round(time.perf_counter() - started, 3)
         write_report(report, docs_dir if rendered else None)
     if record is not None:

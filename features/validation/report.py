@@ -322,8 +322,9 @@ def quarantine_records(root: storage.Location, dataset: str, ds: str | dt.date) 
     return [record for record in records if storage.is_dir(record)]
 
 
-def quarantine_partition(root: storage.Location, dataset: str, ds: str) -> str:
-    """Move the complete partition ``raw/<dataset>/ds=<ds>`` to a new quarantine record; return the record.
+def quarantine_partition(root: storage.Location, dataset: str, ds: str) -> str | None:
+    """Move the complete partition ``raw/<dataset>/ds=<ds>`` to a new quarantine record; return the record (None
+    when another validation of the partition moved it meanwhile: its record is the newest).
 
     The marker goes first: on an object store the move is a copy then a delete, and a reader must never
     see a half-moved partition; without its marker the partition does not exist for readers. The record's
@@ -335,17 +336,22 @@ def quarantine_partition(root: storage.Location, dataset: str, ds: str) -> str:
     record = storage.join(quarantine_root(root, dataset, ds), dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ"))
     target = storage.join(record, "data")
     marker = storage.join(part, storage.MARKER)
-    stamp = storage.read_bytes(marker)
-    version = storage.marker_version(stamp) if storage.is_remote(part) else None
-    storage.remove(marker)
-    if version:
-        current = storage.join(part, f"{storage.VERSION_PREFIX}{version}")
-        storage.remove(storage.join(current, storage.MARKER))  # its own copy of the marker: data/ gets one last
-        storage.move_tree(current, target)
-        storage.remove_tree(part)
-        stamp = str(json.loads(stamp).get("published") or dt.datetime.now(dt.UTC).isoformat()).encode()
-    else:
-        storage.move_tree(part, target)
+    try:
+        stamp = storage.read_bytes(marker)
+        version = storage.marker_version(stamp) if storage.is_remote(part) else None
+        storage.remove(marker)
+        if version:
+            current = storage.join(part, f"{storage.VERSION_PREFIX}{version}")
+            storage.remove(storage.join(current, storage.MARKER))  # its own copy of the marker: data/ gets one last
+            storage.move_tree(current, target)
+            storage.remove_tree(part)
+            stamp = str(json.loads(stamp).get("published") or dt.datetime.now(dt.UTC).isoformat()).encode()
+        else:
+            storage.move_tree(part, target)
+    except FileNotFoundError:
+        storage.remove_tree(record)  # this record's part of a move another validation finished
+        log.warning("%s was quarantined meanwhile by another validation of it", part)
+        return None
     storage.write_bytes(storage.join(target, storage.MARKER), stamp)
     log.warning("quarantined %s to %s", part, record)
     return record

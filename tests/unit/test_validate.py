@@ -536,6 +536,40 @@ def test_quarantine_removes_the_marker_before_moving_anything(memory_root: str, 
     assert storage.exists(storage.join(record, "data", storage.MARKER)) and not storage.is_dir(part)
 
 
+def test_a_quarantine_that_cannot_move_leaves_the_partition_and_a_failed_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed verdict is written before the partition moves: a full disk (or a kill) then never leaves a stale
+    passed report beside a half-made quarantine record. Two validations at once: one moves it, the other names its
+    record."""
+    import errno
+
+    from features.validation import partition as partition_module
+    from features.validation import report as report_module
+
+    root = str(tmp_path)
+    write_day(root)
+    assert validate_partition(root, "events").success
+    actions = events_table()["action"].to_pylist()
+    actions[5] = "like"
+    write(root, "events", events_table(action=actions))
+
+    def disk_full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(partition_module, "quarantine_partition", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        validate_partition(root, "events", quarantine=True)
+    assert storage.is_complete(root, "raw/events", DS)  # still where it landed, marker and all
+    result = storage.join(report_module.report_dir(root, "events", DS), report_module.RESULT_FILE)
+    assert storage.read_json(result)["failed_checks"] == ["action.in_set"]
+    monkeypatch.undo()
+
+    moved_meanwhile = report_module.quarantine_partition(root, "events", DS)  # the other validation, first
+    assert report_module.quarantine_partition(root, "events", DS) is None  # nothing left to move: no record made
+    assert report_module.quarantine_records(root, "events", DS) == [moved_meanwhile]
+
+
 def test_cli_accepts_a_url_root(memory_root: str, capsys: pytest.CaptureFixture[str]) -> None:
     write_day(memory_root)
 
