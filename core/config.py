@@ -694,8 +694,10 @@ def _describe(err: ValidationError, file: Path, sources: dict[tuple[str, ...], s
     for problem in err.errors():
         loc = tuple(str(p) for p in problem["loc"])
         key = ".".join(loc) or "(top level)"
-        # The variable that set this key or a section above it (a nested value set whole), else the file.
-        source = next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), str(file))
+        # The variable that set this key or a section above it (a nested value set whole), else one that set a key
+        # under it (a misspelt section it created, a section-wide check), else the file.
+        source = next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), None) or next(
+            (name for path, name in sources.items() if path[:len(loc)] == loc), str(file))
         if problem["type"] == "extra_forbidden":
             close = difflib.get_close_matches(loc[-1], _known_keys(PlatformConfig, loc[:-1]), n=1)
             hint = f" (did you mean {'.'.join((*loc[:-1], close[0]))!r}?)" if close else ""

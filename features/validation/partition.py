@@ -78,6 +78,33 @@ def check_names(dataset: str) -> list[str]:
     return list(STORAGE_CHECKS) + suite_check_names(dataset) + list(HISTORY_CHECKS[dataset_name(dataset)])
 
 
+def check_config_names(config: ValidationConfig) -> None:
+    """ConfigError naming each dataset under ``validation.per_dataset`` / ``severity`` and each check name (or
+    ``prefix.*``) under ``severity`` that matches nothing: a typo there would otherwise silently change nothing."""
+    import difflib
+
+    from core.failures import ConfigError
+
+    known = {name: check_names(name) for name in contracts.RAW_DATASETS}
+    problems = []
+    for section in ("per_dataset", "severity"):
+        for scope in getattr(config, section):
+            if scope not in known and not (section == "severity" and scope == "*"):
+                close = difflib.get_close_matches(scope, list(known), n=1)
+                problems.append(f"validation.{section}.{scope}: no such dataset" + (
+                    f" (did you mean {close[0]!r}?)" if close else f" (datasets: {', '.join(known)})"))
+    for scope, rules in config.severity.items():
+        names = sorted({n for dataset, checks in known.items() if scope in ("*", dataset) for n in checks})
+        for pattern in rules:
+            if not names or pattern in names or (pattern.endswith(".*") and any(n.startswith(pattern[:-1]) for n in names)):
+                continue
+            close = difflib.get_close_matches(pattern, names, n=1)
+            problems.append(f"validation.severity.{scope}: {pattern!r} names no check" + (
+                f" (did you mean {close[0]!r}?)" if close else " (the checks: any report's result.json lists them)"))
+    if problems:
+        raise ConfigError("invalid validation settings: " + "; ".join(problems))
+
+
 def validate_partition(
     root: storage.Location,
     dataset: str,
@@ -104,6 +131,7 @@ def validate_partition(
     """
     started = time.perf_counter()
     name = dataset_name(dataset)
+    check_config_names(config)
     config = config.for_dataset(name)  # validation.per_dataset thresholds
     day = storage.ds_str(ds)
     out_dir = report_dir(root, name, day)

@@ -67,6 +67,10 @@ def test_environment_overrides_the_file(tmp_path: Path):
          "costs.prices names instance type(s) p5.48xlarg not under instance_types:"),
         ("costs: {prices: {p5.48xlarge: {on_demand: -1}}}\n", {},
          "costs.prices.p5.48xlarge.on_demand = -1 in {file}: Input should be greater than or equal to 0"),
+        # A misspelt section in a variable, or a section-wide check of a value a variable set: the variable is named.
+        ("", {"PINFLOW_VALIDATON__VOLUME_MIN_RATIO": "0.9"},
+         "validaton: unknown key in environment variable PINFLOW_VALIDATON__VOLUME_MIN_RATIO (did you mean 'validation'?)"),
+        ("", {"PINFLOW_VALIDATION__HOLIDAYS": "['2026-02-30']"}, "in environment variable PINFLOW_VALIDATION__HOLIDAYS"),
         ("", {"PINFLOW_TEAMS": "{ranking: {queue: q}}"},  # a section set whole by a variable: the variable is named
          "teams.ranking.share = {{'queue': 'q'}} in environment variable PINFLOW_TEAMS: Field required"),
     ],

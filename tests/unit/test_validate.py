@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -646,6 +647,14 @@ def test_a_warn_level_check_is_reported_and_does_not_quarantine(tmp_path: Path) 
     # The same data at the default severity fails and is quarantined.
     report = validate_partition(tmp_path, "events", quarantine=True)
     assert not report.success and report.quarantine and not marker(tmp_path).exists()
+    # A typo in a dataset or check name would change nothing: refused, naming it.
+    from core.failures import ConfigError
+
+    for typo, says in (({"severity": {"evnts": {"action.in_set": "warn"}}}, "severity.evnts: no such dataset (did you mean 'events'?)"),
+                       ({"severity": {"events": {"action.inset": "warn"}}}, "'action.inset' names no check (did you mean 'action.in_set'?)"),
+                       ({"per_dataset": {"evnts": {"volume_min_ratio": 1.0}}}, "per_dataset.evnts: no such dataset")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            validate.validate_partition(tmp_path, "events", DS, config=ValidationConfig(**typo), data_docs=False)
 
 
 def test_thresholds_per_dataset_and_unknown_keys() -> None:
