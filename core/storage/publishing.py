@@ -8,10 +8,12 @@ from __future__ import annotations
 import ctypes
 import datetime as dt
 import errno
+import glob
 import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +27,7 @@ from core.storage.paths import (
     is_dir,
     is_remote,
     join,
+    last_modified,
     local_path,
     name_of,
     remove,
@@ -33,6 +36,8 @@ from core.storage.paths import (
 )
 
 MARKER = "_SUCCESS"
+# A writer's temporary folder untouched this long is a killed writer's leftover (the next publish beside it removes it).
+STALE_TEMPORARY_S = 24 * 3600
 # How often a reader (or a pin) starts over on a folder that was republished while it read it.
 _ATTEMPTS = 5
 _T = TypeVar("_T")
@@ -116,6 +121,7 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
         return
     path = local_path(final)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(path)
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -135,6 +141,16 @@ def publish(final: Location, marker: str | None = MARKER) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary siblings of ``path`` (``.tmp-<name>-*``) that killed writers left, once untouched for
+    ``STALE_TEMPORARY_S``: no writer of theirs still runs (a live one writes into its folder)."""
+    cutoff = time.time() - STALE_TEMPORARY_S
+    for tmp in path.parent.glob(f".tmp-{glob.escape(path.name)}-*"):
+        written = last_modified(str(tmp))
+        if written is not None and written < cutoff:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- versions of a folder on an object store ------------------------------------------------------------

@@ -127,3 +127,24 @@ def test_read_table_on_a_local_root_reads_one_whole_version_while_two_writers_re
     errors = [w.stderr.read().decode() if w.stderr else "" for w in writers]
     assert [w.wait() for w in writers] == [0, 0], errors
     assert len(seen) > 2, seen  # the reads overlapped the publishes
+
+
+def test_a_publish_removes_the_temporary_folders_killed_writers_left_a_day_ago(tmp_path: Path) -> None:
+    import time
+
+    from core.storage.publishing import STALE_TEMPORARY_S
+
+    stale, fresh = tmp_path / ".tmp-ds=2026-01-01-deadbeef", tmp_path / ".tmp-ds=2026-01-01-0badf00d"
+    for folder in (stale, fresh):
+        (folder / "part-00000.parquet").parent.mkdir()
+        (folder / "part-00000.parquet").write_bytes(b"half a file")
+    old = time.time() - STALE_TEMPORARY_S - 60
+    for entry in (stale / "part-00000.parquet", stale):
+        os.utime(entry, (old, old))
+    other = tmp_path / ".tmp-ds=2026-01-02-deadbeef"  # another partition's: not this publish's business
+    other.mkdir()
+    os.utime(other, (old, old))
+    with storage.publish(tmp_path / "ds=2026-01-01") as folder:
+        Path(folder, "part-00000.parquet").write_bytes(b"whole")
+    assert not stale.exists() and fresh.exists() and other.exists()  # a live writer's folder is left alone
+    assert (tmp_path / "ds=2026-01-01" / "part-00000.parquet").read_bytes() == b"whole"
