@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -326,7 +327,10 @@ def _files_of(by_column: dict[str, list[str]]) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with numpy scalars, timestamps and sets turned into plain JSON types."""
+    """``value`` with numpy scalars, timestamps and sets turned into plain JSON types (NaN and infinities, which
+    strict JSON readers refuse, into null: pandas' missing value)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):

@@ -538,7 +538,7 @@ def check_from_result(
     counts = result.get("partial_unexpected_counts") or [
         {"value": v, "count": 1} for v in result.get("partial_unexpected_list") or []
     ]
-    examples = [c["value"] for c in counts[:EXAMPLES]]
+    examples = [jsonable(c["value"]) for c in counts[:EXAMPLES]]
     observed = {
         "unexpected_count": count,
         "element_count": total,
@@ -552,7 +552,7 @@ def check_from_result(
         shown = [
             f"{short(json.dumps(jsonable(c['value'])), 60)} ({c['count']}x)"
             for c in counts[:3]
-            if c["value"] is not None
+            if jsonable(c["value"]) is not None
         ]
         if shown:
             details += f", e.g. {', '.join(shown)}"

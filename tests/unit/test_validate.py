@@ -229,6 +229,10 @@ def test_null_user_id(tmp_path: Path) -> None:
 
     assert failed(report) == ["user_id.not_null"]
     assert check(report, "user_id.not_null").observed["unexpected_count"] == 1
+    # The report is strict JSON (no bare NaN for the missing id) and shows no "e.g. NaN".
+    text = Path(report.report_path).read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"result.json holds {name}"))
+    assert "NaN" not in check(report, "user_id.not_null").details
 
 
 def test_unknown_action(tmp_path: Path) -> None:
