@@ -527,9 +527,13 @@ def check_from_result(
         return Check(name, False, None, expected, f"GX could not evaluate this check: {raised}")
     if "observed_value" in result:
         observed: Any = result["observed_value"]
+        mismatched = (result.get("details") or {}).get("mismatched")
+        if name == "table.columns_match_set":  # the derived check columns sit beside the file's: not the user's
+            derived = {check.column for checks in DERIVED.values() for check in checks}
+            observed = [c for c in observed or [] if c not in derived]
+            mismatched = {k: kept for k, v in (mismatched or {}).items() if (kept := [c for c in v if c not in derived])}
         details = ""
         if not success:
-            mismatched = (result.get("details") or {}).get("mismatched")
             details = f"observed {short(observed)}" + (f"; mismatched {mismatched}" if mismatched else "")
         return Check(name, bool(success), observed, expected, details)
     count = int(result.get("unexpected_count") or 0)

@@ -200,6 +200,8 @@ def test_missing_column(tmp_path: Path) -> None:
 
     assert failed(report) == ["schema.columns", "table.columns_match_set"]
     assert check(report, "schema.columns").observed == {"missing": ["surface"], "unexpected": []}
+    columns = check(report, "table.columns_match_set")  # names the file's columns, not the derived check columns
+    assert "surface" in columns.details and "_check_" not in columns.details + json.dumps(columns.observed)
     assert statuses(report)["surface.in_set"] == "skipped"
     assert statuses(report)["event_id.unique"] == "passed"  # the other columns are still checked
 
