@@ -77,6 +77,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 _LONG_FIRST = (
     "test_chain.py", "test_training_operator.py", "test_production_stack.py", "test_backfill.py", "test_hpo_dag.py",
     "test_corpus_inference.py", "test_local_agent_kill.py", "test_own_data.py", "test_approval.py", "test_model_sdk.py",
+    "test_train_torchrun.py", "test_real_data.py", "test_s3_chain.py",
 )
 
 
