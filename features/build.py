@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from core.config import FeaturesConfig
 from core.contracts import EXAMPLES, PIN_DAILY, PIN_WINDOW, USER_DAILY, USER_SEQUENCE, USER_WINDOW, combined_digest
 from core.failures import (
+    ConfigError,
     DataError,
     ExitCode,
     FailureClass,
@@ -51,8 +52,12 @@ from core.storage import (
     copy_file,
     ds_str,
     exists,
+    is_complete,
+    is_remote,
     join,
+    local_path,
     read_json,
+    read_metadata,
     remove_tree,
     resolve,
     write_json,
@@ -229,7 +234,6 @@ def merge_shards(
 def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, staging: str, count: int,
                             missing: list[int]) -> str:
     from core.arrays import format_shards
-    from core.storage import is_complete, read_metadata
 
     what = f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}"
     if len(missing) == count:
@@ -244,8 +248,6 @@ def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, st
 def _check_shards_named(dataset: str, ds: str, staging: str, count: int, metas: list[dict[str, Any]],
                         settings: dict[str, Any]) -> None:
     """ConfigError unless every shard's metadata says it is shard i of ``count`` of ``ds``, built with ``settings``."""
-    from core.failures import ConfigError
-
     for i, meta in enumerate(metas):
         built = {"ds": meta.get("ds"), "shards": meta.get("shards"), "shard": meta.get("shard")}
         if built != {"ds": ds, "shards": count, "shard": i}:
@@ -267,16 +269,14 @@ def _remove_shards(staging: str, step: str) -> None:
     """Remove the step's shard outputs from ``staging`` (and their unfinished temporaries), then the folders above
     them up to ``staging`` itself where left empty; nothing else under it (the spec refuses a staging folder that
     holds data)."""
-    from core.storage import is_remote, local_path
-
     for dataset in STEP_DATASETS[step]:
-        remove_tree(join(staging, *dataset.split("/")))
-        if exists(join(staging, *dataset.split("/"))):
-            log.warning("could not remove the merged shards in %s (permissions?): remove the folder by hand",
-                        join(staging, *dataset.split("/")))
+        shards = join(staging, *dataset.split("/"))
+        remove_tree(shards)
+        if exists(shards):
+            log.warning("could not remove the merged shards in %s (permissions?): remove the folder by hand", shards)
         if is_remote(staging):
             continue  # an object store has no empty folders
-        top, folder = local_path(staging), local_path(join(staging, *dataset.split("/"))).parent
+        top, folder = local_path(staging), local_path(shards).parent
         while True:
             try:
                 folder.rmdir()
@@ -353,7 +353,6 @@ _FLAGS = {"root": "root", "ds": "ds", "step": "step", "window_days": "window_day
 
 def spec_of(args: argparse.Namespace, defaults: FeaturesConfig) -> BuildSpec:
     """The build's spec: read from ``--spec``, or built from the flags over the configuration's defaults."""
-    from core.failures import ConfigError
     from features.spec import FEATURE_FIELDS, BuildSpec
 
     given = {field: getattr(args, flag) for flag, field in _FLAGS.items() if getattr(args, flag) is not None}
