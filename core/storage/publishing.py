@@ -148,7 +148,10 @@ def _remove_stale_temporaries(path: Path) -> None:
     ``STALE_TEMPORARY_S``: no writer of theirs still runs (a live one writes into its folder)."""
     cutoff = time.time() - STALE_TEMPORARY_S
     for tmp in path.parent.glob(f".tmp-{glob.escape(path.name)}-*"):
-        written = last_modified(str(tmp))
+        try:
+            written = last_modified(str(tmp))
+        except OSError:  # another writer's, published or removed while it was looked at: not a leftover
+            continue
         if written is not None and written < cutoff:
             shutil.rmtree(tmp, ignore_errors=True)
 
