@@ -18,7 +18,6 @@ import datetime as dt
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -33,6 +32,7 @@ import pyarrow.parquet as pq
 from core.config import FeaturesConfig
 from core.contracts import RAW_EVENTS, RAW_PINS, USER_SEQUENCE, SequenceDigest
 from core.failures import DataError, InfraError
+from core.scratch import make_scratch
 from core.storage import (
     MARKER,
     METADATA_FILE,
@@ -100,7 +100,8 @@ class DuckDBSettings:
 
     ``memory_limit`` bounds DuckDB's own memory; joins, aggregations and sorts beyond it spill to disk
     instead of failing. ``temp_directory`` is the parent folder for spill files; each connection spills into
-    its own fresh subfolder (removed afterwards), so concurrent builds never share files. Default: the
+    its own fresh subfolder (removed afterwards, or by the next connection after a SIGKILL:
+    ``core.scratch``), so concurrent builds never share files. Default: the
     system tmp. Outputs are streamed to Parquet in batches, so a large day never sits whole in Python.
     """
 
@@ -123,7 +124,7 @@ def connect(
     fsspec filesystem as the rest of the platform (no DuckDB extension to download).
     """
     settings = settings or DuckDBSettings()
-    spill = tempfile.mkdtemp(prefix="pinflow-duckdb-", dir=settings.temp_directory)
+    spill = make_scratch("pinflow-duckdb-", settings.temp_directory)
     try:
         con = duckdb.connect(
             config={

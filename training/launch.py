@@ -29,11 +29,11 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from core.failures import ExitCode
+from core.scratch import make_scratch
 
 DEFAULT_PORT = 29400
 AGENT_PID_ENV = "PINFLOW_AGENT_PID"
@@ -233,7 +233,7 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
     from torch.distributed.run import parse_args, run
 
     # torchrun's per-rank folders (its error files), which it would otherwise leave in /tmp after every job.
-    logs = tempfile.mkdtemp(prefix="pinflow-torchrun-")
+    logs = make_scratch("pinflow-torchrun-")
     torch_args = parse_args([
         f"--log-dir={logs}",
         *torchrun_args(

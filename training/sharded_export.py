@@ -22,7 +22,6 @@ import hashlib
 import io
 import os
 import shutil
-import tempfile
 import weakref
 from typing import IO, Any
 
@@ -32,6 +31,7 @@ from torch import nn
 
 from core import storage
 from core.failures import DataError, InfraError
+from core.scratch import make_scratch
 
 FORMAT = "pinflow-sharded-v1"
 MANIFEST_FILE = "MANIFEST.json"
@@ -352,7 +352,7 @@ def load(final: str, family: Any, variant: str = "model", sha256: str | None = N
     base, manifest = read_manifest(final, sha256)
     tables = manifest["tables"]
     model = build_meta(lambda: family.build_model(variant), list(tables))
-    cache = tempfile.mkdtemp(prefix="pinflow-shards-") if storage.is_remote(base) else ""
+    cache = make_scratch("pinflow-shards-") if storage.is_remote(base) else ""
     if cache:  # the local copies of an object store's shards go with the model
         weakref.finalize(model, shutil.rmtree, cache, ignore_errors=True)
     for table, info in tables.items():

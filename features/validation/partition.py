@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ import pyarrow.compute as pc
 
 from core import contracts, storage
 from core.config import ValidationConfig
+from core.scratch import scratch as scratch_folder
 from features.bucketed_events import write_event_buckets
 from features.validation.checks import (
     EXAMPLES,
@@ -150,7 +150,7 @@ def validate_partition(
     rendered = False
 
     # GX renders Data Docs only to a local folder: a temporary one, copied under the report by write_report.
-    with tempfile.TemporaryDirectory(prefix="pinflow-data-docs-") as scratch:
+    with scratch_folder("pinflow-data-docs-") as scratch:
         docs_dir = Path(scratch) / DATA_DOCS_DIR if data_docs else None
         if found.table is None:
             for check_name in STORAGE_CHECKS:
