@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import storage
-from core.failures import ExitCode, FailureClass, PinflowError, classify_exit_code
+from core.failures import ExitCode, FailureClass, InfraError, PinflowError, classify_exit_code
 
 log = logging.getLogger("training")
 
@@ -293,3 +293,36 @@ def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseExcept
         storage.write_json(failure_path(output_dir, rank), payload)
     except Exception as e:  # noqa: BLE001 - the exit code still says the class; this file only says why
         log.warning("could not write the failure file for rank %d: %s", rank, e)
+
+
+CHECKPOINT_LOCK = ".pinflow-training.lock"
+
+
+def hold_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> int | None:
+    """Rank 0's claim on a local ``checkpoint_dir`` for as long as its process lives: the descriptor of an flock,
+    which the kernel drops when the process ends, however it ends (a SIGKILLed job leaves no stale claim).
+
+    A second job given the same folder (two jobs started by hand with one RUN.json) would resume from, and prune,
+    the first's checkpoints and continue its MLflow run: it stops at once with an InfraError naming the first.
+    Object stores have no such lock; there the operators' one-job-per-run rule is the guard.
+    """
+    if storage.is_remote(checkpoint_dir):
+        return None
+    folder = storage.local_path(checkpoint_dir)
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, CHECKPOINT_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise InfraError(
+            f"checkpoint_dir {checkpoint_dir} is in use by another training job ({holder}): two jobs in one folder "
+            "would resume from and delete each other's checkpoints. Wait for that job to end (this one then resumes "
+            "from its last checkpoint), or give this run its own checkpoint_dir in RUN.json"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {now_iso()}".encode(), 0)
+    return fd

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core import lease, storage
-from core.failures import ConfigError, ExitCode, NanLossError, TaskGoneError, exit_code_for
+from core.failures import ConfigError, ExitCode, InfraError, NanLossError, TaskGoneError, exit_code_for
 from training.config import RunConfig, fields_help
 from training.faults import FaultInjector, LossHook
 from training.runtime import (
@@ -53,6 +53,7 @@ from training.runtime import (
     InputClock,
     cpus_per_process,
     failure_path,
+    hold_checkpoint_dir,
     input_verdict,
     setup_logging,
     write_failure,
@@ -934,6 +935,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
+    try:  # before anything is written: a second job in one checkpoint_dir leaves the first's files alone
+        claim = hold_checkpoint_dir(config.checkpoint_dir) if env.rank == 0 else None
+    except InfraError as e:
+        log.error("%s", e)
+        return int(e.exit_code)
+    try:
+        return _train(config, env)
+    finally:
+        if claim is not None:
+            os.close(claim)
+
+
+def _train(config: RunConfig, env: DistEnv) -> int:
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)

@@ -183,3 +183,36 @@ def test_the_local_backend_gives_its_jobs_one_key_kept_outside_the_storage_root(
     assert secret.stat().st_mode & 0o777 == 0o600
     monkeypatch.setenv(checkpoint.KEY_ENV, "from the secret store")
     assert backend.checkpoint_key() == "from the secret store"
+
+
+# Claims a checkpoint folder as a training job's rank 0 does, says so, and waits to be killed.
+_CLAIMER = ("import sys, time; from training.runtime import hold_checkpoint_dir; hold_checkpoint_dir(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)")
+
+
+def test_a_second_job_given_one_checkpoint_dir_stops_before_writing_and_a_killed_jobs_claim_is_gone(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from core.failures import InfraError
+    from training import train
+    from training.runtime import hold_checkpoint_dir
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-c", _CLAIMER, str(ckpt)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parents[2])
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "held"
+        config = tmp_path / "RUN.json"
+        config.write_text(json.dumps({"root": str(tmp_path / "data"), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02",
+                                      "output_dir": str(out),
+                                      "checkpoint_dir": str(ckpt), "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}))
+        assert train.main(["--config", str(config)]) == ExitCode.INFRA
+        assert not out.exists()  # no heartbeat, no failure file: the first job's folders are left alone
+        with pytest.raises(InfraError, match=rf"checkpoint_dir {ckpt} is in use by another training job \(.* pid {first.pid}, since "):
+            hold_checkpoint_dir(ckpt)
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    os.close(hold_checkpoint_dir(ckpt))  # the kernel dropped the killed job's claim with its process
+    assert hold_checkpoint_dir(f"s3://bucket/{ckpt.name}") is None  # object stores: the operators' one-job rule
