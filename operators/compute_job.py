@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from core.config import PlatformConfig
     from operators.backends import Backend, JobSpec, JobStatus
+    from operators.jobs import ShardMarkers
 
 
 def job_folder(cfg: PlatformConfig, backend: str, name: str) -> str:
@@ -78,6 +79,7 @@ class Watch:
     poll_s: float
     stall_s: float
     queue_timeout_s: float
+    shard_markers: ShardMarkers | None = None  # an array job's shards, logged as they are built (ShardCounter)
 
 
 @dataclasses.dataclass
@@ -164,12 +166,17 @@ class ComputeJobOperator(BaseOperator):
     def cancelling(self, job: JobRef) -> None:
         """``job`` is about to be cancelled because the task was killed."""
 
+    def shard_markers(self, context: Context) -> ShardMarkers | None:
+        """Where an array job's shards leave their outputs, for progress lines while it runs; None: not counted."""
+        return None
+
     def trigger(self, job: JobRef, watch: Watch) -> BaseTrigger:
         from operators.triggers import ComputeJobTrigger
 
         return ComputeJobTrigger(backend=job.backend, job_id=job.job_id, output_dir=job.output_dir,
                                  poll_seconds=watch.poll_s, stall_seconds=watch.stall_s,
-                                 queue_timeout_seconds=watch.queue_timeout_s)
+                                 queue_timeout_seconds=watch.queue_timeout_s,
+                                 shard_markers=watch.shard_markers.to_list() if watch.shard_markers else None)
 
     # -- the lifecycle ------------------------------------------------------------------------------------------
     def job_name(self, context: Context, try_number: int) -> str:
@@ -241,12 +248,12 @@ class ComputeJobOperator(BaseOperator):
         from operators.jobs import wait_for_job
 
         self._attach(context, job)
-        watch = self.watch()
+        watch = dataclasses.replace(self.watch(), shard_markers=self.shard_markers(context))
         if self.deferrable:
             self.defer(trigger=self.trigger(job, watch), method_name="execute_complete", kwargs={"job": job.to_dict()})
         return self._conclude(context, job, None, lambda: wait_for_job(
             get_backend(job.backend), job.job_id, output_dir=job.output_dir, what=self.what, poll_seconds=watch.poll_s,
-            stall_seconds=watch.stall_s, queue_timeout_seconds=watch.queue_timeout_s))
+            stall_seconds=watch.stall_s, queue_timeout_seconds=watch.queue_timeout_s, shard_markers=watch.shard_markers))
 
     def _conclude(self, context: Context, job: JobRef, event: dict[str, Any] | None,
                   outcome: Callable[[], JobStatus]) -> Any:

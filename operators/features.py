@@ -27,6 +27,7 @@ from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 if TYPE_CHECKING:
     from core.config import FeaturesConfig, PlatformConfig
     from features.spec import BuildSpec
+    from operators.jobs import ShardMarkers
 
 FEATURE_STEPS = ("daily", "window", "sequences", "examples")
 # The datasets each step writes (``core.contracts``; spelled out here so that parsing a DAG imports no pyarrow).
@@ -196,6 +197,16 @@ class FeatureBuildOperator(ComputeJobOperator):
         features = self._features(cfg)
         return Watch(poll_s=float(self.poll_seconds or features.poll_seconds), stall_s=float(features.timeout_seconds),
                      queue_timeout_s=float(cfg.training.queue_timeout_seconds))
+
+    def shard_markers(self, context: Context) -> ShardMarkers | None:
+        """A sharded step's shards, counted by their outputs' markers in the staging folder while the job runs."""
+        from core.storage import MARKER
+        from operators.jobs import ShardMarkers
+
+        plan = self._plan(context)
+        if not plan.staging:
+            return None
+        return ShardMarkers(plan.staging, tuple(f"{d}/shard-*/{MARKER}" for d in STEP_OUTPUTS[self.step]), plan.shards)
 
     def todo(self, context: Context) -> tuple[FeaturePlan, list[int]]:
         """The plan and the shards of it still to build (``[0]``: an unsharded step, built whole)."""

@@ -172,6 +172,46 @@ def waited_message(status: JobStatus, waited: float, timeout: float, what: str =
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardMarkers:
+    """Where an array job's shards leave their outputs: ``base`` (a local folder or URL) and one glob per output
+    (``features/user_daily/shard-*/_SUCCESS``); a shard counts as built once it has every output. ``total``: shards
+    of the step (those built by an earlier try count too)."""
+
+    base: str
+    patterns: tuple[str, ...]
+    total: int
+
+    def to_list(self) -> list[Any]:
+        return [self.base, list(self.patterns), self.total]
+
+    @classmethod
+    def from_list(cls, data: Any) -> ShardMarkers | None:
+        return cls(str(data[0]), tuple(str(p) for p in data[1]), int(data[2])) if data else None
+
+
+class ShardCounter:
+    """A line for the task log each time more of an array job's shards are built (:class:`ShardMarkers`)."""
+
+    def __init__(self, markers: ShardMarkers | None) -> None:
+        self.markers, self.built = markers, -1
+
+    def line(self) -> str | None:
+        """``3 of 8 shard(s) built`` when the count changed since the last call; None otherwise (or on a failed look:
+        the next poll looks again)."""
+        if self.markers is None:
+            return None
+        try:
+            built = min(len(storage.glob(self.markers.base, pattern)) for pattern in self.markers.patterns)
+        except Exception as err:  # noqa: BLE001 - progress is informative only: an object store's hiccup waits
+            log.debug("could not count the built shards under %s: %s", self.markers.base, err)
+            return None
+        if built == self.built:
+            return None
+        self.built = built
+        return f"{built} of {self.markers.total} shard(s) built"
+
+
 def describe_beats(beats: list[dict[str, Any]]) -> str:
     """step/total, %, epoch, loss (none before the first step), examples/s of all ranks, ETA."""
     from training.runtime import progress_line
@@ -216,12 +256,14 @@ def wait_for_job(
     stall_seconds: float = 300.0,
     queue_timeout_seconds: float = 0.0,
     what: str = "job",
+    shard_markers: ShardMarkers | None = None,
     sleep: Any = time.sleep,
 ) -> JobStatus:
     """Poll until the job ends; raise the failure class's error, or InfraError after a stall or a queue timeout.
 
     Heartbeats are watched only while the job runs (:class:`JobWatch`); a stall or a queue timeout cancels
     the job first, so a retry does not race it. The returned status carries the job's start and queue times.
+    ``shard_markers``: an array job's shards, logged as they are built (:class:`ShardCounter`).
     """
     from services.job_history import Watching
 
@@ -230,6 +272,7 @@ def wait_for_job(
     delays = poll_delays(poll_seconds)
     last_log = 0.0
     was_running = False
+    shards = ShardCounter(shard_markers)
     while True:
         status = backend.status(job_id)
         if status.state.terminal:
@@ -242,6 +285,8 @@ def wait_for_job(
         if watch.running and not was_running:
             log.info("%s %s is running after %.0fs queued", what, job_id, watch.queued_s)
         was_running = watch.running
+        if watch.running and (line := shards.line()):
+            log.info("%s %s: %s", what, job_id, line)
         if output_dir is not None and watch.running:
             beats = read_heartbeats(output_dir)
             if beats and time.monotonic() - last_log > 30:

@@ -49,6 +49,7 @@ class ComputeJobTrigger(BaseTrigger):
         stall_seconds: float = 300.0,
         queue_timeout_seconds: float = 0.0,
         home: str | None = None,
+        shard_markers: list[Any] | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
@@ -58,6 +59,7 @@ class ComputeJobTrigger(BaseTrigger):
         self.stall_seconds = float(stall_seconds)
         self.queue_timeout_seconds = float(queue_timeout_seconds)
         self.home = home
+        self.shard_markers = shard_markers  # ShardMarkers.to_list(): an array job's shards, logged as they are built
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -70,6 +72,7 @@ class ComputeJobTrigger(BaseTrigger):
                 "stall_seconds": self.stall_seconds,
                 "queue_timeout_seconds": self.queue_timeout_seconds,
                 "home": self.home,
+                "shard_markers": self.shard_markers,
             },
         )
 
@@ -82,11 +85,20 @@ class ComputeJobTrigger(BaseTrigger):
         return get_backend(self.backend, home=self.home)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.jobs import STALLED, JobWatch, describe_beats, poll_delays, read_heartbeats
+        from operators.jobs import (
+            STALLED,
+            JobWatch,
+            ShardCounter,
+            ShardMarkers,
+            describe_beats,
+            poll_delays,
+            read_heartbeats,
+        )
 
         started = time.monotonic()
         backend = await asyncio.to_thread(self._backend)
         watch = JobWatch(self.stall_seconds, self.queue_timeout_seconds)
+        shards = ShardCounter(ShardMarkers.from_list(self.shard_markers))
         delays = poll_delays(self.poll_seconds)
         last_log = 0.0
         last_phase: Any = None
@@ -126,6 +138,8 @@ class ComputeJobTrigger(BaseTrigger):
                 await asyncio.to_thread(job_history.note, job_history.mark_running, self.backend, self.job_id,
                                         watch.started_at, watch.queued_s)
             was_running = watch.running
+            if watch.running and (line := await asyncio.to_thread(shards.line)):
+                self.log.info("job %s: %s", self.job_id, line)
             if self.output_dir and watch.running:
                 beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
                 phase = min(beats, key=lambda b: int(b.get("rank", 0))).get("phase") if beats else None

@@ -4,6 +4,8 @@ builds only the missing shards, and the job's failure class reaches the task."""
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -116,7 +118,7 @@ def test_a_sharded_step_is_an_array_job_of_the_missing_shards() -> None:
 
 
 @pytest.mark.unit
-def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConfig) -> None:
+def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConfig, caplog: pytest.LogCaptureFixture) -> None:
     root = platform.storage_root
     op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
     summary = op.execute(context())
@@ -127,7 +129,11 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
 
     sharded = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True,
                                    shards=3, deferrable=False)
-    summary = sharded.execute(context(try_number=2))
+    with caplog.at_level(logging.INFO, logger="operators.jobs"):
+        summary = sharded.execute(context(try_number=2))
+    # While the array job runs, the task log counts its shards built (each count once).
+    counts = [int(m[1]) for m in re.finditer(r"job \S+: (\d) of 3 shard\(s\) built", caplog.text)]
+    assert counts and counts == sorted(set(counts)), caplog.text
     for dataset, key in ((contracts.USER_DAILY, "user_id"), (contracts.PIN_DAILY, "pin_id")):
         assert summary[dataset]["shards"] == 3
         assert len(storage.data_files(root, dataset, DAY)) == 3

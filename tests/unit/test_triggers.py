@@ -33,7 +33,7 @@ def test_serialize_round_trip_holds_only_ids_and_settings():
     again = import_string(classpath)(**kwargs)
     assert again.serialize() == (classpath, kwargs)
     assert kwargs == {"backend": "batch", "job_id": "abc-123", "output_dir": "/tmp/x", "poll_seconds": 0.01,
-                      "stall_seconds": 5.0, "queue_timeout_seconds": 0.0, "home": "/h"}
+                      "stall_seconds": 5.0, "queue_timeout_seconds": 0.0, "home": "/h", "shard_markers": None}
 
 
 class Scripted:
@@ -184,3 +184,43 @@ def test_in_a_triggerer_a_job_that_has_already_ended_is_reported_no_sooner_than_
     in_triggerer.trigger_id = 7
     assert first_event(in_triggerer, Scripted([JobState.SUCCEEDED]), monkeypatch)["state"] == "SUCCEEDED"
     assert len(slept) == 1 and 9.0 < slept[0] <= triggers.MIN_SECONDS_TO_EVENT == 10.0, slept
+
+
+@pytest.mark.unit
+def test_while_an_array_job_runs_the_log_counts_its_shards_built(monkeypatch, tmp_path):
+    """A shard counts once every output of the step has its marker (user_daily and pin_daily for the daily step)."""
+    def built(index, *datasets):
+        for dataset in datasets:
+            marker = tmp_path / "features" / dataset / f"shard-{index:05d}" / "_SUCCESS"
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+
+    class Building(Scripted):
+        polls = 0
+
+        def status(self, job_id):
+            self.polls += 1
+            if self.polls == 3:
+                built(0, "user_daily", "pin_daily")
+                built(1, "user_daily")  # half-written: not counted yet
+            if self.polls == 4:
+                built(1, "pin_daily")
+            return super().status(job_id)
+
+    class Lines:  # the trigger's log (structlog's in Airflow 3, which caplog does not see)
+        def __init__(self):
+            self.lines = []
+
+        def info(self, message, *args):
+            self.lines.append(message % args)
+
+        warning = debug = info
+
+    log = Lines()
+    monkeypatch.setattr(ComputeJobTrigger, "log", log)
+    markers = jobs.ShardMarkers(str(tmp_path), ("features/user_daily/shard-*/_SUCCESS", "features/pin_daily/shard-*/_SUCCESS"), 3)
+    backend = Building([JobState.RUNNING] * 5 + [JobState.SUCCEEDED])
+    payload = first_event(make(output_dir=None, poll_seconds=0, shard_markers=markers.to_list()), backend, monkeypatch)
+    assert payload["state"] == "SUCCEEDED"
+    assert [line for line in log.lines if "shard(s) built" in line] == [
+        f"job abc-123: {n} of 3 shard(s) built" for n in (0, 1, 2)]

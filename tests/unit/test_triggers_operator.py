@@ -100,8 +100,8 @@ def test_first_try_submits_records_and_defers_with_ids_only(backend):
     assert backend.submitted == [kwargs["job_id"]] == [operator().job_name(context, 1)]
     assert store["training_job"]["job_id"] == kwargs["job_id"]
     assert set(kwargs) == {"backend", "job_id", "output_dir", "poll_seconds", "stall_seconds", "queue_timeout_seconds",
-                           "home"}
-    assert kwargs["queue_timeout_seconds"] == 86400  # training.queue_timeout_seconds
+                           "home", "shard_markers"}
+    assert kwargs["queue_timeout_seconds"] == 86400 and kwargs["shard_markers"] is None  # one job: no shards counted  # training.queue_timeout_seconds
     # http(s) only: a local job's folder is the plugin's job page; the MLflow run link is there from submission.
     assert context["ti"].xcom["_link_JobConsoleLink"].endswith(f"/pinflow/jobs/local/{kwargs['job_id']}")
     assert context["ti"].xcom["_link_MlflowRunLink"].endswith("/pinflow/runs/pin_ranker_training/manual__2026-12-01/mlflow")
