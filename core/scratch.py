@@ -3,7 +3,9 @@
 A process removes its scratch folder when it ends, but a SIGKILL (the OOM killer, ``kill -9``, a node taken away)
 skips every cleanup. So each folder is named for its host and process (``<prefix><host>.<pid>.<random>``), and making
 one removes the folders of the same prefix that a process of this host left behind: those whose process is gone.
-A folder of another host (a shared temp folder) or of a live process is never touched.
+A folder of another host (a shared temp folder) or of a live process is never touched. Processes that share a temp
+folder are expected to share a PID namespace or to differ in hostname (containers do, unless they share the host's
+network namespace and its /tmp).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _host() -> str:
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # gone, or no pid at all
         return False
     except PermissionError:  # another user's process: alive
         return True

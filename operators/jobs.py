@@ -201,8 +201,10 @@ class ShardCounter:
         the next poll looks again)."""
         if self.markers is None:
             return None
-        try:
-            built = min(len(storage.glob(self.markers.base, pattern)) for pattern in self.markers.patterns)
+        try:  # a shard's folder name (shard-00003), found under every output's pattern
+            found = [{marker.rstrip("/").split("/")[-2] for marker in storage.glob(self.markers.base, pattern)}
+                     for pattern in self.markers.patterns]
+            built = len(set.intersection(*found)) if found else 0
         except Exception as err:  # noqa: BLE001 - progress is informative only: an object store's hiccup waits
             log.debug("could not count the built shards under %s: %s", self.markers.base, err)
             return None
@@ -276,6 +278,8 @@ def wait_for_job(
     while True:
         status = backend.status(job_id)
         if status.state.terminal:
+            if line := shards.line():  # the count at the end, however short the job was between polls
+                log.info("%s %s: %s", what, job_id, line)
             break
         watching.tick()
         verdict = watch.observe(status)

@@ -110,6 +110,8 @@ class ComputeJobTrigger(BaseTrigger):
             # Backends are synchronous clients (boto3, kubernetes): keep them off the event loop.
             status = await asyncio.to_thread(backend.status, self.job_id)
             if status.state.terminal:
+                if line := await asyncio.to_thread(shards.line):  # the count at the end, however short the job was
+                    self.log.info("job %s: %s", self.job_id, line)
                 if self.output_dir:  # the job's last progress, however short its last phases were between polls
                     beats = await asyncio.to_thread(read_heartbeats, self.output_dir)
                     if beats:

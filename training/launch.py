@@ -32,7 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from core.failures import ExitCode
+from core.failures import ExitCode, InfraError
 from core.scratch import make_scratch
 
 DEFAULT_PORT = 29400
@@ -188,6 +188,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal(signal.SIGTERM)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
 
+    claim = None
+    if _node_rank(args) == 0:  # one node holds the job's checkpoint folder, before any worker (or preflight) writes
+        try:
+            claim = _claim_checkpoint_dir(command)
+        except InfraError as err:
+            print(f"pinflow launch: {err}", file=sys.stderr)
+            return int(ExitCode.INFRA)
+    try:
+        return _run_steps(command, args)
+    finally:
+        if claim is not None:
+            os.close(claim)
+
+
+def _node_rank(args: argparse.Namespace) -> int:
+    if args.node_rank is not None:
+        return int(args.node_rank)
+    return int((rendezvous_from_env(os.environ) or {}).get("node_rank", 0))
+
+
+def _claim_checkpoint_dir(command: Sequence[str]) -> int | None:
+    """The run's checkpoint folder claimed for this job (``training.runtime.hold_checkpoint_dir``); None when the
+    command has no readable RUN.json (the workers then report what is wrong with it, classified)."""
+    from training.config import RunConfig
+    from training.runtime import hold_checkpoint_dir
+
+    path = config_path(command)
+    try:
+        checkpoint_dir = RunConfig.from_json(path).checkpoint_dir if path else None
+    except Exception:  # noqa: BLE001 - the workers read it again and fail with its class and message
+        return None
+    return hold_checkpoint_dir(checkpoint_dir) if checkpoint_dir else None
+
+
+def _run_steps(command: Sequence[str], args: argparse.Namespace) -> int:
     steps = [(command, args.rdzv_id)]
     if args.preflight:
         steps.insert(0, (preflight_command(command), f"{args.rdzv_id}-preflight"))
@@ -198,15 +233,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return ExitCode.OK
 
 
-def preflight_command(command: Sequence[str]) -> list[str]:
-    """``-m training.preflight --config X`` for a worker command that has ``--config X``."""
+def config_path(command: Sequence[str]) -> str | None:
+    """The ``--config`` of a worker command (``--config X`` or ``--config=X``); None without one."""
     items = list(command)
     for i, item in enumerate(items):
         if item == "--config" and i + 1 < len(items):
-            return ["-m", "training.preflight", "--config", items[i + 1]]
+            return items[i + 1]
         if item.startswith("--config="):
-            return ["-m", "training.preflight", item]
-    raise ValueError(f"--preflight needs the worker command's --config RUN.json: {' '.join(items)}")
+            return item.removeprefix("--config=")
+    return None
+
+
+def preflight_command(command: Sequence[str]) -> list[str]:
+    """``-m training.preflight --config X`` for a worker command that has ``--config X``."""
+    path = config_path(command)
+    if path is None:
+        raise ValueError(f"--preflight needs the worker command's --config RUN.json: {' '.join(command)}")
+    return ["-m", "training.preflight", "--config", path]
 
 
 def become_worker(command: Sequence[str]) -> int:

@@ -47,6 +47,7 @@ from core import lease, storage
 from core.failures import ConfigError, ExitCode, InfraError, NanLossError, TaskGoneError, exit_code_for
 from training.config import RunConfig, fields_help
 from training.faults import FaultInjector, LossHook
+from training.launch import AGENT_PID_ENV
 from training.runtime import (
     DistEnv,
     Heartbeat,
@@ -935,8 +936,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return int(e.exit_code)
-    try:  # before anything is written: a second job in one checkpoint_dir leaves the first's files alone
-        claim = hold_checkpoint_dir(config.checkpoint_dir) if env.rank == 0 else None
+    try:  # before anything is written; under training.launch its node-0 agent holds the claim for every rank
+        on_its_own = env.rank == 0 and not os.environ.get(AGENT_PID_ENV)
+        claim = hold_checkpoint_dir(config.checkpoint_dir) if on_its_own else None
     except InfraError as e:
         log.error("%s", e)
         return int(e.exit_code)

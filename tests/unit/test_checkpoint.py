@@ -208,7 +208,12 @@ def test_a_second_job_given_one_checkpoint_dir_stops_before_writing_and_a_killed
                                       "output_dir": str(out),
                                       "checkpoint_dir": str(ckpt), "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}))
         assert train.main(["--config", str(config)]) == ExitCode.INFRA
-        assert not out.exists()  # no heartbeat, no failure file: the first job's folders are left alone
+        # Under training.launch (every backend's entry point) the node-0 agent claims it before any worker starts.
+        launched = subprocess.run([sys.executable, "-m", "training.launch", "--nproc-per-node", "2", "--preflight", "--",
+                                   "-m", "training.train", "--config", str(config)], capture_output=True, text=True,
+                                  cwd=Path(__file__).parents[2], timeout=120)
+        assert launched.returncode == ExitCode.INFRA and "is in use by another training job" in launched.stderr
+        assert not out.exists()  # no heartbeat, no failure file, no preflight: the first job's folders are left alone
         with pytest.raises(InfraError, match=rf"checkpoint_dir {ckpt} is in use by another training job \(.* pid {first.pid}, since "):
             hold_checkpoint_dir(ckpt)
     finally:

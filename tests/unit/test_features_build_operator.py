@@ -131,9 +131,9 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
                                    shards=3, deferrable=False)
     with caplog.at_level(logging.INFO, logger="operators.jobs"):
         summary = sharded.execute(context(try_number=2))
-    # While the array job runs, the task log counts its shards built (each count once).
+    # While the array job runs, the task log counts its shards built (each count once), the last at its end.
     counts = [int(m[1]) for m in re.finditer(r"job \S+: (\d) of 3 shard\(s\) built", caplog.text)]
-    assert counts and counts == sorted(set(counts)), caplog.text
+    assert counts == sorted(set(counts)) and counts[-1] == 3, caplog.text
     for dataset, key in ((contracts.USER_DAILY, "user_id"), (contracts.PIN_DAILY, "pin_id")):
         assert summary[dataset]["shards"] == 3
         assert len(storage.data_files(root, dataset, DAY)) == 3

@@ -205,6 +205,8 @@ def test_while_an_array_job_runs_the_log_counts_its_shards_built(monkeypatch, tm
                 built(1, "user_daily")  # half-written: not counted yet
             if self.polls == 4:
                 built(1, "pin_daily")
+            if self.polls == 6:
+                built(2, "user_daily", "pin_daily")  # between the last poll while running and the end
             return super().status(job_id)
 
     class Lines:  # the trigger's log (structlog's in Airflow 3, which caplog does not see)
@@ -223,4 +225,17 @@ def test_while_an_array_job_runs_the_log_counts_its_shards_built(monkeypatch, tm
     payload = first_event(make(output_dir=None, poll_seconds=0, shard_markers=markers.to_list()), backend, monkeypatch)
     assert payload["state"] == "SUCCEEDED"
     assert [line for line in log.lines if "shard(s) built" in line] == [
-        f"job abc-123: {n} of 3 shard(s) built" for n in (0, 1, 2)]
+        f"job abc-123: {n} of 3 shard(s) built" for n in (0, 1, 2, 3)]
+
+
+@pytest.mark.unit
+def test_a_shard_counts_as_built_once_it_has_every_output(tmp_path):
+    for dataset, shards in (("user_daily", (0, 1)), ("pin_daily", (0, 2))):
+        for index in shards:
+            marker = tmp_path / dataset / f"shard-{index:05d}" / "_SUCCESS"
+            marker.parent.mkdir(parents=True)
+            marker.touch()
+    counter = jobs.ShardCounter(jobs.ShardMarkers(str(tmp_path), ("user_daily/shard-*/_SUCCESS", "pin_daily/shard-*/_SUCCESS"), 3))
+    assert (counter.line(), counter.line()) == ("1 of 3 shard(s) built", None)  # shard 0 only; said once
+    assert jobs.ShardCounter(jobs.ShardMarkers(str(tmp_path / "nothing-yet"), ("x/shard-*/_SUCCESS",), 3)).line() == (
+        "0 of 3 shard(s) built")
