@@ -138,14 +138,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 0 even if the model does not beat the baseline (tiny worlds in tests)")
     args = parser.parse_args(argv)
 
-    from core import storage
+    from core import claims, storage
     from features.synthetic import WorldConfig, generate_world
 
     started = time.monotonic()
     root = cfg.storage_root
     home = Path(cfg.home)
     log_file = home / "demo.log"
-    home.mkdir(parents=True, exist_ok=True)
+    try:  # one demo per PINFLOW_HOME: two would replace each other's runs and outputs mid-way; held till exit
+        claim = claims.hold(str(home / "demo.lock"))  # noqa: F841
+    except claims.Claimed as held:
+        say(f"FAILED: another demo is running with PINFLOW_HOME={home} ({held.holder}): wait for it to end, or run "
+            "this one with another PINFLOW_HOME")
+        return 1
 
     world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
                         impressions_per_user=args.impressions_per_user)

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from core import storage
+from core import claims, storage
 from core.failures import ExitCode, FailureClass, InfraError, PinflowError, classify_exit_code
 
 log = logging.getLogger("training")
@@ -299,42 +299,22 @@ CHECKPOINT_LOCK = ".pinflow-training.lock"
 
 
 def hold_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> int | None:
-    """A job's claim on a local ``checkpoint_dir`` for as long as this process lives: the descriptor of a POSIX
-    record lock (``lockf``), which the kernel drops when the process ends, however it ends (a SIGKILLed job leaves
-    no stale claim), and which forked children (input workers) do not inherit. Held by the node-0 agent of
-    ``training.launch`` before any worker starts, or by a training process started on its own.
+    """A job's claim on a local ``checkpoint_dir`` for as long as this process lives (``core.claims.hold``: the kernel
+    drops it when the process ends, however it ends; forked input workers do not inherit it). Held by the node-0
+    agent of ``training.launch`` before any worker starts, or by a training process started on its own.
 
     A second job given the same folder (two jobs started by hand with one RUN.json) would resume from, and prune,
     the first's checkpoints and continue its MLflow run: it stops at once with an InfraError naming the first.
-    None (no claim, a warning) where the folder cannot hold a lock (an object store: there the operators'
-    one-job-per-run rule is the guard; a file system without locks; a read-only or another user's lock file).
+    None where the folder cannot hold a claim (an object store: there the operators' one-job-per-run rule is the
+    guard; a file system without locks, a read-only folder: a warning).
     """
     if storage.is_remote(checkpoint_dir):
         return None
-    import errno
-    import fcntl
-
-    path = os.path.join(storage.local_path(checkpoint_dir), CHECKPOINT_LOCK)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # a folder of a team: any member's job can claim it
-    except OSError as err:
-        log.warning("not claiming %s (%s): a second job given the same folder would not be stopped", path, err)
-        return None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        held = err.errno in (errno.EACCES, errno.EAGAIN)
-        holder = os.pread(fd, 300, 0).decode(errors="replace").strip() if held else ""
-        os.close(fd)
-        if not held:  # no locks on this file system (ENOLCK, EOPNOTSUPP ...)
-            log.warning("not claiming %s (%s): a second job given the same folder would not be stopped", path, err)
-            return None
+        return claims.hold(os.path.join(storage.local_path(checkpoint_dir), CHECKPOINT_LOCK))
+    except claims.Claimed as held:
         raise InfraError(
-            f"checkpoint_dir {checkpoint_dir} is in use by another training job ({holder or 'another process'}): two "
-            "jobs in one folder would resume from and delete each other's checkpoints. Wait for that job to end (this "
-            "one then resumes from its last checkpoint), or give this run its own checkpoint_dir in RUN.json"
+            f"checkpoint_dir {checkpoint_dir} is in use by another training job ({held.holder}): two jobs in one "
+            "folder would resume from and delete each other's checkpoints. Wait for that job to end (this one then "
+            "resumes from its last checkpoint), or give this run its own checkpoint_dir in RUN.json"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {now_iso()}".encode(), 0)
-    return fd
