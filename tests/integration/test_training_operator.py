@@ -188,6 +188,9 @@ def worker_pids(job: Path) -> list[int]:
 
 
 @pytest.mark.integration
+# Extended (about 2.5 min): test_local_agent_kill.py runs the same retry and resume through this DAG after a SIGKILL
+# of the agent, and test_train_torchrun.py's SIGKILL of a rank checks that the node exits INFRA; make test's budget.
+@pytest.mark.extended
 def test_killed_worker_is_retried_and_resumes_from_its_checkpoint(world, tmp_path):
     home, before = world, jobs_now(world)
     ckpts_before = set(checkpoint_steps(home))
