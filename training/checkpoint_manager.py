@@ -8,6 +8,7 @@ loop only says *when*: ``save(step, epoch, batches_in_epoch)`` and, once at the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,20 @@ class Resumed:
             "saved": {"world_size": self.saved_world_size, "sharding": self.saved_sharding},
             "now": {"world_size": self.world_size, "sharding": self.sharding},
         }
+
+
+# What a resumed run must share with the checkpoint's: what it trains on and is evaluated on, the model, and what the
+# optimizer and LR schedule restore from the checkpoint. Not: epochs and step caps (a run may be extended), the world
+# size and sharding (resharded: resume_verdict), the batch size (the input position checks it), the storage root
+# (a moved copy) and how the job runs (workers, threads, heartbeats, checkpoint cadence).
+RESUME_SETTINGS = ("family", "family_module", "train_days", "eval_ds", "params", "lr", "weight_decay", "warmup_steps",
+                   "min_lr_ratio", "grad_clip", "seed", "sparse_lr")
+
+
+def resume_settings(config: RunConfig) -> dict[str, Any]:
+    """``RESUME_SETTINGS`` of ``config``, as the checkpoint marker records them (JSON values)."""
+    values = config.to_dict()
+    return dict(json.loads(json.dumps({key: values[key] for key in RESUME_SETTINGS})))
 
 
 def resume_verdict(
@@ -133,6 +148,24 @@ class CheckpointManager:
         self.last_saved = step
         hb.update(progress=0, force=True, phase="training")
 
+    def _check_settings(self, marker: dict[str, Any]) -> None:
+        """ConfigError if the checkpoint's run was trained with other RESUME_SETTINGS than this RUN.json's: the resume
+        would restore that run's optimizer and schedule (ignoring a new lr), continue its MLflow run under its first
+        params and report its model. A marker of older code records none: not checked."""
+        saved = marker.get("settings")
+        if not isinstance(saved, dict):
+            return
+        now = resume_settings(self.config)
+        differ = [f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}" for key in sorted(set(saved) | set(now))
+                  if saved.get(key) != now.get(key)]
+        if differ:
+            raise ConfigError(
+                f"checkpoint {marker['path']} is of a run trained with other settings than this RUN.json's "
+                f"({'; '.join(differ)}): resuming it would continue that run and ignore them. Resume with its settings, "
+                "or give this run a checkpoint_dir of its own to train from scratch (a DAG run: trigger a new run; the demo: "
+                "make clean)"
+            )
+
     def resume(self) -> Resumed | None:
         """Load the newest complete checkpoint into the parts, the RNGs and the stream; None if there is none.
 
@@ -153,6 +186,7 @@ class CheckpointManager:
             )
         same_world = marker.get("world_size") == self.env.world_size
         position = checkpoint.load(marker["path"], parts=self.parts, restore_rng=same_world)
+        self._check_settings(marker)  # after the load, which names a model of another shape more precisely
         data_restored = bool(same_world and position["data"])
         if data_restored:
             self.stream.load_position(position["data"])

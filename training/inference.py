@@ -846,8 +846,17 @@ def publish_plan(plan: ScoringPlan) -> dict[str, Any]:
         "created": dt.datetime.now(dt.UTC).isoformat(),
     }
     storage.write_json(storage.join(out_dir, MANIFEST), manifest)
-    storage.remove_tree(storage.join(out_dir, PLANS_DIR))
+    _remove_plan(out_dir, plan.plan_id)
     return manifest
+
+
+def _remove_plan(out_dir: str, plan_id: str) -> None:
+    """This plan's folder; the merged snapshot views too once no other plan's folder is left. Another plan scoring
+    into the same output meanwhile (other shards, another model) keeps its parts: its own publish decides."""
+    plans = storage.join(out_dir, PLANS_DIR)
+    storage.remove_tree(storage.join(plans, plan_id))
+    if not [name for name in storage.list_names(plans) if name != VIEWS_DIR]:
+        storage.remove_tree(plans)
 
 
 def publish_manifest(

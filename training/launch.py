@@ -188,18 +188,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_parent_death_signal(signal.SIGTERM)
     os.environ[AGENT_PID_ENV] = str(os.getpid())
 
-    claim = None
-    if _node_rank(args) == 0:  # one node holds the job's checkpoint folder, before any worker (or preflight) writes
+    claims: list[int] = []
+    if _node_rank(args) == 0:  # one node holds the run's folders, before any worker (or preflight) writes
         try:
-            claim = _claim_checkpoint_dir(command)
+            claims = _claim_run_folders(command)
         except InfraError as err:
             print(f"pinflow launch: {err}", file=sys.stderr)
             return int(ExitCode.INFRA)
     try:
         return _run_steps(command, args)
     finally:
-        if claim is not None:
-            os.close(claim)
+        for fd in claims:
+            os.close(fd)
 
 
 def _node_rank(args: argparse.Namespace) -> int:
@@ -208,18 +208,18 @@ def _node_rank(args: argparse.Namespace) -> int:
     return int((rendezvous_from_env(os.environ) or {}).get("node_rank", 0))
 
 
-def _claim_checkpoint_dir(command: Sequence[str]) -> int | None:
-    """The run's checkpoint folder claimed for this job (``training.runtime.hold_checkpoint_dir``); None when the
-    command has no readable RUN.json (the workers then report what is wrong with it, classified)."""
+def _claim_run_folders(command: Sequence[str]) -> list[int]:
+    """The run's folders claimed for this job (``training.runtime.hold_run_folders``); none when the command has no
+    readable RUN.json (the workers then report what is wrong with it, classified)."""
     from training.config import RunConfig
-    from training.runtime import hold_checkpoint_dir
+    from training.runtime import hold_run_folders
 
     path = config_path(command)
     try:
-        checkpoint_dir = RunConfig.from_json(path).checkpoint_dir if path else None
+        config = RunConfig.from_json(path) if path else None
     except Exception:  # noqa: BLE001 - the workers read it again and fail with its class and message
-        return None
-    return hold_checkpoint_dir(checkpoint_dir) if checkpoint_dir else None
+        return []
+    return hold_run_folders(config.checkpoint_dir, config.output_dir) if config else []
 
 
 def _run_steps(command: Sequence[str], args: argparse.Namespace) -> int:
@@ -288,7 +288,7 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
             rdzv_id=rdzv_id,
         ),
     ])
-    oom_kills = cgroup_oom_kills()
+    oom_kills, parent = cgroup_oom_kills(), os.getppid()
     try:
         run(torch_args)
     except ChildFailedError as err:
@@ -307,7 +307,9 @@ def _run_torchrun(command: Sequence[str], args: argparse.Namespace, rdzv_id: str
     except SignalException as err:
         # Stopped from outside (cancel, Batch timeout, pod deletion, the supervisor gone): torchrun has stopped
         # the workers; the node was taken away, not failed by its code.
-        print(f"pinflow launch: stopped by {err.sigval.name}; workers stopped; node exits {int(ExitCode.INFRA)}",
+        # The agent dies with whoever started it (PR_SET_PDEATHSIG): a shell that ended, a supervisor gone.
+        cause = " (the process that started this job ended)" if os.getppid() != parent else ""
+        print(f"pinflow launch: stopped by {err.sigval.name}{cause}; workers stopped; node exits {int(ExitCode.INFRA)}",
               file=sys.stderr)
         return int(ExitCode.INFRA)
     finally:

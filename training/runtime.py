@@ -295,26 +295,44 @@ def write_failure(output_dir: str | os.PathLike[str], rank: int, exc: BaseExcept
         log.warning("could not write the failure file for rank %d: %s", rank, e)
 
 
-CHECKPOINT_LOCK = ".pinflow-training.lock"
+RUN_LOCK = ".pinflow-training.lock"  # in a run's local checkpoint_dir and output_dir: core.claims
 
 
-def hold_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> int | None:
-    """A job's claim on a local ``checkpoint_dir`` for as long as this process lives (``core.claims.hold``: the kernel
-    drops it when the process ends, however it ends; forked input workers do not inherit it). Held by the node-0
-    agent of ``training.launch`` before any worker starts, or by a training process started on its own.
+def hold_run_folders(checkpoint_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str]) -> list[int]:
+    """A job's claims on its local ``checkpoint_dir`` and ``output_dir`` for as long as this process lives
+    (``core.claims.hold``: the kernel drops them when the process ends, however it ends; forked input workers do not
+    inherit them); the descriptors. Held by the node-0 agent of ``training.launch`` before any worker starts, or by
+    a training process started on its own.
 
-    A second job given the same folder (two jobs started by hand with one RUN.json) would resume from, and prune,
-    the first's checkpoints and continue its MLflow run: it stops at once with an InfraError naming the first.
-    None where the folder cannot hold a claim (an object store: there the operators' one-job-per-run rule is the
-    guard; a file system without locks, a read-only folder: a warning).
+    A second job given one of the folders (two jobs started by hand with one RUN.json) would resume from, and prune,
+    the first's checkpoints, or overwrite its heartbeats and result: it stops at once with an InfraError naming the
+    first. A folder that cannot hold a claim is not claimed (an object store: there the operators' one-job-per-run
+    rule is the guard; a file system without locks, a read-only folder: a warning).
     """
-    if storage.is_remote(checkpoint_dir):
-        return None
+    harm = {"checkpoint_dir": "resume from and delete each other's checkpoints",
+            "output_dir": "overwrite each other's heartbeats, failure files and result"}
+    held: list[int] = []
+    seen: set[str] = set()
     try:
-        return claims.hold(os.path.join(storage.local_path(checkpoint_dir), CHECKPOINT_LOCK))
-    except claims.Claimed as held:
-        raise InfraError(
-            f"checkpoint_dir {checkpoint_dir} is in use by another training job ({held.holder}): two jobs in one "
-            "folder would resume from and delete each other's checkpoints. Wait for that job to end (this one then "
-            "resumes from its last checkpoint), or give this run its own checkpoint_dir in RUN.json"
-        ) from None
+        for name, folder in (("checkpoint_dir", checkpoint_dir), ("output_dir", output_dir)):
+            if storage.is_remote(folder):
+                continue
+            path = os.path.realpath(os.path.join(storage.local_path(folder), RUN_LOCK))
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                fd = claims.hold(path)
+            except claims.Claimed as other:
+                raise InfraError(
+                    f"{name} {folder} is in use by another training job ({other.holder}): two jobs in one folder "
+                    f"would {harm[name]}. Wait for that job to end (this one then resumes from its last checkpoint), "
+                    f"or give this run its own {name} in RUN.json"
+                ) from None
+            if fd is not None:
+                held.append(fd)
+    except BaseException:
+        for fd in held:
+            os.close(fd)
+        raise
+    return held

@@ -54,7 +54,7 @@ from training.runtime import (
     InputClock,
     cpus_per_process,
     failure_path,
-    hold_checkpoint_dir,
+    hold_run_folders,
     input_verdict,
     setup_logging,
     write_failure,
@@ -508,7 +508,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint, if any: parts, RNG states, input and loop position."""
-        from training.checkpoint_manager import CheckpointManager
+        from training.checkpoint_manager import CheckpointManager, resume_settings
 
         assert self.stream is not None
         self.checkpoints = CheckpointManager(
@@ -520,6 +520,7 @@ class Trainer:
             examples_seen=self.examples_seen,
             extra={
                 "total_steps": self.total_steps, "strategy": self.config.strategy,
+                "settings": resume_settings(self.config),
                 **({"sharding": self.config.sharding} if self.config.strategy == "torchrec" else {}),
             },
         )
@@ -938,15 +939,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.exit_code)
     try:  # before anything is written; under training.launch its node-0 agent holds the claim for every rank
         on_its_own = env.rank == 0 and not os.environ.get(AGENT_PID_ENV)
-        claim = hold_checkpoint_dir(config.checkpoint_dir) if on_its_own else None
+        claims = hold_run_folders(config.checkpoint_dir, config.output_dir) if on_its_own else []
     except InfraError as e:
         log.error("%s", e)
         return int(e.exit_code)
     try:
         return _train(config, env)
     finally:
-        if claim is not None:
-            os.close(claim)
+        for fd in claims:
+            os.close(fd)
 
 
 def _train(config: RunConfig, env: DistEnv) -> int:

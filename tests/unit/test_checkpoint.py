@@ -185,39 +185,72 @@ def test_the_local_backend_gives_its_jobs_one_key_kept_outside_the_storage_root(
     assert backend.checkpoint_key() == "from the secret store"
 
 
-# Claims a checkpoint folder as a training job's rank 0 does, says so, and waits to be killed.
-_CLAIMER = ("import sys, time; from training.runtime import hold_checkpoint_dir; hold_checkpoint_dir(sys.argv[1]); "
+# Claims a run's folders (checkpoint_dir, output_dir) as a training job does, says so, and waits to be killed.
+_CLAIMER = ("import sys, time; from training.runtime import hold_run_folders; hold_run_folders(sys.argv[1], sys.argv[2]); "
             "print('held', flush=True); time.sleep(600)")
 
 
-def test_a_second_job_given_one_checkpoint_dir_stops_before_writing_and_a_killed_jobs_claim_is_gone(tmp_path: Path):
+def test_a_second_job_given_one_of_a_runs_folders_stops_before_writing_and_a_killed_jobs_claim_is_gone(tmp_path: Path):
     import subprocess
     import sys
 
     from core.failures import InfraError
     from training import train
-    from training.runtime import hold_checkpoint_dir
+    from training.runtime import hold_run_folders
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    first = subprocess.Popen([sys.executable, "-c", _CLAIMER, str(ckpt)], stdout=subprocess.PIPE, text=True,
+    first = subprocess.Popen([sys.executable, "-c", _CLAIMER, str(ckpt), str(out)], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).parents[2])
+
+    def config(name: str, **folders: Path) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"root": str(tmp_path / "data"), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02",
+                                    "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db",
+                                    **{k: str(v) for k, v in folders.items()}}))
+        return path
+
     try:
         assert first.stdout is not None and first.stdout.readline().strip() == "held"
-        config = tmp_path / "RUN.json"
-        config.write_text(json.dumps({"root": str(tmp_path / "data"), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02",
-                                      "output_dir": str(out),
-                                      "checkpoint_dir": str(ckpt), "mlflow_tracking_uri": f"sqlite:///{tmp_path}/m.db"}))
-        assert train.main(["--config", str(config)]) == ExitCode.INFRA
-        # Under training.launch (every backend's entry point) the node-0 agent claims it before any worker starts.
+        same = config("same", checkpoint_dir=ckpt, output_dir=tmp_path / "out2")
+        assert train.main(["--config", str(same)]) == ExitCode.INFRA
+        # Under training.launch (every backend's entry point) the node-0 agent claims them before any worker starts.
         launched = subprocess.run([sys.executable, "-m", "training.launch", "--nproc-per-node", "2", "--preflight", "--",
-                                   "-m", "training.train", "--config", str(config)], capture_output=True, text=True,
+                                   "-m", "training.train", "--config", str(same)], capture_output=True, text=True,
                                   cwd=Path(__file__).parents[2], timeout=120)
-        assert launched.returncode == ExitCode.INFRA and "is in use by another training job" in launched.stderr
-        assert not out.exists()  # no heartbeat, no failure file, no preflight: the first job's folders are left alone
-        with pytest.raises(InfraError, match=rf"checkpoint_dir {ckpt} is in use by another training job \(.* pid {first.pid}, since "):
-            hold_checkpoint_dir(ckpt)
+        assert launched.returncode == ExitCode.INFRA and f"checkpoint_dir {ckpt} is in use by another training job" in launched.stderr
+        assert not (tmp_path / "out2").exists()  # no heartbeat, failure file or preflight of the second job
+        # Its own checkpoint_dir, the first's output_dir: the first's heartbeats and result would be overwritten.
+        with pytest.raises(InfraError, match=rf"output_dir {out} is in use by another training job \(.* pid {first.pid}, since .*overwrite each other's heartbeats"):
+            hold_run_folders(tmp_path / "ckpt2", out)
+        assert not list(out.glob("heartbeat-*"))
     finally:
         first.kill()
         first.wait(timeout=30)
-    os.close(hold_checkpoint_dir(ckpt))  # the kernel dropped the killed job's claim with its process
-    assert hold_checkpoint_dir(f"s3://bucket/{ckpt.name}") is None  # object stores: the operators' one-job rule
+    for fd in hold_run_folders(ckpt, out):  # the kernel dropped the killed job's claims with its process
+        os.close(fd)
+    assert hold_run_folders(f"s3://bucket/{ckpt.name}", f"s3://bucket/{out.name}") == []  # the operators' one-job rule
+
+
+def test_a_checkpoint_of_a_run_with_other_settings_is_not_resumed_silently(tmp_path: Path):
+    """A rerun into a run's checkpoint_dir with another lr or dropout would restore that run's optimizer and schedule
+    (the new lr ignored) and report its model: refused, naming each setting. Longer runs and moved roots resume."""
+    from core.failures import ConfigError
+    from training.checkpoint_manager import CheckpointManager, resume_settings
+    from training.config import RunConfig
+
+    base = RunConfig.checked("RUN.json", root=str(tmp_path), train_days=["2026-01-01"], eval_ds="2026-01-02",
+                             output_dir=str(tmp_path / "out"), checkpoint_dir=str(tmp_path / "ckpt"),
+                             mlflow_tracking_uri="sqlite:///m.db", lr=0.003, params={"dropout": 0.1})
+    marker = {"path": str(tmp_path / "ckpt" / "step-00000108"), "settings": resume_settings(base)}
+
+    def check(config: RunConfig) -> None:
+        CheckpointManager(config, None, None, parts={}, stream=None, examples_seen=lambda: 0,  # type: ignore[arg-type]
+                          extra={})._check_settings(marker)
+
+    check(base.replace("RUN.json", epochs=base.epochs + 2, max_steps=500, root=str(tmp_path / "moved"), num_workers=2))
+    with pytest.raises(ConfigError, match=r"is of a run trained with other settings than this RUN.json's \(lr: saved "
+                       r"0.003, now 0.03; params: saved \{'dropout': 0.1\}, now \{'dropout': 0.3\}\): resuming it would "
+                       r"continue that run and ignore them.*checkpoint_dir of its own"):
+        check(base.replace("RUN.json", lr=0.03, params={"dropout": 0.3}))
+    marker.pop("settings")  # a checkpoint of older code records none: resumed as before
+    check(base.replace("RUN.json", lr=0.03))

@@ -105,6 +105,22 @@ def test_reruns_with_4_then_3_then_8_shards_each_publish_every_pin_exactly_once(
     assert len(plan_ids) == 3
 
 
+def test_publishing_one_plan_keeps_the_parts_of_another_plan_scoring_into_the_same_output(tmp_path: Path):
+    corpus = sorted(write_corpus(tmp_path / "root").tolist())
+    out = tmp_path / "out"
+    three, four = plan_of(tmp_path / "root", out, 3), plan_of(tmp_path / "root", out, 4)
+    scorer = StandIn()
+    score_plan_shard(three, 0, scorer)  # the 3-shard run is part-way when the 4-shard one publishes
+    for shard in range(4):
+        score_plan_shard(four, shard, scorer)
+    publish_plan(four)
+    assert missing_shards(three) == [1, 2] and (out / PLANS_DIR / three.plan_id / "_PLAN.json").exists()
+    for shard in (1, 2):
+        score_plan_shard(three, shard, scorer)
+    assert publish_plan(three)["num_shards"] == 3 and sorted(published_ids(out)) == corpus
+    assert not (out / PLANS_DIR).exists()  # the last plan's publish leaves no staging
+
+
 def test_a_retry_scores_only_the_missing_shards_and_a_rerun_of_the_same_plan_nothing(tmp_path: Path):
     write_corpus(tmp_path / "root")
     out = tmp_path / "out"
