@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     except DemoFailed as err:
         say(f"FAILED: {err}")
         return 1
+    except Exception as err:  # its traceback goes to the log, which may be on the full disk: say it here too
+        from core.failures import disk_full
+
+        full = f" (the disk is full: free space under {home} and run the demo again)" if disk_full(err) else ""
+        say(f"FAILED: {type(err).__name__}: {err}{full}; details in {log_file}")
+        raise
 
 
 # The quality bar of issue 5: every head reaches this share of the oracle's lift over chance,
