@@ -179,11 +179,21 @@ class ComputeJobOperator(BaseOperator):
                                  shard_markers=watch.shard_markers.to_list() if watch.shard_markers else None)
 
     # -- the lifecycle ------------------------------------------------------------------------------------------
-    def job_name(self, context: Context, try_number: int) -> str:
-        """Deterministic per (stage, task, try): the same try, the same name."""
+    def job_name(self, context: Context, try_number: int, again: int = 0) -> str:
+        """Deterministic per (stage, task, try): the same try, the same name. ``again``: the try of a run created
+        again under the same id, whose first name an ended job of the earlier run holds (:meth:`_of_an_earlier_run`)."""
         from operators.jobs import job_name
 
-        return job_name(*self.name_parts(context), f"try{try_number}")
+        return job_name(*self.name_parts(context), f"try{try_number}", *([f"again{again}"] if again else []))
+
+    @staticmethod
+    def _of_an_earlier_run(context: Context, backend: Backend, job_id: str) -> bool:
+        """Whether ``job_id`` ended before this DAG run began: a job of an earlier run of the same id (deleted and
+        created again, as the demo does each time), whose outputs were built with that run's settings."""
+        began = getattr(context.get("dag_run"), "start_date", None)
+        status = backend.status(job_id)
+        return bool(status.state.terminal and began is not None and status.created_at is not None
+                    and status.created_at < began.timestamp())
 
     def execute(self, context: Context) -> Any:
         from core import config
@@ -216,6 +226,13 @@ class ComputeJobOperator(BaseOperator):
         job = self._earlier_try(context, backend, submission, try_number)
         if job is None:
             job_id = backend.find(submission.spec.name)
+            again = 0
+            while job_id and self._of_an_earlier_run(context, backend, job_id):
+                again += 1  # never adopted: this try's job gets a name of its own
+                self.log.info("%s %s ended before this run began (an earlier run of the same id): not reused",
+                              self.what, job_id)
+                submission = self.prepare(context, self.job_name(context, try_number, again), todo)
+                job_id = backend.find(submission.spec.name)
             if job_id:
                 self.log.info("reattaching to %s %s submitted earlier for this task try", self.what, job_id)
             else:

@@ -263,3 +263,32 @@ def test_only_a_run_of_the_newest_day_announces_examples_to_training(platform: P
         announce_examples("2026-11-02", "backfill")
     with pytest.raises(AirflowSkipException, match="newest complete examples day is 2026-11-02"):
         announce_examples("2026-11-01", "manual")
+
+
+@pytest.mark.unit
+def test_a_run_created_again_under_the_same_id_builds_anew_instead_of_adopting_the_earlier_runs_job(
+        platform: PlatformConfig) -> None:
+    """The demo deletes and creates its runs again under the same ids: the ended job of the earlier run holds the
+    try's name, and was built with that run's settings; it is never adopted."""
+    import datetime as dt
+
+    from operators.backends import get_backend
+
+    def run_context(started: dt.datetime) -> Any:
+        return {**context(), "dag_run": SimpleNamespace(start_date=started)}
+
+    op = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DAY, skip_validation=True, deferrable=False)
+    op.execute(run_context(dt.datetime.now(dt.UTC)))
+    marker = Path(storage.partition(platform.storage_root, contracts.USER_DAILY, DAY), storage.MARKER)
+    first = marker.stat().st_mtime_ns
+    jobs = Path(platform.home) / "jobs"
+    before = {p.name for p in jobs.iterdir()}
+    # The same run, restarted (its try re-run): the job it submitted is adopted, nothing is built again.
+    op.execute(run_context(dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)))
+    assert {p.name for p in jobs.iterdir()} == before and marker.stat().st_mtime_ns == first
+    # The run created again: a job of its own, which builds the day again.
+    op.execute(run_context(dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)))
+    new = {p.name for p in jobs.iterdir()} - before
+    assert list(new) == [op.job_name(context(), 1, again=1)]
+    assert get_backend("local", platform).status(op.job_name(context(), 1, again=1)).state.value == "SUCCEEDED"
+    assert marker.stat().st_mtime_ns != first  # published again
