@@ -56,13 +56,11 @@ install: $(VENV)/.installed $(AIRFLOW_HOME)/airflow.db $(AIRFLOW_HOME)/.pools-sy
 # (in dev) brings fbgemm-gpu-cpu. `pip check` then reports only that declaration ("torchrec 1.8.0 requires
 # fbgemm-gpu, which is not installed"); nothing else is missing. RecBole is installed without its dependencies
 # too: only the MovieLens 100K copy in its wheel is read (features/movielens.py, the real-data test), never its code.
-# --no-compile: Python compiles a module when it is first imported; compiling all ~30k files of the venv up front
-# took 90 s of a fresh install on 2 cores, most of them never imported.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e ".[dev]"
-	$(BIN)/pip install --quiet --no-compile --no-deps -c constraints.txt torchrec==1.8.0 recbole==1.2.1
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt torchrec==1.8.0 recbole==1.2.1
 	$(BIN)/python -c "import torchrec, fbgemm_gpu, importlib.util; assert importlib.util.find_spec('recbole')"
 	touch $@
 
