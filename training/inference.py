@@ -53,7 +53,7 @@ import pyarrow.parquet as pq
 from core import storage
 from core.arrays import parse_shards, shards_of_this_process
 from core.contracts import RAW_PINS
-from core.failures import DataError, ExitCode, UserError, exit_code_for
+from core.failures import DataError, ExitCode, FailureClass, PinflowError, UserError, classify, exit_code_for
 from training.runtime import peak_rss_bytes, setup_logging
 
 log = logging.getLogger("training.inference")
@@ -307,13 +307,39 @@ def write_plan(plan: ScoringPlan) -> str:
 
 
 def read_plan(location: str) -> ScoringPlan:
+    """The plan at ``location``; a MissingPartsError when it is gone (published, or removed by a later run), a
+    UserError when the path cannot be a plan's or the file is not one."""
     try:
-        plan = storage.read_json(location)
+        data = storage.read_json(location)
     except FileNotFoundError:
-        raise MissingPartsError(
-            f"scoring plan {location} is gone (published or removed by a later run): plan the run again"
+        raise _plan_not_found(location) from None
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise UserError(f"scoring plan {location} is not a plan file ({err}): remove it and plan the run again") from None
+    try:
+        return ScoringPlan.from_dict(data)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise UserError(
+            f"scoring plan {location} is not a plan file ({type(err).__name__}: {err}): remove it and plan the run again"
         ) from None
-    return ScoringPlan.from_dict(plan)
+
+
+def _plan_not_found(location: str) -> Exception:
+    """Why there is no plan at ``location`` (``<out_dir>/_plans/<plan_id>/_PLAN.json``): published, removed, or a path
+    that never held one."""
+    parts = location.rstrip("/").split("/")
+    if len(parts) < 4 or parts[-1] != PLAN_FILE or parts[-3] != PLANS_DIR:
+        return UserError(f"no scoring plan at {location}: a plan is <out-dir>/{PLANS_DIR}/<plan id>/{PLAN_FILE}; "
+                         "check --plan")
+    out_dir, plan_id = "/".join(parts[:-3]), parts[-2]
+    if not storage.exists(out_dir):
+        return UserError(f"no scoring plan at {location}: {out_dir} does not exist; check --plan")
+    manifest = storage.join(out_dir, MANIFEST)
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        if storage.read_json(manifest).get("plan_id") == plan_id:
+            return MissingPartsError(f"scoring plan {plan_id} was published ({manifest}): nothing is left to score; "
+                                     "plan a new run to score again")
+    return MissingPartsError(f"scoring plan {location} is gone (removed by a later run, or never written): "
+                             "plan the run again")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -940,8 +966,6 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(model_uri=args.model_uri, tracking_uri=args.tracking_uri, root=args.root, ds=args.ds,
                              out_dir=args.out_dir, num_shards=args.num_shards, batch_size=args.batch_size or 4096,
                              threads=args.threads or 1)
-            if not storage.exists(plan_location(plan)):
-                write_plan(plan)
         if args.publish:
             manifest = publish_plan(plan)
             print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
@@ -952,6 +976,9 @@ def main(argv: list[str] | None = None) -> int:
             shards = [args.shard]
         else:
             parser.error("--shards or --shard: which shards to score")
+        outside = [shard for shard in shards if not 0 <= shard < plan.num_shards]
+        if outside:  # before the model loads or a plan is written
+            raise UserError(f"shard(s) {outside} not in [0, {plan.num_shards}) of plan {plan.plan_id}")
         threads = args.threads if args.threads is not None else plan.threads
         if threads:
             import torch
@@ -960,13 +987,19 @@ def main(argv: list[str] | None = None) -> int:
         scorer = None
         for shard in shards:
             if scorer is None and find_part(plan, shard) is None:
-                shard_pieces(plan, shard)  # a shard outside the plan fails before the model is loaded
-                scorer = Scorer.load(plan.model_uri, plan.tracking_uri)
+                shard_pieces(plan, shard)  # a snapshot changed since the plan fails before the model is loaded
+                scorer = Scorer.load(plan.model_uri, plan.tracking_uri)  # a wrong model fails before a plan is written
+            if not args.plan and not storage.exists(plan_location(plan)):
+                write_plan(plan)
             print(json.dumps(score_plan_shard(plan, shard, scorer)), flush=True)
         return int(ExitCode.OK)
     except Exception as exc:
         code = exit_code_for(exc)
-        log.error("inference failed (%s, exit %d): %s", code.name, int(code), exc, exc_info=exc)
+        # Our own user or data errors, and MLflow's answers (no such model or version), are their one line; anything
+        # else (a bug) keeps its traceback.
+        expected = (isinstance(exc, PinflowError) or type(exc).__name__ == "MlflowException") and classify(exc) in (
+            FailureClass.USER, FailureClass.DATA)
+        log.error("inference failed (%s, exit %d): %s", code.name, int(code), exc, exc_info=None if expected else exc)
         return int(code)
 
 

@@ -1,4 +1,4 @@
-"""MLflow on rank 0: one run per training job, resumed across retries; the model logged and registered once.
+"""MLflow on rank 0: one run per training job, resumed across retries; the model registered once per trained step.
 
 The run id (and, once registered, the model version) is kept in ``<checkpoint_dir>/mlflow_run.json``:
 a retried job (same checkpoint_dir) continues the same MLflow run instead of starting a new one, and a job
@@ -28,6 +28,8 @@ STATE_FILE = "mlflow_run.json"
 MODEL_ARTIFACT = "model"
 FEATURE_SPEC_ARTIFACT = "feature_spec.json"
 INPUTS_ARTIFACT = "inputs.json"
+# The training steps of a registered version's model: a run resumed with more epochs registers its model again.
+STEPS_TAG = "pinflow.train_steps"
 
 
 def torch_requirement() -> str:
@@ -149,7 +151,7 @@ class Tracker:
     # ----------------------------------------------------------------------------------------------
     def log_model(
         self, family: ModelFamily, model: torch.nn.Module | None, feature_spec: dict[str, Any],
-        sharded: str | None = None,
+        sharded: str | None = None, *, steps: int,
     ) -> tuple[str, str | None]:
         """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
 
@@ -158,31 +160,36 @@ class Tracker:
         its artifacts), so ``models:/name/version`` stays what the registry and a rollback move, and no process
         ever holds the whole model to log it.
 
-        Idempotent per MLflow run: a model already registered by this run (an earlier try) is returned. The
-        registry itself is asked (the version whose run is this run), not only the state file beside the
-        checkpoints: a try that registered and then failed to write that file (a full disk) must not register twice.
+        Idempotent per MLflow run and trained ``steps``: a model this run registered at the same step (an earlier
+        try) is returned. The registry itself is asked (this run's version tagged with those steps), not only the
+        state file beside the checkpoints: a try that registered and then failed to write that file (a full disk)
+        must not register twice. A run resumed with more epochs or steps trained on: its model is a new version.
         """
         if self.state.get("model_uri"):
-            log.info(
-                "model already logged by this run: %s (version %s)",
-                self.state["model_uri"],
-                self.state.get("model_version"),
-            )
-            self._tag_corpus_rows(family, self.state.get("model_version"), sharded)
-            return str(self.state["model_uri"]), self.state.get("model_version")
-        registered = self.registered_version()
+            # No model_steps: a state written before they were recorded, taken as the same model.
+            if int(self.state.get("model_steps", steps)) == steps:
+                log.info("model already logged by this run: %s (version %s)", self.state["model_uri"],
+                         self.state.get("model_version"))
+                self._tag_corpus_rows(family, self.state.get("model_version"), sharded)
+                return str(self.state["model_uri"]), self.state.get("model_version")
+            log.info("this run registered version %s at step %s and trained on to step %s: registering the model again",
+                     self.state.get("model_version"), self.state.get("model_steps"), steps)
+            for key in ("model_uri", "model_version", "logged_model_uri", "model_steps"):
+                self.state.pop(key, None)
+        registered = self.registered_version(steps)
         if registered is not None:
             model_uri = f"models:/{self.config.registered_model}/{registered.version}"
             log.info("this run registered its model already (an earlier try): %s", model_uri)
             self._tag_corpus_rows(family, str(registered.version), sharded)
             self.state.update(model_uri=model_uri, model_version=str(registered.version),
-                              logged_model_uri=str(registered.source))
+                              logged_model_uri=str(registered.source), model_steps=steps)
             storage.write_json(self.state_path, self.state)
             return model_uri, str(registered.version)
         self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
         registered_name = self.config.registered_model if self.config.register else None
+        tags = {STEPS_TAG: str(steps)}  # on the logged model and, set with its creation, on the version
         if sharded is not None:
-            info = self._log_sharded(sharded, feature_spec, registered_name)
+            info = self._log_sharded(sharded, feature_spec, registered_name, tags)
         else:
             assert model is not None, "a model exported whole needs its module"
             serving = family.serving(copy.deepcopy(model).cpu().float()).eval()
@@ -196,12 +203,13 @@ class Tracker:
                 pip_requirements=[torch_requirement()],  # explicit: inferring requirements is slow
                 registered_model_name=registered_name,
                 metadata={"feature_spec": feature_spec},
+                tags=tags,
             )
         version = info.registered_model_version
         version = str(version) if version is not None else None
         self._tag_corpus_rows(family, version, sharded)
         model_uri = f"models:/{self.config.registered_model}/{version}" if version else info.model_uri
-        self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri)
+        self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri, model_steps=steps)
         storage.write_json(self.state_path, self.state)
         return model_uri, version
 
@@ -216,7 +224,9 @@ class Tracker:
         if rows:
             self.client.set_model_version_tag(self.config.registered_model, version, SHARDED_ROWS_TAG, str(rows))
 
-    def _log_sharded(self, folder: str, feature_spec: dict[str, Any], registered_name: str | None) -> Any:
+    def _log_sharded(
+        self, folder: str, feature_spec: dict[str, Any], registered_name: str | None, tags: dict[str, str]
+    ) -> Any:
         """A pyfunc model pointing to the sharded export in ``folder`` (``training.inference.load_model`` reads it)."""
         import tempfile
 
@@ -240,15 +250,17 @@ class Tracker:
             return mlflow.pyfunc.log_model(
                 name=MODEL_ARTIFACT, python_model=ShardedPointer(), artifacts={"manifest": copy_path},
                 pip_requirements=[torch_requirement()], registered_model_name=registered_name,
-                metadata={"feature_spec": feature_spec, SHARDED_METADATA: pointer},
+                metadata={"feature_spec": feature_spec, SHARDED_METADATA: pointer}, tags=tags,
             )
 
-    def registered_version(self) -> Any | None:
-        """The version of ``registered_model`` that this MLflow run registered, if any (the oldest)."""
+    def registered_version(self, steps: int) -> Any | None:
+        """The version of ``registered_model`` that this MLflow run registered after ``steps`` training steps, if any
+        (the oldest; a version without STEPS_TAG, registered before it was set, counts as any step's)."""
         if not self.config.register:
             return None
-        versions = self.client.search_model_versions(
+        versions = [v for v in self.client.search_model_versions(
             f"name='{self.config.registered_model}' and run_id='{self.run_id}'")
+            if v.tags.get(STEPS_TAG, str(steps)) == str(steps)]
         return min(versions, key=lambda v: int(v.version)) if versions else None
 
     def end(self, status: str = "FINISHED") -> None:

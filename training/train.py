@@ -383,8 +383,12 @@ class Trainer:
                  self.total_steps, self.epochs, self.steps_per_epoch, cfg.batch_size * env.world_size)
 
     def budget_warnings(self) -> list[str]:
-        """Why this run may be too short to trust: fewer steps than the warmup or than the configured minimum."""
+        """Why this run may be too short to trust (fewer steps than the warmup or than the configured minimum) or
+        differ from one never stopped (a resume on another world size or sharding)."""
         cfg, warnings = self.config, []
+        if self.resumed is not None and not self.resumed.exact:
+            warnings.append(f"resumed {self.resumed.path} at step {self.resumed.step}: not an exact resume: "
+                            f"{self.resumed.reason}")
         if self.step < cfg.warmup_steps:
             warnings.append(
                 f"trained {self.step} steps, fewer than the {cfg.warmup_steps} warmup steps: the learning rate never "
@@ -888,7 +892,8 @@ class Trainer:
         # The decisive point: a job whose task is gone (its lease not renewed) registers nothing (core.lease).
         lease.check(cfg.output_dir, cfg.lease_s)
         if tracker is not None:
-            model_uri, version = tracker.log_model(family, models["model"], feature_spec, sharded=sharded.get("model"))
+            model_uri, version = tracker.log_model(family, models["model"], feature_spec, sharded=sharded.get("model"),
+                                                steps=step)
             tracker.end("FINISHED")
         elif "model" in sharded:  # no tracking: the sharded export is the model, nothing registered
             model_uri, version = sharded["model"], None

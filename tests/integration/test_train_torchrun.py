@@ -377,6 +377,8 @@ def test_torchrec_resumes_on_three_ranks_what_two_saved_and_says_why_it_is_not_e
     assert resume["saved"] == {"world_size": 2, "sharding": "row_wise"}
     assert resume["now"] == {"world_size": 3, "sharding": "row_wise"}
     assert "resharded bit for bit" in resume["reason"]
+    assert any(w.startswith(f"resumed {resume['from']} at step {saved['steps']}: not an exact resume: saved by 2")
+               for w in result["warnings"]), result["warnings"]
     assert result["steps"] > saved["steps"]  # continued from the saved step to the last epoch's end
     assert f"resumed from {resume['from']} at step {saved['steps']}" in proc.stderr
 

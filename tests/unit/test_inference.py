@@ -282,6 +282,52 @@ def test_the_entry_point_scores_its_array_index_and_publishes(tmp_path: Path, mo
     assert len(published_ids(tmp_path / "out")) == 630
 
 
+def test_the_entry_point_says_what_is_wrong_with_a_plan_in_one_line_and_writes_no_plan_it_cannot_score(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """A hand-run scorer given a damaged plan, a path that never held one, a published plan, a shard outside the
+    plan or a model the registry does not have: one line naming it (no traceback), and no _PLAN.json left behind."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    write_corpus(tmp_path / "root")
+    plan = plan_of(tmp_path / "root", tmp_path / "out", 2)
+    location = inference.plan_location(plan)
+
+    def failed(argv: list[str], code: int, says: str) -> None:
+        capsys.readouterr()
+        assert inference.main(argv) == code
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(errors) == 1 and " ERROR " in errors[0] and says in errors[0], errors  # one line, no traceback
+
+    saved = Path(location).read_text()
+    Path(location).write_text(saved[: len(saved) // 2])  # cut short
+    failed(["--plan", location, "--shard", "0"], 1, "is not a plan file")
+    Path(location).write_text(json.dumps({"plan_id": plan.plan_id}))  # not a plan
+    failed(["--plan", location, "--shard", "0"], 1, "is not a plan file (KeyError")
+    Path(location).write_text(saved)
+    failed(["--plan", str(tmp_path / "elsewhere" / PLANS_DIR / "abc" / "_PLAN.json"), "--shard", "0"], 1,
+           "does not exist; check --plan")
+    failed(["--plan", str(tmp_path / "out" / "plan.json"), "--shard", "0"], 1, "a plan is <out-dir>/_plans/")
+
+    monkeypatch.setattr(Scorer, "load", classmethod(lambda cls, uri, tracking: StandIn()))
+    assert inference.main(["--plan", location, "--shards", "0-1"]) == 0
+    assert inference.main(["--plan", location, "--publish"]) == 0
+    failed(["--plan", location, "--shard", "0"], 65, f"scoring plan {plan.plan_id} was published")
+
+    options = ["--model-uri", "models:/pin_ranker/9", "--tracking-uri", "sqlite:///unused.db", "--root",
+               str(tmp_path / "root"), "--ds", DS, "--num-shards", "3", "--out-dir", str(tmp_path / "other")]
+    failed([*options, "--shard", "3"], 1, "shard(s) [3] not in [0, 3)")
+
+    def no_such_version(cls: type, uri: str, tracking: str) -> Scorer:
+        # What the registry answers for a version it does not have.
+        raise MlflowException("Model Version (name=pin_ranker, version=9) not found", error_code=RESOURCE_DOES_NOT_EXIST)
+
+    monkeypatch.setattr(Scorer, "load", classmethod(no_such_version))
+    failed([*options, "--shard", "0"], 1, "Model Version (name=pin_ranker, version=9) not found")
+    assert not list((tmp_path / "other").rglob("_PLAN.json"))
+
+
 # --- sizing ------------------------------------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
     })
     family = load_family("tiny_click", "tiny_click", {})
     first = Tracker(config)
-    uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"})
+    uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40)
     first.end("FAILED")
     state = tmp_path / "checkpoints" / STATE_FILE
     saved = json.loads(state.read_text())
@@ -40,12 +40,53 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
 
     again = Tracker(config)
     assert again.run_id == first.run_id  # the same run, continued
-    assert again.log_model(family, family.build_model(), {"family": "tiny_click"}) == (uri_1, version_1) == (
+    assert again.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40) == (uri_1, version_1) == (
         "models:/tiny_click/1", "1")
     again.end()
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     assert [str(v.version) for v in client.search_model_versions("name='tiny_click'")] == ["1"]
     assert json.loads(state.read_text())["model_version"] == "1"
+    sys.modules.pop("tiny_click", None)
+
+
+def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_path: Path, monkeypatch):
+    """A finished run resumed with more epochs trains on from its last checkpoint in the same MLflow run: its model
+    is a new version (before, the version of the shorter run was reported for it), and a retry of the extended run
+    (its state file lost) finds that new version rather than the first."""
+    monkeypatch.syspath_prepend(str(FAMILIES))
+    from mlflow import MlflowClient
+
+    from training.sdk import load_family
+    from training.tracking import STATE_FILE, STEPS_TAG, Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = RunConfig.from_dict({
+        "root": str(tmp_path), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02", "output_dir": str(tmp_path / "job"),
+        "checkpoint_dir": str(tmp_path / "checkpoints"), "mlflow_tracking_uri": uri,
+        "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "tiny_click", "family_module": "tiny_click",
+    })
+    family = load_family("tiny_click", "tiny_click", {})
+    first = Tracker(config)
+    assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40) == ("models:/tiny_click/1", "1")
+    first.end()
+
+    extended = Tracker(config)
+    assert extended.run_id == first.run_id
+    assert extended.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=120) == (
+        "models:/tiny_click/2", "2")
+    extended.end()
+    state = tmp_path / "checkpoints" / STATE_FILE
+    assert json.loads(state.read_text())["model_steps"] == 120
+    state.write_text(json.dumps({k: json.loads(state.read_text())[k] for k in ("run_id", "experiment_id")}))
+    retry = Tracker(config)
+    assert retry.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=120) == (
+        "models:/tiny_click/2", "2")
+    retry.end()
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    versions = {str(v.version): v for v in client.search_model_versions("name='tiny_click'")}
+    assert sorted(versions) == ["1", "2"]
+    assert versions["1"].tags[STEPS_TAG] == "40" and versions["2"].tags[STEPS_TAG] == "120"
+    assert versions["1"].run_id == versions["2"].run_id == first.run_id
     sys.modules.pop("tiny_click", None)
 
 
