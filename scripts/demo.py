@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,9 +104,53 @@ def named_run(run_id: str) -> Iterator[None]:
         yield
 
 
+class FailedJobsSaid:
+    """While a DAG run runs, says on the terminal each of its jobs that failed (a preflight that finds too little disk,
+    a killed worker): Airflow retries most of them after a backoff, and the terminal would otherwise say nothing
+    until the run ends. From the job history (``services.job_history``), every ``every_s`` seconds and at the end."""
+
+    def __init__(self, dag_id: str, run_id: str, log_file: Path, every_s: float = 5.0) -> None:
+        from services import job_history
+
+        self.history, self.dag_id, self.run_id, self.log_file, self.every_s = job_history, dag_id, run_id, log_file, every_s
+        self.since = job_history.now()  # an earlier demo's run of the same id had jobs of its own
+        self.said: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="demo-failed-jobs", daemon=True)
+
+    def __enter__(self) -> FailedJobsSaid:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.say_new()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.say_new()
+
+    def say_new(self) -> None:
+        history = self.history
+        try:
+            rows = history.rows(dag_id=self.dag_id, run_id=self.run_id, states=[history.FAILED, history.LOST],
+                                since=self.since)
+        except Exception:  # noqa: BLE001 - the history is only read for the terminal: the run goes on
+            return
+        for row in rows:
+            if row["job_name"] in self.said:
+                continue
+            self.said.add(row["job_name"])
+            reason = " ".join(str(row["reason"] or "no reason recorded").split())
+            say(f"{self.dag_id} {row['task_id']}: try {row['try_number']} failed ({row['failure_class'] or row['state']}): "
+                f"{reason[:400]}{'...' if len(reason) > 400 else ''}; Airflow retries it while the task has retries "
+                f"left (details in {self.log_file})")
+
+
 def run_dag(dag: Any, log_file: Path, run_id: str, **kwargs: Any) -> Any:
     """One DAG run through dag.test(), named ``run_id``; raises DemoFailed naming the failed tasks."""
-    with named_run(run_id):
+    with named_run(run_id), FailedJobsSaid(dag.dag_id, run_id, log_file):
         dag_run = dag.test(**kwargs)
     if dag_run.state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if ti.state == "failed"]
