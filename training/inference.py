@@ -648,10 +648,42 @@ def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None
     started = time.monotonic()
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "shard": shard, "num_shards": plan.num_shards,
                                "ds": plan.ds, "path": staged_part(plan, shard)}
-    found = find_part(plan, shard)
-    if found is not None:
-        record = part_record(found) or {}
-        return {**summary, "path": found, "rows": record.get("rows"), "skipped": True, "seconds": 0.0}
+    with _shard_claim(plan, shard):  # a second scorer of this shard waits for the first, then finds its part
+        found = find_part(plan, shard)
+        if found is not None:
+            record = part_record(found) or {}
+            return {**summary, "path": found, "rows": record.get("rows"), "skipped": True, "seconds": 0.0}
+        return _score_shard(plan, shard, scorer, engine, started, summary)
+
+
+@contextlib.contextmanager
+def _shard_claim(plan: ScoringPlan, shard: int, poll_s: float = 1.0) -> Iterator[None]:
+    """Hold the claim on scoring ``shard`` of the plan (a lock file beside its parts, dropped with this process
+    however it ends), waiting while another scorer holds it. None on an object store (a second scorer there scores
+    the same part again: identical, written whole), nor once the plan's folder is gone (published)."""
+    from core import claims
+
+    fd = None
+    if not storage.is_remote(plan.parts_dir):
+        waited = False
+        while storage.exists(plan.parts_dir):
+            try:
+                fd = claims.hold(storage.join(plan.parts_dir, f".shard-{shard:05d}.lock"))
+                break
+            except claims.Claimed as held:
+                if not waited:
+                    log.info("shard %d of plan %s is being scored by %s: waiting for it", shard, plan.plan_id, held.holder)
+                    waited = True
+                time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _score_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None, engine: str, started: float,
+                 summary: dict[str, Any]) -> dict[str, Any]:
     pieces = shard_pieces(plan, shard)  # checks the shard number before the model is loaded
     scorer = scorer or Scorer.load(plan.model_uri, plan.tracking_uri)
     loaded, cpu_from = time.monotonic(), time.process_time()

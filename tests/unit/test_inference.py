@@ -159,6 +159,40 @@ def test_the_plan_id_keys_model_snapshot_shards_and_batch_size(tmp_path: Path):
                                                                                 (1, 0, 0, 100), (1, 1, 0, 5)]
 
 
+def test_a_second_scorer_of_a_shard_waits_for_the_first_and_takes_its_part(tmp_path: Path):
+    """Two scorers given the same plan and shard (a job started twice by hand): the second waits while the first
+    holds the shard's claim, then finds its part instead of scoring it again. The first is another process here."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    write_corpus(tmp_path / "root")
+    plan = plan_of(tmp_path / "root", tmp_path / "out", 2)
+    lock = storage.join(plan.parts_dir, ".shard-00000.lock")
+    first = subprocess.Popen(
+        [sys.executable, "-c", f"from core import claims; claims.hold({lock!r}); print('held', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "held"
+        second, outcome = StandIn(), {}
+        waiting = threading.Thread(target=lambda: outcome.update(score_plan_shard(plan, 0, second)))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and not second.batches  # waits, scoring nothing
+        # What the first scorer does while it holds the claim: score the shard (here, past the claim).
+        summary = {"plan_id": plan.plan_id, "shard": 0, "num_shards": 2, "ds": DS, "path": inference.staged_part(plan, 0)}
+        written = inference._score_shard(plan, 0, StandIn(), "processes", time.monotonic(), summary)
+        first.communicate("\n", timeout=30)  # the first scorer ends: its claim goes with it
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+    finally:
+        first.kill()
+        first.wait()
+    assert outcome["skipped"] is True and outcome["path"] == written["path"] and not second.batches
+    assert score_plan_shard(plan, 1, StandIn())["skipped"] is False  # a shard nobody holds is scored at once
+
+
 def test_publish_refuses_a_missing_a_foreign_or_a_wrong_part_and_removes_the_wrong_ones(tmp_path: Path):
     write_corpus(tmp_path / "root")
     out = tmp_path / "out"
