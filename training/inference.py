@@ -24,6 +24,12 @@ parts to ``<out-dir>/part-NNNNN.parquet`` (replacing any earlier output) and wri
 with the counts, checksums and the measured throughput. Readers use only manifested outputs. Exit codes as
 ``core.failures.ExitCode``.
 
+Made by hand from options (``--model-uri``, ``--ds``, ...), a plan scores the version its ``--model-uri`` names
+when it is made: an alias (``models:/name@champion``) or ``latest`` is resolved first (:func:`pinned_model`), so a
+move of the alias between two scorers cannot mix two models in one output. A plan read with ``--plan`` is checked
+against its id (an edited plan is refused). Two scorers of one shard on local storage: the second waits for the
+first and takes its part.
+
 A job scores the shards named by ``--shards``; in an array job (an AWS Batch array job, a Kubernetes Indexed
 Job, the local backend's parallel processes) the array index (``PINFLOW_ARRAY_INDEX``,
 ``AWS_BATCH_JOB_ARRAY_INDEX`` or ``JOB_COMPLETION_INDEX``) picks one of them.
@@ -40,6 +46,7 @@ import json
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -290,6 +297,43 @@ def make_plan(
     )
 
 
+_REGISTRY_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>[^/]+)|@(?P<alias>[^/]+))")
+
+
+def is_pinned(model_uri: str) -> bool:
+    """A registry URI of one version number (``models:/name/N``), or a URI that is not the registry's."""
+    match = _REGISTRY_URI.fullmatch(model_uri)
+    return match is None or (match["version"] or "").isdigit()
+
+
+def pinned_model(model_uri: str, tracking_uri: str) -> tuple[str, int]:
+    """``model_uri`` as the version of the registry it names now (an alias or ``latest``: ``models:/name/N``), and
+    the rows of that version's corpus table when it was exported sharded (its ``SHARDED_ROWS_TAG``; else 0). A plan
+    keys its parts by this URI: planned by an alias, two scorers of one plan would score with whichever version the
+    alias named at each start, and the publish would mix them. Other URIs (``runs:/...``, a path) are kept."""
+    match = _REGISTRY_URI.fullmatch(model_uri)
+    if match is None:
+        return model_uri, 0
+    if tracking_uri.startswith("sqlite:///") and not os.path.exists(tracking_uri.removeprefix("sqlite:///")):
+        raise UserError(f"no MLflow database at {tracking_uri.removeprefix('sqlite:///')} (--tracking-uri "
+                        f"{tracking_uri}): give the tracking URI the model was registered with")
+    from mlflow import MlflowClient
+
+    from services.model_registry import model_version
+
+    registry = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    name, ref = match["name"], match["alias"] or match["version"]
+    if ref == "latest":
+        versions = registry.search_model_versions(f"name='{name}'")
+        if not versions:
+            raise UserError(f"model {name} has no registered version in {tracking_uri}: check the model's name")
+        ref = str(max(int(v.version) for v in versions))
+    version = model_version(registry, name, ref)
+    if ref != str(version.version):
+        log.info("%s is version %s now: the plan scores that version", model_uri, version.version)
+    return f"models:/{name}/{version.version}", int((version.tags or {}).get(SHARDED_ROWS_TAG) or 0)
+
+
 def views_dir(out_dir: str | os.PathLike[str]) -> str:
     """Where merged views of incremental snapshots go: beside the plans (removed with them once published)."""
     return storage.join(os.fspath(out_dir), PLANS_DIR, VIEWS_DIR)
@@ -313,14 +357,28 @@ def read_plan(location: str) -> ScoringPlan:
         data = storage.read_json(location)
     except FileNotFoundError:
         raise _plan_not_found(location) from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as err:
+        raise UserError(f"cannot read scoring plan {location}: {err}; --plan is <out-dir>/{PLANS_DIR}/<plan id>/"
+                        f"{PLAN_FILE}") from None
     except ValueError as err:  # not JSON, or not UTF-8
         raise UserError(f"scoring plan {location} is not a plan file ({err}): remove it and plan the run again") from None
     try:
-        return ScoringPlan.from_dict(data)
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        plan = ScoringPlan.from_dict(data)
+        made = make_plan(model_uri=plan.model_uri, tracking_uri=plan.tracking_uri, root=plan.root, ds=plan.ds,
+                         out_dir=plan.out_dir, num_shards=plan.num_shards, batch_size=plan.batch_size,
+                         threads=plan.threads, snap=plan.snapshot,
+                         table_rows=plan.shards[-1].stop if plan.sharding == PIN_ROWS and plan.shards else 0)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError, UserError) as err:
         raise UserError(
             f"scoring plan {location} is not a plan file ({type(err).__name__}: {err}): remove it and plan the run again"
         ) from None
+    if (made.plan_id, made.shards, made.parts_dir, made.sharding, made.pins) != (
+            plan.plan_id, plan.shards, plan.parts_dir, plan.sharding, plan.pins):
+        # Its parts are keyed by the plan id: a plan edited by hand (another model, other shards) would publish parts
+        # scored by another model, or index shards it does not have.
+        raise UserError(f"scoring plan {location} does not match its id {plan.plan_id} (edited since it was made?): "
+                        "remove its folder and plan the run again")
+    return plan
 
 
 def _plan_not_found(location: str) -> Exception:
@@ -980,6 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging(0)
     try:
+        if args.threads is not None and args.threads < 1:
+            raise UserError(f"--threads {args.threads}: need at least one thread")
         if args.plan:
             plan = read_plan(args.plan)
         else:
@@ -990,14 +1050,26 @@ def main(argv: list[str] | None = None) -> int:
             absent = [name for name, value in needed.items() if value in (None, "")]
             if absent:
                 parser.error(f"give --plan, or {', '.join(absent)}")
+            try:
+                dt.date.fromisoformat(args.ds)
+            except ValueError:
+                raise UserError(f"--ds {args.ds!r} is not a day: give YYYY-MM-DD") from None
             if args.publish:
-                manifest = publish_manifest(args.out_dir, args.num_shards, args.model_uri, args.ds, root=args.root,
+                model_uri = args.model_uri
+                if not is_pinned(model_uri):
+                    if not args.tracking_uri:
+                        raise UserError(f"--model-uri {model_uri} names no version: give its version number, or "
+                                        "--tracking-uri to find the version it names")
+                    model_uri = pinned_model(model_uri, args.tracking_uri)[0]
+                manifest = publish_manifest(args.out_dir, args.num_shards, model_uri, args.ds, root=args.root,
                                             batch_size=args.batch_size)
                 print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
                 return int(ExitCode.OK)
-            plan = make_plan(model_uri=args.model_uri, tracking_uri=args.tracking_uri, root=args.root, ds=args.ds,
-                             out_dir=args.out_dir, num_shards=args.num_shards, batch_size=args.batch_size or 4096,
-                             threads=args.threads or 1)
+            model_uri, table_rows = pinned_model(args.model_uri, args.tracking_uri)
+            plan = make_plan(model_uri=model_uri, tracking_uri=args.tracking_uri, root=args.root, ds=args.ds,
+                             out_dir=args.out_dir, num_shards=args.num_shards,
+                             batch_size=4096 if args.batch_size is None else args.batch_size,
+                             threads=1 if args.threads is None else args.threads, table_rows=table_rows)
         if args.publish:
             manifest = publish_plan(plan)
             print(json.dumps({k: v for k, v in manifest.items() if k != "parts"}), flush=True)
@@ -1018,11 +1090,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(threads)
         scorer = None
         for shard in shards:
-            if scorer is None and find_part(plan, shard) is None:
-                shard_pieces(plan, shard)  # a snapshot changed since the plan fails before the model is loaded
-                scorer = Scorer.load(plan.model_uri, plan.tracking_uri)  # a wrong model fails before a plan is written
-            if not args.plan and not storage.exists(plan_location(plan)):
-                write_plan(plan)
+            if find_part(plan, shard) is None:
+                if scorer is None:
+                    shard_pieces(plan, shard)  # a snapshot changed since the plan fails before the model is loaded
+                    scorer = Scorer.load(plan.model_uri, plan.tracking_uri)  # a wrong model: no plan written
+                if not args.plan and not storage.exists(plan_location(plan)):
+                    write_plan(plan)  # only when there is a shard to score (none once the plan was published)
             print(json.dumps(score_plan_shard(plan, shard, scorer)), flush=True)
         return int(ExitCode.OK)
     except Exception as exc:

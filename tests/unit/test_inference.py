@@ -74,6 +74,18 @@ def plan_of(root: Path, out: Path, shards: int, batch_size: int = 64, model: str
     return plan
 
 
+def registry_with_versions(tmp_path: Path, name: str, versions: int) -> str:
+    """A SQLite MLflow registry holding ``versions`` versions of model ``name`` (no artifacts: only looked up)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model(name)
+    for _ in range(versions):
+        client.create_model_version(name, str(tmp_path / "model"))
+    return uri
+
+
 def published_ids(out: Path) -> list[int]:
     return pq.read_table(sorted(out.glob("part-*.parquet"))).column("pin_id").to_pylist()
 
@@ -321,9 +333,6 @@ def test_the_entry_point_says_what_is_wrong_with_a_plan_in_one_line_and_writes_n
 ):
     """A hand-run scorer given a damaged plan, a path that never held one, a published plan, a shard outside the
     plan or a model the registry does not have: one line naming it (no traceback), and no _PLAN.json left behind."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
-
     write_corpus(tmp_path / "root")
     plan = plan_of(tmp_path / "root", tmp_path / "out", 2)
     location = inference.plan_location(plan)
@@ -339,6 +348,12 @@ def test_the_entry_point_says_what_is_wrong_with_a_plan_in_one_line_and_writes_n
     failed(["--plan", location, "--shard", "0"], 1, "is not a plan file")
     Path(location).write_text(json.dumps({"plan_id": plan.plan_id}))  # not a plan
     failed(["--plan", location, "--shard", "0"], 1, "is not a plan file (KeyError")
+    edited = json.loads(saved)
+    failed_edit = {**edited, "model_uri": "models:/pin_ranker/2"}  # another model scoring this plan's parts
+    Path(location).write_text(json.dumps(failed_edit))
+    failed(["--plan", location, "--shard", "0"], 1, "does not match its id")
+    Path(location).write_text(json.dumps({**edited, "num_shards": 5}))  # shards it does not have
+    failed(["--plan", location, "--shard", "4"], 1, "does not match its id")
     Path(location).write_text(saved)
     failed(["--plan", str(tmp_path / "elsewhere" / PLANS_DIR / "abc" / "_PLAN.json"), "--shard", "0"], 1,
            "does not exist; check --plan")
@@ -349,17 +364,49 @@ def test_the_entry_point_says_what_is_wrong_with_a_plan_in_one_line_and_writes_n
     assert inference.main(["--plan", location, "--publish"]) == 0
     failed(["--plan", location, "--shard", "0"], 65, f"scoring plan {plan.plan_id} was published")
 
-    options = ["--model-uri", "models:/pin_ranker/9", "--tracking-uri", "sqlite:///unused.db", "--root",
-               str(tmp_path / "root"), "--ds", DS, "--num-shards", "3", "--out-dir", str(tmp_path / "other")]
-    failed([*options, "--shard", "3"], 1, "shard(s) [3] not in [0, 3)")
-
-    def no_such_version(cls: type, uri: str, tracking: str) -> Scorer:
-        # What the registry answers for a version it does not have.
-        raise MlflowException("Model Version (name=pin_ranker, version=9) not found", error_code=RESOURCE_DOES_NOT_EXIST)
-
-    monkeypatch.setattr(Scorer, "load", classmethod(no_such_version))
-    failed([*options, "--shard", "0"], 1, "Model Version (name=pin_ranker, version=9) not found")
+    tracking = registry_with_versions(tmp_path, "pin_ranker", 1)
+    options = ["--tracking-uri", tracking, "--root", str(tmp_path / "root"), "--ds", DS, "--num-shards", "3",
+               "--out-dir", str(tmp_path / "other")]
+    failed([*options, "--model-uri", "models:/pin_ranker/1", "--shard", "3"], 1, "shard(s) [3] not in [0, 3)")
+    failed([*options, "--model-uri", "models:/pin_ranker/9", "--shard", "0"], 1,
+           "model pin_ranker has no version or alias '9' in the registry")
+    failed([*options, "--model-uri", "models:/pin_ranker/1", "--shard", "0", "--threads", "0"], 1,
+           "--threads 0: need at least one thread")
+    failed([*options[:4], "--ds", "2026-13-01", *options[6:], "--model-uri", "models:/pin_ranker/1", "--shard", "0"], 1,
+           "--ds '2026-13-01' is not a day")
+    failed(["--plan", str(tmp_path / "out"), "--shard", "0"], 1, "cannot read scoring plan")
     assert not list((tmp_path / "other").rglob("_PLAN.json"))
+
+
+def test_a_plan_made_by_hand_scores_the_version_an_alias_names_when_it_is_made(tmp_path: Path, monkeypatch):
+    """An alias (or latest) given to the scoring CLI is the version it names when the plan is made: moving the alias
+    between two scorers of the plan no longer mixes two models' scores in one published output."""
+    from mlflow import MlflowClient
+
+    tracking = registry_with_versions(tmp_path, "pin_ranker", 2)
+    client = MlflowClient(tracking_uri=tracking, registry_uri=tracking)
+    client.set_registered_model_alias("pin_ranker", "champion", "1")
+    assert inference.pinned_model("models:/pin_ranker@champion", tracking) == ("models:/pin_ranker/1", 0)
+    assert inference.pinned_model("models:/pin_ranker/latest", tracking) == ("models:/pin_ranker/2", 0)
+    assert inference.pinned_model("runs:/abc/model", tracking) == ("runs:/abc/model", 0)
+    with pytest.raises(UserError, match="no MLflow database at"):
+        inference.pinned_model("models:/pin_ranker/1", f"sqlite:///{tmp_path / 'typo.db'}")
+    assert not (tmp_path / "typo.db").exists()
+
+    write_corpus(tmp_path / "root")
+    loads: list[str] = []
+    monkeypatch.setattr(Scorer, "load", classmethod(lambda cls, uri, tracking: loads.append(uri) or StandIn()))
+    options = ["--model-uri", "models:/pin_ranker@champion", "--tracking-uri", tracking, "--root",
+               str(tmp_path / "root"), "--ds", DS, "--num-shards", "2", "--out-dir", str(tmp_path / "out")]
+    assert inference.main([*options, "--shard", "0"]) == 0
+    client.set_registered_model_alias("pin_ranker", "champion", "2")  # moved while the plan is half scored
+    assert inference.main([*options, "--shard", "1"]) == 0  # another plan: version 2's
+    assert loads == ["models:/pin_ranker/1", "models:/pin_ranker/2"]
+    plans = {json.loads(p.read_text())["model_uri"] for p in (tmp_path / "out" / PLANS_DIR).glob("*/_PLAN.json")}
+    assert plans == {"models:/pin_ranker/1", "models:/pin_ranker/2"}
+    assert inference.main([*options[:2], *options[4:], "--publish"]) == 1  # an alias without its registry: refused
+    client.set_model_version_tag("pin_ranker", "2", inference.SHARDED_ROWS_TAG, "1000")  # exported sharded
+    assert inference.pinned_model("models:/pin_ranker/2", tracking) == ("models:/pin_ranker/2", 1000)
 
 
 # --- sizing ------------------------------------------------------------------------------------------------------
