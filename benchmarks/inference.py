@@ -106,7 +106,7 @@ def register_model(family_name: str, root: Path, scratch: Path, tracking_uri: st
     torch.manual_seed(0)
     tracker = Tracker(config)
     try:
-        uri, _ = tracker.log_model(family, family.build_model().eval(), spec, steps=0)
+        uri, _ = tracker.log_model(family, family.build_model().eval(), spec, examples_seen=0)
     finally:
         tracker.end("FINISHED")
     return uri

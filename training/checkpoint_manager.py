@@ -45,6 +45,7 @@ class Resumed:
     saved_sharding: str | None = None
     world_size: int | None = None
     sharding: str | None = None
+    saved_steps_per_epoch: tuple[int, ...] = ()  # the saved run's steps of each epoch (empty: older code's marker)
 
     def summary(self) -> dict[str, Any]:
         """What result.json says of the resume."""
@@ -205,4 +206,5 @@ class CheckpointManager:
             saved_sharding=marker.get("sharding"),
             world_size=self.env.world_size,
             sharding=sharding,
+            saved_steps_per_epoch=tuple(int(n) for n in marker.get("steps_per_epoch") or ()),
         )

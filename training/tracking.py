@@ -1,4 +1,4 @@
-"""MLflow on rank 0: one run per training job, resumed across retries; the model registered once per trained step.
+"""MLflow on rank 0: one run per training job, resumed across retries; the model registered once per training (examples seen).
 
 The run id (and, once registered, the model version) is kept in ``<checkpoint_dir>/mlflow_run.json``:
 a retried job (same checkpoint_dir) continues the same MLflow run instead of starting a new one, and a job
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from core import storage
+from core.failures import ConfigError
 from training.config import RunConfig
 from training.inference import SHARDED_METADATA, SHARDED_ROWS_TAG
 from training.sdk import ModelFamily
@@ -28,8 +29,10 @@ STATE_FILE = "mlflow_run.json"
 MODEL_ARTIFACT = "model"
 FEATURE_SPEC_ARTIFACT = "feature_spec.json"
 INPUTS_ARTIFACT = "inputs.json"
-# The training steps of a registered version's model: a run resumed with more epochs registers its model again.
-STEPS_TAG = "pinflow.train_steps"
+# The examples a registered version's model was trained on: a run resumed with more epochs registers its model again.
+EXAMPLES_TAG = "pinflow.examples_seen"
+# The family whose versions a registered model holds (one per registered model).
+FAMILY_TAG = "pinflow.family"
 
 
 def torch_requirement() -> str:
@@ -73,9 +76,31 @@ class Tracker:
         self.state: dict[str, Any] = (
             json.loads(storage.read_text(self.state_path)) if storage.exists(self.state_path) else {}
         )
+        self._check_family()
         self.experiment_id = self._experiment()
+        self.continued_status: str | None = None  # the status of the run this job continues (None: a new run)
         self.run_id = self._run()
         self._pending: list[Any] = []
+
+    def _check_family(self) -> None:
+        """A registered model holds the versions of one family (its FAMILY_TAG, set at its first registration): a run
+        of another family given its name (``model_name``) is refused before it trains, as a USER error."""
+        if not self.config.register:
+            return
+        from services.model_registry import is_not_found
+
+        name = self.config.registered_model
+        try:
+            family = self.client.get_registered_model(name).tags.get(FAMILY_TAG)
+        except Exception as err:
+            if is_not_found(err):
+                return  # registered by this run
+            raise
+        if family and family != self.config.family:
+            raise ConfigError(
+                f"model_name {name!r} holds versions of family {family!r}, and this run trains family "
+                f"{self.config.family!r}: give this run a model_name of its own (the default is the family's name)"
+            )
 
     def _experiment(self) -> str:
         from mlflow.exceptions import MlflowException
@@ -100,6 +125,7 @@ class Tracker:
             try:
                 run = self.client.get_run(run_id)
                 if run.info.experiment_id == self.experiment_id:
+                    self.continued_status = str(run.info.status)
                     self.mlflow.start_run(run_id=run_id)
                     log.info("continuing MLflow run %s (from %s)", run_id, self.state_path)
                     return str(run_id)
@@ -151,7 +177,7 @@ class Tracker:
     # ----------------------------------------------------------------------------------------------
     def log_model(
         self, family: ModelFamily, model: torch.nn.Module | None, feature_spec: dict[str, Any],
-        sharded: str | None = None, *, steps: int,
+        sharded: str | None = None, *, examples_seen: int,
     ) -> tuple[str, str | None]:
         """Log the family's exported serving model (torch.export 'pt2') and register it; return (model_uri, version).
 
@@ -160,34 +186,35 @@ class Tracker:
         its artifacts), so ``models:/name/version`` stays what the registry and a rollback move, and no process
         ever holds the whole model to log it.
 
-        Idempotent per MLflow run and trained ``steps``: a model this run registered at the same step (an earlier
-        try) is returned. The registry itself is asked (this run's version tagged with those steps), not only the
-        state file beside the checkpoints: a try that registered and then failed to write that file (a full disk)
-        must not register twice. A run resumed with more epochs or steps trained on: its model is a new version.
+        Idempotent per MLflow run and ``examples_seen`` (the examples the model was trained on, over every try, as its
+        checkpoints count them: the same after a resume on another world size): a model this run registered after as
+        many examples (an earlier try) is returned. The registry itself is asked (this run's version tagged with that
+        count), not only the state file beside the checkpoints: a try that registered and then failed to write that
+        file (a full disk) must not register twice. A run resumed with more epochs trained on: a new version.
         """
         if self.state.get("model_uri"):
-            # No model_steps: a state written before they were recorded, taken as the same model.
-            if int(self.state.get("model_steps", steps)) == steps:
+            # No model_examples: a state written before they were recorded, taken as the same model.
+            if int(self.state.get("model_examples", examples_seen)) == examples_seen:
                 log.info("model already logged by this run: %s (version %s)", self.state["model_uri"],
                          self.state.get("model_version"))
                 self._tag_corpus_rows(family, self.state.get("model_version"), sharded)
                 return str(self.state["model_uri"]), self.state.get("model_version")
-            log.info("this run registered version %s at step %s and trained on to step %s: registering the model again",
-                     self.state.get("model_version"), self.state.get("model_steps"), steps)
-            for key in ("model_uri", "model_version", "logged_model_uri", "model_steps"):
+            log.info("this run registered version %s after %s examples and trained on to %s: registering the model again",
+                     self.state.get("model_version"), self.state.get("model_examples"), examples_seen)
+            for key in ("model_uri", "model_version", "logged_model_uri", "model_examples"):
                 self.state.pop(key, None)
-        registered = self.registered_version(steps)
+        registered = self.registered_version(examples_seen)
         if registered is not None:
             model_uri = f"models:/{self.config.registered_model}/{registered.version}"
             log.info("this run registered its model already (an earlier try): %s", model_uri)
             self._tag_corpus_rows(family, str(registered.version), sharded)
             self.state.update(model_uri=model_uri, model_version=str(registered.version),
-                              logged_model_uri=str(registered.source), model_steps=steps)
+                              logged_model_uri=str(registered.source), model_examples=examples_seen)
             storage.write_json(self.state_path, self.state)
             return model_uri, str(registered.version)
         self.mlflow.log_dict(feature_spec, FEATURE_SPEC_ARTIFACT)
         registered_name = self.config.registered_model if self.config.register else None
-        tags = {STEPS_TAG: str(steps)}  # on the logged model and, set with its creation, on the version
+        tags = {EXAMPLES_TAG: str(examples_seen)}  # on the logged model and, set with its creation, on the version
         if sharded is not None:
             info = self._log_sharded(sharded, feature_spec, registered_name, tags)
         else:
@@ -207,9 +234,12 @@ class Tracker:
             )
         version = info.registered_model_version
         version = str(version) if version is not None else None
+        if version is not None:
+            self.client.set_registered_model_tag(self.config.registered_model, FAMILY_TAG, self.config.family)
         self._tag_corpus_rows(family, version, sharded)
         model_uri = f"models:/{self.config.registered_model}/{version}" if version else info.model_uri
-        self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri, model_steps=steps)
+        self.state.update(model_uri=model_uri, model_version=version, logged_model_uri=info.model_uri,
+                          model_examples=examples_seen)
         storage.write_json(self.state_path, self.state)
         return model_uri, version
 
@@ -253,14 +283,14 @@ class Tracker:
                 metadata={"feature_spec": feature_spec, SHARDED_METADATA: pointer}, tags=tags,
             )
 
-    def registered_version(self, steps: int) -> Any | None:
-        """The version of ``registered_model`` that this MLflow run registered after ``steps`` training steps, if any
-        (the oldest; a version without STEPS_TAG, registered before it was set, counts as any step's)."""
+    def registered_version(self, examples_seen: int) -> Any | None:
+        """The version of ``registered_model`` that this MLflow run registered after ``examples_seen`` examples, if any
+        (the oldest; a version without EXAMPLES_TAG, registered before it was set, counts as any count's)."""
         if not self.config.register:
             return None
         versions = [v for v in self.client.search_model_versions(
             f"name='{self.config.registered_model}' and run_id='{self.run_id}'")
-            if v.tags.get(STEPS_TAG, str(steps)) == str(steps)]
+            if v.tags.get(EXAMPLES_TAG, str(examples_seen)) == str(examples_seen)]
         return min(versions, key=lambda v: int(v.version)) if versions else None
 
     def end(self, status: str = "FINISHED") -> None:

@@ -44,7 +44,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core import lease, storage
-from core.failures import ConfigError, ExitCode, InfraError, NanLossError, TaskGoneError, exit_code_for
+from core.failures import (
+    ConfigError,
+    ExitCode,
+    FailureClass,
+    InfraError,
+    NanLossError,
+    PinflowError,
+    TaskGoneError,
+    exit_code_for,
+)
 from training.config import RunConfig, fields_help
 from training.faults import FaultInjector, LossHook
 from training.launch import AGENT_PID_ENV
@@ -523,16 +532,18 @@ class Trainer:
             stream=self.stream,
             examples_seen=self.examples_seen,
             extra={
-                "total_steps": self.total_steps, "strategy": self.config.strategy,
-                "settings": resume_settings(self.config),
+                "total_steps": self.total_steps, "steps_per_epoch": list(self.steps_per_epoch),
+                "strategy": self.config.strategy, "settings": resume_settings(self.config),
                 **({"sharding": self.config.sharding} if self.config.strategy == "torchrec" else {}),
             },
         )
         resumed = self.checkpoints.resume()
         if resumed is None:
             return
-        self.resumed = resumed
         self.step, self.resumed_seen = resumed.step, resumed.examples_seen
+        if resumed.saved_world_size != self.env.world_size:
+            resumed = self.continue_at_same_share(resumed)
+        self.resumed = resumed
         if resumed.data_restored:
             self.resume_skip = self.stream.skip
         if resumed.exact:
@@ -541,6 +552,37 @@ class Trainer:
             log.warning("resuming %s at step %d: not an exact resume: %s", resumed.path, resumed.step, resumed.reason)
         self.heartbeat.update(progress=0, epoch=resumed.epoch)
         log.info("resumed from %s at step %d", resumed.path, self.step)
+
+    def continue_at_same_share(self, resumed: Resumed) -> Resumed:
+        """A checkpoint of another world size: continue at the step of this world that is as far into the same epoch
+        (each step reads a batch per rank, so another world takes another number of steps an epoch: continuing from
+        the saved step count trained epochs again, a finished run a second time), with the LR schedule moved there."""
+        import itertools
+
+        saved = resumed.saved_steps_per_epoch
+        if not saved:  # a checkpoint of older code: its step is taken as this world's
+            return resumed
+        starts = list(itertools.accumulate(saved, initial=0))
+        if resumed.step >= starts[-1]:
+            epoch, share = len(saved), 0.0  # every epoch of the saved run was trained
+        else:
+            epoch = max(e for e in range(len(saved)) if starts[e] <= resumed.step)
+            share = (resumed.step - starts[epoch]) / saved[epoch]
+        step = self.total_steps if epoch >= self.epochs else min(
+            self.total_steps, self.epoch_start[epoch] + round(share * self.steps_per_epoch[epoch]))
+        if step == resumed.step:
+            return resumed
+        self.step = step
+        for _, optimizer, scheduler in self.parts.values():
+            scheduler.last_epoch = step
+            for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+                group["lr"] = base * factor(step)
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        where = (f"epoch {epoch + 1} of {len(saved)}, {share:.0%} through it" if epoch < len(saved)
+                 else f"the end of its {len(saved)} epoch(s)")
+        return dataclasses.replace(resumed, reason=(
+            f"{resumed.reason}; saved at step {resumed.step} of its {starts[-1]} ({where}): continued at step {step} "
+            f"of this world's {self.total_steps}"))
 
     # --- training ---------------------------------------------------------------------------------
     def train(self) -> None:
@@ -893,7 +935,7 @@ class Trainer:
         lease.check(cfg.output_dir, cfg.lease_s)
         if tracker is not None:
             model_uri, version = tracker.log_model(family, models["model"], feature_spec, sharded=sharded.get("model"),
-                                                steps=step)
+                                                examples_seen=examples_seen)
             tracker.end("FINISHED")
         elif "model" in sharded:  # no tracking: the sharded export is the model, nothing registered
             model_uri, version = sharded["model"], None
@@ -959,17 +1001,24 @@ def _train(config: RunConfig, env: DistEnv) -> int:
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
-    trainer = Trainer(config, env, heartbeat)
+    trainer: Trainer | None = None
     try:
+        trainer = Trainer(config, env, heartbeat)  # a family or params the registry refuses: a USER error, as below
         trainer.run()
     except (Exception, KeyboardInterrupt) as exc:
         code = ExitCode.INFRA if isinstance(exc, KeyboardInterrupt) else exit_code_for(exc)
-        log.error("rank %d failed (%s, exit %d): %s", env.rank, code.name, int(code), exc, exc_info=exc)
+        # A refusal of the run's own settings or data says it all in one line; anything else keeps its traceback.
+        expected = isinstance(exc, PinflowError) and exc.failure_class in (FailureClass.USER, FailureClass.DATA)
+        log.error("rank %d failed (%s, exit %d): %s", env.rank, code.name, int(code), exc,
+                  exc_info=None if expected else exc)
         write_failure(config.output_dir, env.rank, exc, code)
         heartbeat.update(progress=0, force=True, phase="failed", exit_code=int(code), error=str(exc)[:500])
-        if trainer.tracker is not None:
+        if trainer is not None and trainer.tracker is not None:
+            # A try that trained nothing (a resume refused for its settings, say) leaves a run it continued as it
+            # found it: a finished run whose model is registered does not turn FAILED.
+            untouched = not trainer.local_seen and trainer.tracker.continued_status == "FINISHED"
             with contextlib.suppress(Exception):
-                trainer.tracker.end("KILLED" if isinstance(exc, TaskGoneError) else "FAILED")
+                trainer.tracker.end("FINISHED" if untouched else "KILLED" if isinstance(exc, TaskGoneError) else "FAILED")
         return int(code)
     heartbeat.update(progress=0, force=True, phase="done")
     return int(ExitCode.OK)

@@ -64,7 +64,7 @@ def register(family_name: str, root: Path, scratch: Path, tracking_uri: str) -> 
     torch.manual_seed(0)
     tracker = Tracker(config)
     try:
-        uri, _ = tracker.log_model(family, family.build_model().eval(), spec, steps=0)
+        uri, _ = tracker.log_model(family, family.build_model().eval(), spec, examples_seen=0)
     finally:
         tracker.end("FINISHED")
     return uri
@@ -104,7 +104,7 @@ def register_sharded(root: Path, scratch: Path, tracking_uri: str) -> str:
     spec = feature_spec(family, root)
     tracker = Tracker(config)
     try:
-        uri, _ = tracker.log_model(family, None, spec, sharded=str(out / "row_wise" / "model"), steps=0)
+        uri, _ = tracker.log_model(family, None, spec, sharded=str(out / "row_wise" / "model"), examples_seen=0)
     finally:
         tracker.end("FINISHED")
     return uri

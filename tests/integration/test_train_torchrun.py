@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,14 @@ def test_torchrun_trains_registers_and_the_corpus_is_scored_once(tmp_path: Path,
     assert "eval_auc_click" in mlflow_run.data.metrics and "eval_mean_auc" in mlflow_run.data.metrics
     assert len(client.get_metric_history(result["mlflow_run_id"], "train_loss")) >= 2
     assert (tmp_path / "artifacts").is_dir()  # the experiment's artifact location
+
+    # A rerun into the finished run's checkpoints with another lr: refused in one line before a step is trained; the
+    # MLflow run it continued stays FINISHED (it turned FAILED) and its version stays the only one.
+    proc = run(["-m", "training.train", "--config", str(run_config(tmp_path, lr=1e-2))])
+    assert proc.returncode == ExitCode.USER, proc.stderr[-4000:]
+    assert "lr: saved 0.003, now 0.01" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert client.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
+    assert [str(v.version) for v in client.search_model_versions("name='pin_ranker_test'")] == ["1"]
 
     # Corpus inference: shard 0 through the CLI, shard 1 in process, then a rerun that skips.
     out = tmp_path / "inference"
@@ -379,8 +388,13 @@ def test_torchrec_resumes_on_three_ranks_what_two_saved_and_says_why_it_is_not_e
     assert "resharded bit for bit" in resume["reason"]
     assert any(w.startswith(f"resumed {resume['from']} at step {saved['steps']}: not an exact resume: saved by 2")
                for w in result["warnings"]), result["warnings"]
-    assert result["steps"] > saved["steps"]  # continued from the saved step to the last epoch's end
-    assert f"resumed from {resume['from']} at step {saved['steps']}" in proc.stderr
+    # The end of the 2-rank epoch is the end of the 3-rank world's first epoch: the two epochs left are trained.
+    continued = re.search(rf"saved at step {saved['steps']} of its {saved['steps']} \(the end of its 1 epoch\(s\)\): "
+                          r"continued at step (\d+) of this world's (\d+)", resume["reason"])
+    assert continued, resume["reason"]
+    first_epoch, total = int(continued[1]), int(continued[2])
+    assert total == 3 * first_epoch == result["steps"]  # epochs 2 and 3 trained, the first not again
+    assert f"resumed from {resume['from']} at step" in proc.stderr
 
 
 def test_torchrec_refuses_a_checkpoint_of_another_model_or_a_world_too_small_before_training(tmp_path: Path, world):

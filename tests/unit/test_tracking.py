@@ -32,7 +32,7 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
     })
     family = load_family("tiny_click", "tiny_click", {})
     first = Tracker(config)
-    uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40)
+    uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40)
     first.end("FAILED")
     state = tmp_path / "checkpoints" / STATE_FILE
     saved = json.loads(state.read_text())
@@ -40,7 +40,7 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
 
     again = Tracker(config)
     assert again.run_id == first.run_id  # the same run, continued
-    assert again.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40) == (uri_1, version_1) == (
+    assert again.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40) == (uri_1, version_1) == (
         "models:/tiny_click/1", "1")
     again.end()
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -57,7 +57,7 @@ def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_pa
     from mlflow import MlflowClient
 
     from training.sdk import load_family
-    from training.tracking import STATE_FILE, STEPS_TAG, Tracker
+    from training.tracking import EXAMPLES_TAG, STATE_FILE, Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = RunConfig.from_dict({
@@ -67,25 +67,25 @@ def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_pa
     })
     family = load_family("tiny_click", "tiny_click", {})
     first = Tracker(config)
-    assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=40) == ("models:/tiny_click/1", "1")
+    assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40) == ("models:/tiny_click/1", "1")
     first.end()
 
     extended = Tracker(config)
     assert extended.run_id == first.run_id
-    assert extended.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=120) == (
+    assert extended.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=120) == (
         "models:/tiny_click/2", "2")
     extended.end()
     state = tmp_path / "checkpoints" / STATE_FILE
-    assert json.loads(state.read_text())["model_steps"] == 120
+    assert json.loads(state.read_text())["model_examples"] == 120
     state.write_text(json.dumps({k: json.loads(state.read_text())[k] for k in ("run_id", "experiment_id")}))
     retry = Tracker(config)
-    assert retry.log_model(family, family.build_model(), {"family": "tiny_click"}, steps=120) == (
+    assert retry.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=120) == (
         "models:/tiny_click/2", "2")
     retry.end()
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     versions = {str(v.version): v for v in client.search_model_versions("name='tiny_click'")}
     assert sorted(versions) == ["1", "2"]
-    assert versions["1"].tags[STEPS_TAG] == "40" and versions["2"].tags[STEPS_TAG] == "120"
+    assert versions["1"].tags[EXAMPLES_TAG] == "40" and versions["2"].tags[EXAMPLES_TAG] == "120"
     assert versions["1"].run_id == versions["2"].run_id == first.run_id
     sys.modules.pop("tiny_click", None)
 
@@ -128,3 +128,33 @@ def test_a_tracking_server_that_does_not_answer_stops_the_submit():
         closed = s.getsockname()[1]
     with pytest.raises(InfraError, match="PINFLOW_MLFLOW__TRACKING_URI"):
         tracking_server_answers(f"http://127.0.0.1:{closed}", timeout_s=5)
+
+
+def test_a_run_of_another_family_is_refused_a_registered_model_of_one_family(tmp_path: Path, monkeypatch):
+    """model_name names a registered model of one family: a run of another family given that name is refused before
+    an MLflow run is started (it registered a content model as the next version of a ranker)."""
+    monkeypatch.syspath_prepend(str(FAMILIES))
+    from mlflow import MlflowClient
+
+    from core.failures import ConfigError
+    from training.sdk import load_family
+    from training.tracking import FAMILY_TAG, Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = {
+        "root": str(tmp_path), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02", "output_dir": str(tmp_path / "job"),
+        "mlflow_tracking_uri": uri, "mlflow_artifact_location": str(tmp_path / "artifacts"), "model_name": "shared",
+    }
+    first = Tracker(RunConfig.from_dict({**common, "checkpoint_dir": str(tmp_path / "a"), "family": "tiny_click",
+                                         "family_module": "tiny_click"}))
+    family = load_family("tiny_click", "tiny_click", {})
+    assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=8)[1] == "1"
+    first.end()
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert client.get_registered_model("shared").tags[FAMILY_TAG] == "tiny_click"
+    runs = len(client.search_runs([first.experiment_id]))
+    with pytest.raises(ConfigError, match="model_name 'shared' holds versions of family 'tiny_click', and this run "
+                                          "trains family 'pin_content': give this run a model_name of its own"):
+        Tracker(RunConfig.from_dict({**common, "checkpoint_dir": str(tmp_path / "b"), "family": "pin_content"}))
+    assert len(client.search_runs([first.experiment_id])) == runs  # no run started for it
+    sys.modules.pop("tiny_click", None)
