@@ -11,6 +11,7 @@ import airflow.sdk.bases.sensor  # noqa: F401
 import airflow.sdk.definitions.retry_policy  # noqa: F401
 import airflow.sdk.types  # noqa: F401
 import pendulum
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import Param
 from airflow.timetables.interval import CronDataIntervalTimetable
 
@@ -20,7 +21,7 @@ from operators.assets import EXAMPLES_ASSET
 from operators.errors import default_args
 from operators.features import AnnounceExamplesOperator, FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
-from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
+from operators.validation import QuarantinedDayGateOperator, ValidatePartitionOperator, WindowGapCheckOperator
 
 # The day a run builds: its data interval's, or the `ds` param of a run triggered from the form. A backfill
 # builds each run's own day: the Backfill dialog offers the DAG's params too, and a `ds` given there would
@@ -36,7 +37,8 @@ with deadlines.DAG(  # Airflow's DAG; its test() runs without the deadline alert
 For the day `ds` (the run's data interval, or the `ds` param of a triggered run; a backfill ignores that param
 and builds each run's own day): waits for the raw events, pins, users and
 pin review labels partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
-partition is moved to `quarantine/` and stops the day: nothing downstream runs; each validation task
+partition is moved to `quarantine/` and stops the day: its build is skipped, so that the next days build over the gap,
+and the run fails; each validation task
 links to its Data Docs page), checks the 30-day window for quarantined or missing days
 (`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step a job on the compute backend
 (`features.backend`, else `training.backend`: a local process on the embedded default) and written atomically;
@@ -106,6 +108,10 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
     )
 
-    wait >> validations >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
+    # A quarantined day's build is skipped (not upstream_failed), so that the next days' depends_on_past steps build
+    # over the gap; the failed validation still fails the run through the validations_passed leaf.
+    gate = QuarantinedDayGateOperator(task_id="skip_quarantined_day", ds=DS, datasets=["events", "pins", "users"])
+    wait >> validations >> gate >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
         task_id="announce_examples", ds=DS, outlets=[EXAMPLES_ASSET])
+    validations >> EmptyOperator(task_id="validations_passed")
     wait >> validate_labels

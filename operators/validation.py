@@ -3,7 +3,7 @@
 The validation runs in the task's process on the embedded default; ``python -m features.validate`` is
 the same check as a container job, with the same thresholds. The thresholds, quarantine and the window gap
 policy come from the ``validation:`` section of the platform configuration (``core.config``), read once and
-passed down. A partition that fails raises ``core.failures.DataError`` (no retry, nothing downstream runs);
+passed down. A partition that fails raises ``core.failures.DataError`` (no retry; its day is not built);
 an invalid ``validation:`` setting is the platform configuration's ``ConfigError``, a ``UserError``.
 """
 
@@ -62,7 +62,8 @@ class ValidatePartitionOperator(BaseOperator):
     The report (every check, observed value, threshold, pass/fail) and the partition's profile are written
     under ``reports/validation/``, and a short summary is pushed to XCom (key ``validation``) before a
     failure is raised, so the UI shows why. A failed partition is moved to ``quarantine/`` with its report
-    (``validation.quarantine``) and the task fails with a ``DataError``: no retry, nothing downstream runs.
+    (``validation.quarantine``) and the task fails with a ``DataError``: no retry; the day's build is skipped
+    (:class:`QuarantinedDayGateOperator`).
 
     :param dataset: ``events``, ``pins`` or ``users``.
     :param ds: the partition day (templated).
@@ -118,6 +119,58 @@ class ValidatePartitionOperator(BaseOperator):
 
         return validation_lineage(config.load().storage_root, self.dataset, self.ds, self._checks)
 
+
+
+class QuarantinedDayGateOperator(BaseOperator):
+    """After the day's validations, however they ended: lets the day's build run when every one passed.
+
+    When one failed and the day's raw partitions were quarantined, the build's tasks are skipped rather than left
+    ``upstream_failed``: the window, sequences and examples of the next day wait for this day's (``depends_on_past``
+    accepts success or skipped) and would wait for ever; skipped, the next days build over the gap as
+    ``validation.on_window_gap`` says (proceed: recorded in ``missing_days``; fail: the next day's validate_window
+    fails naming it). The failed validation still fails the run (the ``validations_passed`` leaf). Any other failure
+    (a validation that could not run) fails this task: the next days wait for this day's rerun.
+
+    :param ds: the partition day (templated).
+    :param datasets: the raw datasets the day's validations check (short names: events, pins, users).
+    """
+
+    template_fields: Sequence[str] = ("ds",)
+    ui_color = "#fde8c8"
+
+    def __init__(self, *, ds: str, datasets: Sequence[str], **kwargs: Any) -> None:
+        super().__init__(trigger_rule="all_done", **kwargs)
+        self.ds = ds
+        self.datasets = list(datasets)
+
+    def execute(self, context: Context) -> None:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from core import config, storage
+        from features.validation.checks import raw_dataset
+        from features.validation.report import quarantine_records
+
+        run, ti = context["dag_run"], context["ti"]
+        upstream = sorted(self.upstream_task_ids)
+        states = (ti.get_task_states(dag_id=run.dag_id, task_ids=upstream, run_ids=[run.run_id]).get(run.run_id)
+                  or {})
+        failed = [f"{task} ({states.get(task)})" for task in upstream if states.get(task) != "success"]
+        if not failed:
+            self.log.info("every validation of ds=%s passed: the day is built", self.ds)
+            return
+        root = config.load().storage_root
+        quarantined = [name for name in self.datasets if not storage.is_complete(root, raw_dataset(name), self.ds)
+                       and quarantine_records(root, name, self.ds)]
+        if quarantined:
+            raise AirflowSkipException(
+                f"ds={self.ds}: {', '.join(failed)}; {', '.join(quarantined)} quarantined: the day's build is skipped, so "
+                "that the next days build over the gap (validation.on_window_gap). To build this day: land the fixed "
+                "partitions and clear this run"
+            )
+        raise DataError(
+            f"ds={self.ds}: {', '.join(failed)} without a quarantined partition: nothing is built, and the next days' "
+            "window, sequences and examples wait for this day. Fix what the failed task's log says and clear it"
+        )
 
 
 class WindowGapCheckOperator(BaseOperator):

@@ -20,7 +20,7 @@ import pytest
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
-START, BAD = "2026-11-01", "2026-11-02"
+START, BAD, NEXT = "2026-11-01", "2026-11-02", "2026-11-03"
 DOWNSTREAM = ("daily_aggregates", "window_features", "user_sequences", "training_examples")
 
 
@@ -78,14 +78,16 @@ def _value(raw: object) -> object:
 
 
 @pytest.mark.integration
-def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tmp_path: Path) -> None:
+def test_corrupted_day_is_quarantined_its_build_skipped_and_the_next_day_builds_over_the_gap(
+    airflow_db, tmp_path: Path
+) -> None:
     import pyarrow as pa
 
     from core import storage
     from features.synthetic import WorldConfig, generate_world
 
     root = tmp_path / "storage"
-    generate_world(root, WorldConfig(start=START, days=2, users=60, pins=80, seed=3))
+    generate_world(root, WorldConfig(start=START, days=3, users=60, pins=80, seed=3))
     events = storage.read_table(root, "raw/events", BAD)
     actions = events.column("action").to_pylist()
     actions[1] = "like"
@@ -99,8 +101,11 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert states["wait_for_raw"] == "success"
     assert states["validate_events"] == "failed", states
     assert states["validate_pins"] == states["validate_users"] == states["validate_window"] == "success", states
+    # Skipped, not upstream_failed: the next day's depends_on_past steps would wait for ever on upstream_failed ones.
+    assert states["skip_quarantined_day"] == "skipped", states
     for task_id in DOWNSTREAM:
-        assert states[task_id] == "upstream_failed", (task_id, states)
+        assert states[task_id] == "skipped", (task_id, states)
+    assert states["validations_passed"] == "upstream_failed", states
     assert summary["state"] == "failed"
     # The summary was pushed before the failure; the link points at the partition's report page.
     validation = _value(summary["validation"])
@@ -118,6 +123,18 @@ def test_corrupted_day_is_quarantined_and_nothing_downstream_runs(airflow_db, tm
     assert storage.is_complete(root, "raw/events", START)
     for dataset in ("features/user_daily", "features/pin_daily", "features/user_window", "examples"):
         assert not storage.is_dir(storage.partition(root, dataset, BAD)), dataset
+
+    # The next day builds (validation.on_window_gap: proceed, the default), the quarantined day recorded as a gap.
+    # Its window and sequences read the raw days before it, validated as the DAG's run of that day would have.
+    from features.validate import main as validate
+
+    for dataset in ("events", "pins", "users"):
+        assert validate([dataset, "--root", str(root), "--ds", START, "--no-data-docs"]) == 0
+    summary = drive(root, NEXT, tmp_path / "next.log")
+    assert summary["state"] == "success", (summary["states"], (tmp_path / "next.log").read_text()[-6000:])
+    assert all(summary["states"][task_id] == "success" for task_id in DOWNSTREAM), summary["states"]
+    assert BAD in storage.read_metadata(root, "features/user_window", NEXT)["missing_days"]
+    assert storage.is_complete(root, "examples", NEXT)
 
 
 
