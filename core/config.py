@@ -20,6 +20,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -70,6 +71,18 @@ class MlflowConfig(Section):
     ui_url: str = Field("http://localhost:5000", description="where the MLflow UI runs (the 'MLflow run' link points here)")
 
 
+# What DuckDB's memory_limit accepts: a number and a unit (KB ... TB, KiB ... TiB, bytes, or words), or a percentage.
+_MEMORY_SIZE = re.compile(
+    r"\s*\d+(\.\d+)?(e\d+)?\s*(%|b|bytes?|[kmgt](i?b)?|(kilo|mega|giga|tera)bytes?)\s*", re.IGNORECASE)
+
+
+def _memory_size(value: Any) -> Any:
+    """A DuckDB memory size, checked here so that a typo stops the configuration, not a job's first query."""
+    if isinstance(value, str) and not _MEMORY_SIZE.fullmatch(value):
+        raise ValueError(f"{value!r} is not a memory size: give a number and a unit (4GB, 512MB, 8GiB) or a share (80%)")
+    return value
+
+
 class FeaturesConfig(Section):
     """The daily feature build (DuckDB)."""
 
@@ -79,7 +92,8 @@ class FeaturesConfig(Section):
     negative_downsample: float = Field(1.0, gt=0, le=1, description="keep this fraction of impressions without any label")
     negative_downsample_seed: int = Field(0, description="seed of the hash that picks the kept negatives")
     duckdb_threads: int = Field(2, ge=1, description="DuckDB threads per build step")
-    duckdb_memory_limit: str = Field("4GB", description="beyond it DuckDB spills to disk instead of failing")
+    duckdb_memory_limit: Annotated[str, BeforeValidator(_memory_size)] = Field(
+        "4GB", description="beyond it DuckDB spills to disk instead of failing: a size (4GB, 512MB, 8GiB) or a share of the machine's memory (80%)")
     duckdb_temp_directory: str = Field("", description="parent folder of spill files; empty: the system temporary folder")
     backend: Annotated[str, BeforeValidator(functools.partial(_backend_name, empty=True))] = Field(
         "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"

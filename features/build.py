@@ -329,7 +329,8 @@ def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
     parser.add_argument(
         "--shards", type=int,
         help="split the step into this many shards by user-id / pin-id hash (one --step, not all); each shard "
-        "writes under --staging, and --merge publishes the day from them (default: 1, unsharded)",
+        "writes under --staging, and --merge publishes the day from them (default: 1, unsharded; the DAG's runs take "
+        "features.shards, this command does not)",
     )
     parser.add_argument("--run-shards", default="",
                         help="the shards to build, e.g. 0,3,5-7 (default: all); in an array job the index picks one")

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from core.config import FeaturesConfig
 from core.contracts import RAW_EVENTS, RAW_PINS, USER_SEQUENCE, SequenceDigest
-from core.failures import DataError, InfraError
+from core.failures import ConfigError, DataError, InfraError
 from core.scratch import make_scratch
 from core.storage import (
     MARKER,
@@ -108,6 +108,12 @@ class DuckDBSettings:
     threads: int = DEFAULTS.duckdb_threads
     memory_limit: str = DEFAULTS.duckdb_memory_limit
     temp_directory: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked where the settings are made (the job's machine), before any input is read.
+        if self.temp_directory and not os.path.isdir(self.temp_directory):
+            raise ConfigError(f"features.duckdb_temp_directory {self.temp_directory} is not a folder: create it, or "
+                              "leave the setting empty (the system's temporary folder)")
 
     @classmethod
     def from_config(cls, features: FeaturesConfig) -> DuckDBSettings:

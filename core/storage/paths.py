@@ -73,7 +73,8 @@ def filesystem(location: Location) -> tuple[AbstractFileSystem, str]:
 
 def check_root(root: Location) -> None:
     """Raise ConfigError, naming the root and how to fix it, if the storage root cannot be used: a local root
-    that is a file, or that cannot be created or written; an object store without credentials, whose bucket is
+    that is a file, that does not exist (the commands that call this read what landed there) or that cannot be
+    written; an object store without credentials, whose bucket is
     missing, or that refuses access. Entry points call it first, so that a mistyped root is one line, not a
     traceback from deep inside a step."""
     from core.failures import ConfigError
@@ -84,11 +85,9 @@ def check_root(root: Location) -> None:
         path = local_path(text)
         if path.exists() and not path.is_dir():
             raise ConfigError(f"storage root {text} is a file, not a folder: {fix} to a folder")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"storage root {text} cannot be created ({e.strerror}): {fix} to a folder "
-                              "this user can write") from None
+        if not path.exists():  # what validation and the build read lands there first: a mistyped root, most likely
+            raise ConfigError(f"storage root {text} does not exist (nothing has landed there): {fix} to the folder "
+                              "the raw partitions land in")
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(f"storage root {text} is not writable by this user: {fix} to a folder it can "
                               "write, or change the folder's permissions") from None

@@ -35,13 +35,21 @@ DAY = ["--ds", "2026-01-01"]
 # (case id, command, argv, env, words the error line must hold, exit status)
 CASES: list[tuple[str, Callable[..., int], list[str], dict[str, str | None], list[str], int]] = [
     ("validate: root is a file", validate.main, ["--root", A_FILE, *DAY, "events"], {}, ["is a file", "--root"], 1),
-    ("validate: root cannot be created", validate.main, ["--root", "/proc/pinflow-root", *DAY, "events"], {},
-     ["cannot be created"], 1),
+    ("validate: root does not exist", validate.main, ["--root", "{tmp}/mistyped/root", *DAY, "events"], {},
+     ["{tmp}/mistyped/root does not exist", "--root"], 1),
+    ("build: root does not exist", build.main, ["--root", "{tmp}/mistyped/root", *DAY], {},
+     ["USER error", "does not exist (nothing has landed there)"], 1),
     ("validate: s3 root without credentials", validate.main, ["--root", "s3://pinflow-none/x", *DAY, "events"], NO_AWS,
      ["no AWS credentials", "AWS_PROFILE"], 1),
     ("build: root is a file", build.main, ["--root", A_FILE, *DAY], {}, ["USER error", "is a file"], 1),
     ("build: s3 root without credentials", build.main, ["--root", "s3://pinflow-none/x", *DAY], NO_AWS,
      ["no AWS credentials"], 1),
+    ("build: memory limit not a size", build.main, ["--root", "{tmp}/root", *DAY, "--memory-limit", "4XB"], {},
+     ["USER error", "'4XB' is not a memory size"], 1),
+    ("build: memory limit setting not a size", build.main, ["--root", "{tmp}/root", *DAY],
+     {"PINFLOW_FEATURES__DUCKDB_MEMORY_LIMIT": "banana"}, ["PINFLOW_FEATURES__DUCKDB_MEMORY_LIMIT", "not a memory size"], 1),
+    ("build: temp directory missing", build.main, ["--root", "{tmp}/root", *DAY, "--temp-directory", "{tmp}/no-tmp"],
+     {}, ["USER error", "no-tmp is not a folder"], 1),
     ("export: --since not a day", job_history.main, ["export", "--out", "{tmp}/j.csv", "--since", "yesterdy"], {},
      ["'yesterdy' is not a day", "YYYY-MM-DD"], 2),
     ("export: --out a folder", job_history.main, ["export", "--out", "{tmp}"], {}, ["is a folder"], 2),
@@ -76,6 +84,7 @@ def _config_read_per_case():
 @pytest.mark.parametrize(("command", "argv", "env", "words", "status"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_bad_input_is_one_line_naming_the_fix(command, argv, env, words, status, tmp_path: Path, monkeypatch, capsys):
     (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "root").mkdir()
     port = _closed_port()
 
     def fill(text: str) -> str:
@@ -94,13 +103,14 @@ def test_a_bad_input_is_one_line_naming_the_fix(command, argv, env, words, statu
     err = capsys.readouterr().err
     assert code == status, err
     assert "Traceback" not in err, err
-    assert all(word in err for word in words), err
+    assert all(fill(word) in err for word in words), err
     assert not (tmp_path / "nowhere").exists()  # a reader never creates a database at a mistyped path
+    assert not (tmp_path / "mistyped").exists()  # nor a storage root
 
 
 def test_the_storage_root_is_accepted_when_it_is_a_writable_folder(tmp_path: Path):
     from core import storage
 
-    storage.check_root(tmp_path / "new" / "root")  # created
-    assert (tmp_path / "new" / "root").is_dir()
+    (tmp_path / "root").mkdir()
+    storage.check_root(tmp_path / "root")
     storage.check_root(f"file://{tmp_path}")
