@@ -44,6 +44,7 @@ from core.storage import (
     open_output,
     partition,
     publish,
+    read_metadata,
     read_snapshot,
     read_text,
     snapshot_days,
@@ -241,6 +242,16 @@ def write_query(
     staging area instead (:class:`Shard`).
     """
     inputs = [str(ref) for ref in metadata.get("inputs", [])]
+    unvalidated = unvalidated_inputs(root, inputs)
+    if unvalidated:
+        if metadata.get("skip_validation") is False:  # a checked build: its outputs must not claim more than inputs
+            raise UnvalidatedInputError(
+                f"{', '.join(unvalidated)} {'was' if len(unvalidated) == 1 else 'were'} built from raw partitions "
+                f"without a passed validation (--skip-validation), so {dataset} ds={ds} would be too: rebuild "
+                f"{'it' if len(unvalidated) == 1 else 'them'} from validated partitions, or build this day with "
+                "--skip-validation as well (recorded)"
+            )
+        metadata = {**metadata, "unvalidated_inputs": unvalidated}
     versions = input_versions(root, inputs)
     relation = con.sql(sql, params=params)
     assert relation is not None, "a SELECT returns a relation"
@@ -396,6 +407,21 @@ def input_versions(root: str | os.PathLike[str], refs: Sequence[str]) -> dict[st
         except FileNotFoundError:
             versions[ref] = None
     return versions
+
+
+def unvalidated_inputs(root: str | os.PathLike[str], refs: Sequence[str]) -> list[str]:
+    """The feature partitions among ``refs`` built without validation, or from such partitions (their metadata's
+    ``skip_validation`` or ``unvalidated_inputs``): what an output built from them inherits. Raw partitions are
+    checked by :func:`check_validated` instead."""
+    found = []
+    for ref in refs:
+        dataset, _, day = ref.rpartition("/ds=")
+        if dataset.startswith("raw/"):
+            continue
+        recorded = read_metadata(root, dataset, day)
+        if recorded.get("skip_validation") or recorded.get("unvalidated_inputs"):
+            found.append(ref)
+    return found
 
 
 def day_start(ds: str) -> dt.datetime:

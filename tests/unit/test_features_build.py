@@ -514,6 +514,35 @@ def test_build_needs_a_passed_validation_report_for_the_current_contents(
 
 
 @pytest.mark.unit
+def test_a_checked_build_refuses_features_built_without_validation_and_an_unchecked_one_records_them(
+    root: Path,
+) -> None:
+    """A day built with --skip-validation: the next day's checked build would read its features and record
+    skip_validation false (validated) for outputs that are not; it is refused, naming them, and a build with
+    --skip-validation records them as unvalidated_inputs (which the day after inherits in turn)."""
+    from core.config import ValidationConfig
+    from features.validation.partition import validate_partition
+
+    build.build_day(root, D1, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
+    for dataset in ("events", "pins"):
+        assert validate_partition(root, dataset, D2, config=ValidationConfig(), data_docs=False).success
+    build_daily(root, D2, engine=ENGINE)  # reads raw partitions only: validated
+    with pytest.raises(step_io.UnvalidatedInputError, match=rf"features/user_window/ds={D1} was built from raw "
+                       r"partitions without a passed validation \(--skip-validation\).*or build this day with "
+                       "--skip-validation as well"):
+        build_window(root, D2, window_days=2, engine=ENGINE)
+    with pytest.raises(step_io.UnvalidatedInputError, match=rf"features/user_sequence/ds={D1}"):
+        build_sequences(root, D2, sequence_length=3, window_days=2, engine=ENGINE)
+    assert not storage.exists(partition(root, contracts.USER_WINDOW, D2))
+
+    build.build_day(root, D2, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
+    examples = read_metadata(root, contracts.EXAMPLES, D2)
+    assert examples["skip_validation"] is True and f"features/user_window/ds={D1}" in examples["unvalidated_inputs"]
+    build.build_day(root, D3, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
+    assert f"features/user_sequence/ds={D2}" in read_metadata(root, contracts.USER_SEQUENCE, D3)["unvalidated_inputs"]
+
+
+@pytest.mark.unit
 def test_a_rewrite_that_keeps_the_size_and_the_footer_changes_the_fingerprint(tmp_path: Path) -> None:
     import os
     import shutil
