@@ -175,6 +175,15 @@ def require_input(root: str | os.PathLike[str], dataset: str, ds: str, hint: str
     """The Parquet files of a required input partition, or a MissingInputError saying what to do."""
     path = partition(root, dataset, ds)
     if not is_complete(root, dataset, ds):
+        if dataset.startswith("raw/"):
+            from features.validation.report import quarantine_records
+
+            records = quarantine_records(root, dataset.removeprefix("raw/"), ds)
+            if records:
+                raise MissingInputError(
+                    f"required input {dataset} for ds={ds} was quarantined by its validation ({records[-1]}: its data "
+                    f"and report); land a fixed partition at {path} and validate it, then rerun this day"
+                )
         raise MissingInputError(
             f"required input {dataset} for ds={ds} is missing or incomplete (no _SUCCESS marker in {path}); {hint}"
         )

@@ -107,6 +107,7 @@ def plan_inference(
     """
     from core import config, storage
     from core.contracts import INFERENCE, RAW_PINS
+    from core.model_versions import model_version as find_version
     from services import model_registry as registry
     from training.inference import SHARDED_ROWS_TAG, make_plan, snapshot, views_dir, write_plan
 
@@ -118,7 +119,7 @@ def plan_inference(
     if engine not in ENGINES:
         raise ConfigError(f"unknown scoring engine {engine!r} (param engine): choose one of {', '.join(ENGINES)}")
     name = cfg.families[model].model_name or model
-    mv = registry.model_version(registry.client(cfg.mlflow), name, model_version)
+    mv = find_version(registry.client(cfg.mlflow), name, model_version)
     days = storage.complete_days(cfg.storage_root, RAW_PINS)
     ds = ds or (days[-1] if days else None)
     if ds is None or ds not in days:

@@ -319,7 +319,7 @@ def pinned_model(model_uri: str, tracking_uri: str) -> tuple[str, int]:
                         f"{tracking_uri}): give the tracking URI the model was registered with")
     from mlflow import MlflowClient
 
-    from services.model_registry import model_version
+    from core.model_versions import model_version
 
     registry = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     name, ref = match["name"], match["alias"] or match["version"]

@@ -87,7 +87,7 @@ class Tracker:
         of another family given its name (``model_name``) is refused before it trains, as a USER error."""
         if not self.config.register:
             return
-        from services.model_registry import is_not_found
+        from core.model_versions import is_not_found
 
         name = self.config.registered_model
         try:

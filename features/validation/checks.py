@@ -135,12 +135,16 @@ def read_partition(root: storage.Location, dataset: str, ds: str, dictionary: Se
                 f"no {storage.MARKER} marker in {part}: the partition is incomplete and does not exist for readers",
             )
         else:
+            from features.validation.report import quarantine_records  # report builds on these checks
+
+            records = quarantine_records(root, name, ds)
             checks["partition.marker"] = Check(
                 "partition.marker",
                 False,
                 "partition folder missing",
                 storage.MARKER,
-                f"{part} does not exist: the partition has not landed",
+                f"{part} does not exist: it was quarantined ({records[-1]}: its data and report); land a fixed "
+                "partition there" if records else f"{part} does not exist: the partition has not landed",
             )
         found.skip_reason = "the partition is missing or incomplete"
         return found

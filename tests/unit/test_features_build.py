@@ -585,6 +585,17 @@ def test_missing_events_partition_names_the_day(root: Path) -> None:
 
 
 @pytest.mark.unit
+def test_a_quarantined_input_is_named_with_its_record(root: Path) -> None:
+    from features.validation.report import quarantine_root
+
+    record = Path(quarantine_root(root, "events", "2024-01-05")) / "20240106T000000Z"
+    (record / "data").mkdir(parents=True)
+    with pytest.raises(step_io.MissingInputError, match=rf"raw/events for ds=2024-01-05 was quarantined by its "
+                       rf"validation \({record}: its data and report\); land a fixed partition"):
+        build_daily(root, "2024-01-05", engine=ENGINE, require_validation=False)
+
+
+@pytest.mark.unit
 def test_cli_prints_summary_and_exits_data_on_missing_input(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert build.main(["--root", str(root), "--ds", D1, "--step", "daily", "--skip-validation"]) == 0
     assert '"features/user_daily"' in capsys.readouterr().out

@@ -429,6 +429,7 @@ def test_shards_are_sized_by_the_work(pins, rate, parallelism, expected):
 
 
 def test_the_plan_uses_the_throughput_earlier_runs_measured(tmp_path: Path, monkeypatch):
+    from core import model_versions
     from operators import inference as stage
     from services import model_registry as registry
 
@@ -437,7 +438,7 @@ def test_the_plan_uses_the_throughput_earlier_runs_measured(tmp_path: Path, monk
                          inference={"min_pins_per_shard": 100, "target_shard_seconds": 1, "parallelism": 1})
     monkeypatch.setattr(config, "load", lambda: cfg)
     monkeypatch.setattr(registry, "client", lambda mlflow: None)
-    monkeypatch.setattr(registry, "model_version", lambda client, name, version: SimpleNamespace(version=3))
+    monkeypatch.setattr(model_versions, "model_version", lambda client, name, version: SimpleNamespace(version=3))
     first = stage.plan_inference("pin_ranker", "champion", None)
     assert first["shards"] == 1 and "assumed" in first["sizing"]  # 630 pins at the assumed 2,000/s: one shard
     for rate in (100.0, 90.0, 5000.0):
@@ -451,13 +452,14 @@ def test_the_plan_uses_the_throughput_earlier_runs_measured(tmp_path: Path, monk
 
 
 def test_a_sharded_version_is_planned_by_its_pin_table_rows_for_either_engine(tmp_path: Path, monkeypatch):
+    from core import model_versions
     from operators import inference as stage
     from services import model_registry as registry
 
     write_corpus(tmp_path / "storage", pins=630)
     monkeypatch.setattr(config, "load", lambda: PlatformConfig(storage_root=str(tmp_path / "storage")))
     monkeypatch.setattr(registry, "client", lambda mlflow: None)
-    monkeypatch.setattr(registry, "model_version", lambda client, name, version: SimpleNamespace(
+    monkeypatch.setattr(model_versions, "model_version", lambda client, name, version: SimpleNamespace(
         version=3, tags={inference.SHARDED_ROWS_TAG: "1009"}))
     for engine in ("processes", "ray"):
         planned = stage.plan_inference("pin_ranker", "3", None, 2, engine=engine)

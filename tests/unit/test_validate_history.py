@@ -132,6 +132,11 @@ def test_cli_quarantines_a_failed_partition(tmp_path: Path, capsys: pytest.Captu
     assert json.loads((Path(record) / "QUARANTINE.json").read_text())["failed_checks"] == ["country.well_formed"]
     assert (Path(record) / "data" / storage.MARKER).exists()
 
+    # Validated again before a fixed partition landed: the report says where it went, not "has not landed".
+    assert validate.main(["users", "--root", str(tmp_path), "--ds", "2024-05-01", "--no-data-docs"]) == 2
+    again = json.loads(Path(capsys.readouterr().out.strip().splitlines()[-1]).read_text())
+    assert f"it was quarantined ({record}: its data and report); land a fixed partition there" in json.dumps(again)
+
 
 # --- real traffic: a weekly cycle, holidays ------------------------------------------------------------------
 # Four weeks of a weekly cycle ending the day before 2024-05-01 (a Wednesday): weekends at 40% of weekdays.
