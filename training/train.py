@@ -237,6 +237,7 @@ class Trainer:
         self.sharded_exports: dict[str, str] = {}  # variant -> its sharded export's folder (end() writes them)
         self.checkpoints: CheckpointManager | None = None
         self.resumed: Resumed | None = None  # the checkpoint this try resumed from (result.json says how)
+        self.checkpoint_past_run = False  # it trained more than this run asks (fewer epochs now): nothing to train
         # Advanced by train():
         self.step = 0
         self.epoch = 0
@@ -398,6 +399,10 @@ class Trainer:
         if self.resumed is not None and not self.resumed.exact:
             warnings.append(f"resumed {self.resumed.path} at step {self.resumed.step}: not an exact resume: "
                             f"{self.resumed.reason}")
+        if self.resumed is not None and self.checkpoint_past_run:
+            warnings.append(f"the checkpoint {self.resumed.path} is at step {self.resumed.step}, past this run's "
+                            f"{self.total_steps} steps ({self.epochs} epoch(s)): nothing was trained, and the model is "
+                            "the checkpoint's, trained longer than this run asks")
         if self.step < cfg.warmup_steps:
             warnings.append(
                 f"trained {self.step} steps, fewer than the {cfg.warmup_steps} warmup steps: the learning rate never "
@@ -541,6 +546,7 @@ class Trainer:
         if resumed is None:
             return
         self.step, self.resumed_seen = resumed.step, resumed.examples_seen
+        self.checkpoint_past_run = resumed.step > self.total_steps
         if resumed.saved_world_size != self.env.world_size:
             resumed = self.continue_at_same_share(resumed)
         self.resumed = resumed
@@ -568,6 +574,7 @@ class Trainer:
         else:
             epoch = max(e for e in range(len(saved)) if starts[e] <= resumed.step)
             share = (resumed.step - starts[epoch]) / saved[epoch]
+        self.checkpoint_past_run = epoch + share > self.epochs
         step = self.total_steps if epoch >= self.epochs else min(
             self.total_steps, self.epoch_start[epoch] + round(share * self.steps_per_epoch[epoch]))
         if step == resumed.step:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 from core.storage.paths import Location, join
 
@@ -11,8 +12,10 @@ def parse_ds(ds: str | dt.date) -> dt.date:
     if isinstance(ds, dt.date):
         return ds
     try:
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", ds):  # fromisoformat also takes 20261105 and 2026-W45-4
+            raise ValueError(ds)
         return dt.date.fromisoformat(ds)
-    except ValueError:
+    except (TypeError, ValueError):
         raise ValueError(f"partition day {ds!r} is not a date in the form YYYY-MM-DD") from None
 
 

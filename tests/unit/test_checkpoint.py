@@ -254,3 +254,37 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_not_resumed_silently(tmp_p
         check(base.replace("RUN.json", lr=0.03, params={"dropout": 0.3}))
     marker.pop("settings")  # a checkpoint of older code records none: resumed as before
     check(base.replace("RUN.json", lr=0.03))
+
+
+@pytest.mark.parametrize(("saved_step", "epochs", "expected_step", "past"), [
+    (20, 4, 40, False),  # a finished 4-epoch run on 2 ranks, on 1 rank: finished, not trained again
+    (10, 4, 20, False),  # half-way: the same half of the run
+    (7, 4, 14, False),  # 2 of epoch 2's 5 steps: 4 of its 10
+    (20, 1, 10, True),  # 4 epochs trained, 1 asked now: nothing to train, and said
+])
+def test_a_resume_on_another_world_size_continues_as_far_into_the_same_epoch(saved_step, epochs, expected_step, past):
+    """2 ranks took 5 steps an epoch, 1 rank takes 10: the saved step counted in the new world's steps trained epochs
+    again (a finished run a second time). The LR schedule moves to the new step."""
+    import torch
+
+    from training.checkpoint_manager import Resumed
+    from training.train import Trainer, lr_lambda
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.step = saved_step  # as resume() sets it before
+    trainer.epochs, trainer.steps_per_epoch = epochs, [10] * epochs
+    trainer.epoch_start = [10 * e for e in range(epochs)]
+    trainer.total_steps = 10 * epochs
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight], lr=0.01)
+    schedule = lr_lambda(trainer.total_steps, 2, 0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    trainer.parts = {"model": (torch.nn.Identity(), optimizer, scheduler)}
+    saved = Resumed(path="/c/step-x", step=saved_step, epoch=0, examples_seen=0, exact=False, saved_world_size=2,
+                    world_size=1, reason="saved by 2 rank(s), resumed on 1", saved_steps_per_epoch=(5, 5, 5, 5))
+    resumed = trainer.continue_at_same_share(saved)
+    assert trainer.step == expected_step and trainer.checkpoint_past_run is past
+    assert scheduler.last_epoch == expected_step
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * schedule(expected_step))
+    assert f"saved at step {saved_step} of its 20" in resumed.reason and f"continued at step {expected_step}" in (
+        resumed.reason)
