@@ -180,6 +180,12 @@ def merge_shards(
     ds = ds_str(ds)
     missing = missing_shards(staging, step, count)
     if missing:
+        # Shards of another build there first: building the missing ones (the advice below) would not make this merge.
+        first = STEP_DATASETS[step][0]
+        for i in range(count):
+            if i not in missing:
+                meta = dict(read_json(join(shard_folder(staging, first, i), METADATA_FILE)))
+                _check_shard_named(first, ds, staging, count, i, meta)
         raise InfraError(_missing_shards_message(root, ds, step, staging, count, missing))
     summary: dict[str, Any] = {}
     try:
@@ -245,17 +251,21 @@ def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, st
             "then merge; in the DAG the task's retry builds them")
 
 
+def _check_shard_named(dataset: str, ds: str, staging: str, count: int, index: int, meta: dict[str, Any]) -> None:
+    built = {"ds": meta.get("ds"), "shards": meta.get("shards"), "shard": meta.get("shard")}
+    if built != {"ds": ds, "shards": count, "shard": index}:
+        raise ConfigError(
+            f"{dataset}: shard-{index:05d} in {staging} is shard {built['shard']} of {built['shards']} of "
+            f"ds={built['ds']}, but this merge is of {count} shard(s) of ds={ds}: merge with the --ds and --shards the "
+            "shards were built with (nothing was published)"
+        )
+
+
 def _check_shards_named(dataset: str, ds: str, staging: str, count: int, metas: list[dict[str, Any]],
                         settings: dict[str, Any]) -> None:
     """ConfigError unless every shard's metadata says it is shard i of ``count`` of ``ds``, built with ``settings``."""
     for i, meta in enumerate(metas):
-        built = {"ds": meta.get("ds"), "shards": meta.get("shards"), "shard": meta.get("shard")}
-        if built != {"ds": ds, "shards": count, "shard": i}:
-            raise ConfigError(
-                f"{dataset}: shard-{i:05d} in {staging} is shard {built['shard']} of {built['shards']} of ds={built['ds']}, "
-                f"but this merge is of {count} shard(s) of ds={ds}: merge with the --ds and --shards the shards were "
-                "built with (nothing was published)"
-            )
+        _check_shard_named(dataset, ds, staging, count, i, meta)
         differ = sorted(k for k, v in settings.items() if k in meta and meta[k] != v)
         if differ:
             given = ", ".join(f"{k} {meta[k]!r} (this merge: {settings[k]!r})" for k in differ)

@@ -11,7 +11,7 @@ import pytest
 
 from core import contracts, storage
 from core.config import FeaturesConfig
-from core.failures import DataError, ExitCode, InfraError
+from core.failures import ConfigError, DataError, ExitCode, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
 from features import bucketed_events, build, sharding, step_io
 from features.steps.daily import build_daily
@@ -129,6 +129,9 @@ def test_shards_of_other_inputs_are_not_merged(roots: tuple[Path, Path], tmp_pat
     build.build_step(root, day, "examples", FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(0, 2, staging))
     with pytest.raises(InfraError, match=r"shard\(s\) \[1\] have no output"):
         build.merge_shards(root, day, "examples", staging, 2)
+    # Merged as 3 shards: shard 0 of 2 is there, so building shards 1-2 (the missing ones) would not help: said first.
+    with pytest.raises(ConfigError, match=r"shard-00000 .* is shard 0 of 2 .*, but this merge is of 3 shard\(s\)"):
+        build.merge_shards(root, day, "examples", staging, 3)
     other = FEATURES.model_copy(update={"negative_downsample": 0.25})
     build.build_step(root, day, "examples", other, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
     before = storage.read_json(storage.join(partition(root, contracts.EXAMPLES, day), storage.METADATA_FILE))
