@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -1007,6 +1008,11 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: RunConfig, env: DistEnv) -> int:
     storage.make_dirs(config.output_dir)
     storage.remove(failure_path(config.output_dir, env.rank))
+    if env.rank == 0:  # an earlier job of more ranks in this folder: its other ranks' files are not this job's
+        for name in storage.list_names(config.output_dir):
+            rank = re.fullmatch(r"(?:failure|heartbeat)-rank(\d+)\.json", name)
+            if rank and int(rank[1]) >= env.world_size:
+                storage.remove(storage.join(config.output_dir, name))
     heartbeat = Heartbeat(config.output_dir, env, config.heartbeat_every_s)
     trainer: Trainer | None = None
     try:

@@ -143,6 +143,8 @@ def test_torchrun_trains_registers_and_the_corpus_is_scored_once(tmp_path: Path,
     assert proc.returncode == ExitCode.USER, proc.stderr[-4000:]
     assert "lr: saved 0.003, now 0.01" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert client.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
+    # A job of one rank in the folder of a job of two: rank 1's heartbeat is not this job's (the progress tab showed it).
+    assert (job / "failure-rank0.json").exists() and not (job / "heartbeat-rank1.json").exists()
     assert [str(v.version) for v in client.search_model_versions("name='pin_ranker_test'")] == ["1"]
 
     # Corpus inference: shard 0 through the CLI, shard 1 in process, then a rerun that skips.
