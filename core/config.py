@@ -71,15 +71,24 @@ class MlflowConfig(Section):
     ui_url: str = Field("http://localhost:5000", description="where the MLflow UI runs (the 'MLflow run' link points here)")
 
 
-# What DuckDB's memory_limit accepts: a number and a unit (KB ... TB, KiB ... TiB, bytes, or words), or a percentage.
-_MEMORY_SIZE = re.compile(
-    r"\s*\d+(\.\d+)?(e\d+)?\s*(%|b|bytes?|[kmgt](i?b)?|(kilo|mega|giga|tera)bytes?)\s*", re.IGNORECASE)
+# A memory size as DuckDB's memory_limit takes it and as a build job is sized by it (operators.features).
+_MEMORY_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*", re.IGNORECASE)
+_UNIT_GB = {"KB": 1e-6, "MB": 1e-3, "GB": 1.0, "TB": 1e3, "KIB": 2**10 / 1e9, "MIB": 2**20 / 1e9, "GIB": 2**30 / 1e9,
+            "TIB": 2**40 / 1e9}
+
+
+def memory_size_gb(value: str) -> float:
+    """A memory size (``4GB``, ``512MiB``) in GB; a ValueError saying what is expected if it is not one."""
+    match = _MEMORY_SIZE.fullmatch(value)
+    if not match:
+        raise ValueError(f"{value!r} is not a memory size: give a number and a unit, e.g. 4GB, 512MB or 8GiB")
+    return float(match.group(1)) * _UNIT_GB[match.group(2).upper()]
 
 
 def _memory_size(value: Any) -> Any:
-    """A DuckDB memory size, checked here so that a typo stops the configuration, not a job's first query."""
-    if isinstance(value, str) and not _MEMORY_SIZE.fullmatch(value):
-        raise ValueError(f"{value!r} is not a memory size: give a number and a unit (4GB, 512MB, 8GiB) or a share (80%)")
+    """Checked here, so that a typo stops the configuration, not a job's first query."""
+    if isinstance(value, str):
+        memory_size_gb(value)
     return value
 
 
@@ -93,7 +102,7 @@ class FeaturesConfig(Section):
     negative_downsample_seed: int = Field(0, description="seed of the hash that picks the kept negatives")
     duckdb_threads: int = Field(2, ge=1, description="DuckDB threads per build step")
     duckdb_memory_limit: Annotated[str, BeforeValidator(_memory_size)] = Field(
-        "4GB", description="beyond it DuckDB spills to disk instead of failing: a size (4GB, 512MB, 8GiB) or a share of the machine's memory (80%)")
+        "4GB", description="beyond it DuckDB spills to disk instead of failing: a size (4GB, 512MB, 8GiB); a build job asks for 1.5 times it")
     duckdb_temp_directory: str = Field("", description="parent folder of spill files; empty: the system temporary folder")
     backend: Annotated[str, BeforeValidator(functools.partial(_backend_name, empty=True))] = Field(
         "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"
@@ -153,6 +162,8 @@ class ValidationConfig(Section):
         if self.min_history_days > self.history_days:
             raise ValueError(f"min_history_days={self.min_history_days} must be at most history_days={self.history_days}")
         for day in self.holidays:
+            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(day)):  # compared as text with partition days
+                raise ValueError(f"holidays: {day!r} is not a date YYYY-MM-DD")
             try:
                 dt.date.fromisoformat(day)
             except ValueError:

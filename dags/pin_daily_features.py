@@ -37,8 +37,8 @@ with deadlines.DAG(  # Airflow's DAG; its test() runs without the deadline alert
 For the day `ds` (the run's data interval, or the `ds` param of a triggered run; a backfill ignores that param
 and builds each run's own day): waits for the raw events, pins, users and
 pin review labels partitions (deferrable), validates each with its Great Expectations suite and history checks (a failing
-partition is moved to `quarantine/` and stops the day: its build is skipped, so that the next days build over the gap,
-and the run fails; each validation task
+partition is moved to `quarantine/` and stops the day, and the run fails (quarantined events: the day's build is
+skipped, so that the next days build over the gap; another partition: the next days wait for this day); each validation task
 links to its Data Docs page), checks the 30-day window for quarantined or missing days
 (`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step a job on the compute backend
 (`features.backend`, else `training.backend`: a local process on the embedded default) and written atomically;
@@ -108,9 +108,9 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
     )
 
-    # A quarantined day's build is skipped (not upstream_failed), so that the next days' depends_on_past steps build
-    # over the gap; the failed validation still fails the run through the validations_passed leaf.
-    gate = QuarantinedDayGateOperator(task_id="skip_quarantined_day", ds=DS, datasets=["events", "pins", "users"])
+    # A day whose events were quarantined: its build is skipped (not upstream_failed), so that the next days'
+    # depends_on_past steps build over the gap; the failed validation still fails the run (validations_passed leaf).
+    gate = QuarantinedDayGateOperator(task_id="skip_quarantined_day", ds=DS)
     wait >> validations >> gate >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
         task_id="announce_examples", ds=DS, outlets=[EXAMPLES_ASSET])
     validations >> EmptyOperator(task_id="validations_passed")

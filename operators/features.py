@@ -14,14 +14,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
-from core.failures import ConfigError, InfraError
+from core.config import memory_size_gb
+from core.failures import ConfigError, DataError, InfraError
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
 if TYPE_CHECKING:
@@ -39,17 +39,12 @@ STEP_OUTPUTS = {
 }
 # A staging folder of another build unwritten for this many build timeouts is abandoned (removed at the next merge).
 ABANDONED_AFTER_TIMEOUTS = 2
-_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B)?\s*$", re.IGNORECASE)
-_UNIT_GB = {None: 1e-9, "KB": 1e-6, "MB": 1e-3, "GB": 1.0, "TB": 1e3, "KIB": 2**10 / 1e9, "MIB": 2**20 / 1e9,
-            "GIB": 2**30 / 1e9, "TIB": 2**40 / 1e9}
-
-
 def memory_gb(limit: str) -> float:
     """DuckDB's memory limit (``4GB``, ``512MiB``) in GB; a ConfigError naming the key if it is not one."""
-    match = _SIZE_RE.match(limit)
-    if not match:
-        raise ConfigError(f"features.duckdb_memory_limit = {limit!r} is not a size such as 4GB or 512MiB")
-    return float(match.group(1)) * _UNIT_GB[match.group(2).upper() if match.group(2) else None]
+    try:
+        return memory_size_gb(limit)
+    except ValueError as err:
+        raise ConfigError(f"features.duckdb_memory_limit: {err}") from None
 
 
 def build_spec(root: str, ds: str, step: str, features: FeaturesConfig, *, skip_validation: bool) -> BuildSpec:
@@ -240,9 +235,30 @@ class FeatureBuildOperator(ComputeJobOperator):
                           settings=(plan.spec, spec_path))
 
     def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
-        """Write the job's BUILD.json."""
+        """Write the job's BUILD.json; the window step checks its gaps again first (below)."""
+        if self.step == "window":
+            self._check_window_gaps()
         build, path = submission.settings
         build.write(path)
+
+    def _check_window_gaps(self) -> None:
+        """``validation.on_window_gap: fail`` as of now: the run's validate_window may have looked before the day
+        before was quarantined (runs of a backfill validate side by side; this task waits for the day before's window,
+        ``depends_on_past``), and would let the window build over that day."""
+        from core import config
+        from features.validation.window import window_gaps
+
+        cfg = config.load()
+        if cfg.validation.on_window_gap != "fail":
+            return
+        gaps = window_gaps(cfg.storage_root, self.ds, cfg.features.window_days)
+        if gaps["gaps"]:
+            raise DataError(
+                f"the {cfg.features.window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without "
+                f"validated raw events: {', '.join(gaps['gaps'])} (validation.on_window_gap=fail; found when the "
+                "window was about to be built). Land those days again and clear their runs, or set "
+                "validation.on_window_gap=proceed"
+            )
 
     def finish(self, context: Context, job: JobRef) -> dict[str, Any]:
         return self._publish(self._plan(context))

@@ -20,6 +20,7 @@ from operators.sensors import RawPartitionSensor, RawPartitionTrigger
 
 __all__ = [
     "DataDocsLink",
+    "QuarantinedDayGateOperator",
     "RawPartitionSensor",
     "RawPartitionTrigger",
     "ValidatePartitionOperator",
@@ -124,30 +125,29 @@ class ValidatePartitionOperator(BaseOperator):
 class QuarantinedDayGateOperator(BaseOperator):
     """After the day's validations, however they ended: lets the day's build run when every one passed.
 
-    When one failed and the day's raw partitions were quarantined, the build's tasks are skipped rather than left
+    When one failed and the day's raw events were quarantined, the build's tasks are skipped rather than left
     ``upstream_failed``: the window, sequences and examples of the next day wait for this day's (``depends_on_past``
     accepts success or skipped) and would wait for ever; skipped, the next days build over the gap as
-    ``validation.on_window_gap`` says (proceed: recorded in ``missing_days``; fail: the next day's validate_window
-    fails naming it). The failed validation still fails the run (the ``validations_passed`` leaf). Any other failure
-    (a validation that could not run) fails this task: the next days wait for this day's rerun.
+    ``validation.on_window_gap`` says (a day without raw events: proceed records it in ``missing_days``, fail fails
+    the next day's validate_window naming it). The failed validation still fails the run (the ``validations_passed``
+    leaf). Any other failure (another partition quarantined, whose day the next days' features still read; a
+    validation that could not run) fails this task: the next days wait for this day's rerun.
 
     :param ds: the partition day (templated).
-    :param datasets: the raw datasets the day's validations check (short names: events, pins, users).
     """
 
     template_fields: Sequence[str] = ("ds",)
     ui_color = "#fde8c8"
 
-    def __init__(self, *, ds: str, datasets: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, *, ds: str, **kwargs: Any) -> None:
         super().__init__(trigger_rule="all_done", **kwargs)
         self.ds = ds
-        self.datasets = list(datasets)
 
     def execute(self, context: Context) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 
         from core import config, storage
-        from features.validation.checks import raw_dataset
+        from core.contracts import RAW_EVENTS
         from features.validation.report import quarantine_records
 
         run, ti = context["dag_run"], context["ti"]
@@ -159,17 +159,17 @@ class QuarantinedDayGateOperator(BaseOperator):
             self.log.info("every validation of ds=%s passed: the day is built", self.ds)
             return
         root = config.load().storage_root
-        quarantined = [name for name in self.datasets if not storage.is_complete(root, raw_dataset(name), self.ds)
-                       and quarantine_records(root, name, self.ds)]
-        if quarantined:
+        if not storage.is_complete(root, RAW_EVENTS, self.ds) and quarantine_records(root, "events", self.ds):
             raise AirflowSkipException(
-                f"ds={self.ds}: {', '.join(failed)}; {', '.join(quarantined)} quarantined: the day's build is skipped, so "
-                "that the next days build over the gap (validation.on_window_gap). To build this day: land the fixed "
-                "partitions and clear this run"
+                f"ds={self.ds}: {', '.join(failed)}; its raw events were quarantined: the day's build is skipped, so "
+                "that the next days build over it as a day without events (validation.on_window_gap). To build this "
+                "day: land fixed events, then clear this run (the days after it keep what they built without it "
+                "until they are rebuilt too)"
             )
         raise DataError(
-            f"ds={self.ds}: {', '.join(failed)} without a quarantined partition: nothing is built, and the next days' "
-            "window, sequences and examples wait for this day. Fix what the failed task's log says and clear it"
+            f"ds={self.ds}: {', '.join(failed)}: nothing is built, and the next days' window, sequences and examples "
+            "wait for this day (they read its features). Fix what the failed task's log says (a quarantined "
+            "partition: land it again), then clear this run"
         )
 
 

@@ -1,10 +1,9 @@
 """The MLflow model registry as the Airflow layer uses it: the champion, classified (a version by number or alias:
 ``core.model_versions``).
 
-"Not found" (an unknown version, alias or model) is an answer: a USER error for a requested version, no
-champion for the alias. Anything else (the tracking server or its database does not answer) is classified by
-``core.failures`` (INFRA: retried), never mistaken for "no champion", so an MLflow outage cannot promote a
-model unconditionally.
+"Not found" (no such model or alias) is an answer: no champion. Anything else (the tracking server or its database
+does not answer) is classified by ``core.failures`` (INFRA: retried), never mistaken for "no champion", so an MLflow
+outage cannot promote a model unconditionally.
 """
 
 from __future__ import annotations

@@ -396,6 +396,11 @@ def save(
         else:
             _warn_unsigned()
         storage.write_json(storage.join(path, MARKER), marker)
+        # Checkpoints past this step are an earlier world's (resumed on more ranks, a run counts fewer steps an epoch:
+        # training.train's continue_at_same_share): this one supersedes them, or they would stay the newest.
+        for old_step, old in complete_checkpoints(checkpoint_dir):
+            if old_step > step:
+                remove_checkpoint(old)
         for _, old in complete_checkpoints(checkpoint_dir)[:-keep]:
             remove_checkpoint(old)
         log.info("checkpoint step %d written to %s", step, path)

@@ -1051,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
             if absent:
                 parser.error(f"give --plan, or {', '.join(absent)}")
             try:
-                dt.date.fromisoformat(args.ds)
+                storage.parse_ds(args.ds)
             except ValueError:
                 raise UserError(f"--ds {args.ds!r} is not a day: give YYYY-MM-DD") from None
             if args.publish:
@@ -1102,8 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(exc)
         # Our own user or data errors, and MLflow's answers (no such model or version), are their one line; anything
         # else (a bug) keeps its traceback.
-        expected = (isinstance(exc, PinflowError) or type(exc).__name__ == "MlflowException") and classify(exc) in (
-            FailureClass.USER, FailureClass.DATA)
+        from_mlflow = any(cls.__name__ == "MlflowException" for cls in type(exc).__mro__)  # RestException too
+        expected = (isinstance(exc, PinflowError) or from_mlflow) and classify(exc) in (FailureClass.USER, FailureClass.DATA)
         log.error("inference failed (%s, exit %d): %s", code.name, int(code), exc, exc_info=None if expected else exc)
         return int(code)
 

@@ -92,6 +92,11 @@ class Tracker:
         name = self.config.registered_model
         try:
             family = self.client.get_registered_model(name).tags.get(FAMILY_TAG)
+            if not family:  # registered before the tag was set: the family its newest version's run trained
+                newest = max(self.client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version),
+                             default=None)
+                if newest is not None and newest.run_id:
+                    family = self.client.get_run(newest.run_id).data.tags.get(FAMILY_TAG)
         except Exception as err:
             if is_not_found(err):
                 return  # registered by this run
@@ -132,7 +137,7 @@ class Tracker:
             except MlflowException as e:
                 log.warning("MLflow run %s from %s is gone (%s): starting a new run", run_id, self.state_path, e)
             self.state = {}
-        tags = {"pinflow.family": self.config.family, **{f"pinflow.{k}": str(v) for k, v in self.config.tags.items()}}
+        tags = {FAMILY_TAG: self.config.family, **{f"pinflow.{k}": str(v) for k, v in self.config.tags.items()}}
         run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=self.config.run_name, tags=tags)
         self.state = {"run_id": run.info.run_id, "experiment_id": self.experiment_id}
         storage.write_json(self.state_path, self.state)
@@ -208,6 +213,8 @@ class Tracker:
             model_uri = f"models:/{self.config.registered_model}/{registered.version}"
             log.info("this run registered its model already (an earlier try): %s", model_uri)
             self._tag_corpus_rows(family, str(registered.version), sharded)
+            # That try may have ended before it tagged the model with its family.
+            self.client.set_registered_model_tag(self.config.registered_model, FAMILY_TAG, self.config.family)
             self.state.update(model_uri=model_uri, model_version=str(registered.version),
                               logged_model_uri=str(registered.source), model_examples=examples_seen)
             storage.write_json(self.state_path, self.state)

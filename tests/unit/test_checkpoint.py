@@ -288,3 +288,21 @@ def test_a_resume_on_another_world_size_continues_as_far_into_the_same_epoch(sav
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * schedule(expected_step))
     assert f"saved at step {saved_step} of its 20" in resumed.reason and f"continued at step {expected_step}" in (
         resumed.reason)
+
+
+def test_a_save_supersedes_the_checkpoints_an_earlier_larger_step_count_left(tmp_path: Path):
+    """Resumed on more ranks, a run counts fewer steps an epoch: its first save (step 75) is newer than the earlier
+    world's steps 180 and 200, which stayed the newest (its own saves were pruned at once and a retry went back)."""
+    base = tmp_path / "ckpt"
+
+    def save_tiny(base: Path, step: int) -> None:
+        checkpoint.save(base, step=step, epoch=0, examples_seen=step, parts=_parts(0), data={"batches": 1},
+                        is_main=True)
+
+    for step in (180, 200):
+        save_tiny(base, step)
+    save_tiny(base, 75)
+    assert [step for step, _ in checkpoint.complete_checkpoints(base)] == [75]
+    assert checkpoint.latest_checkpoint(base)["step"] == 75
+    save_tiny(base, 100)
+    assert [step for step, _ in checkpoint.complete_checkpoints(base)] == [75, 100]  # kept as before

@@ -87,7 +87,7 @@ def test_the_spec_carries_every_setting_and_the_overrides_and_the_flags_build_th
     with pytest.raises(ConfigError, match="a sharded build needs one step"):
         BuildSpec.checked("x", root="/data", ds=DAY, shards=2)
     assert memory_gb("4GB") == 4.0 and memory_gb("512MiB") == pytest.approx(0.537, abs=1e-3)
-    with pytest.raises(ConfigError, match="features.duckdb_memory_limit = 'lots'"):
+    with pytest.raises(ConfigError, match="features.duckdb_memory_limit: 'lots' is not a memory size"):
         memory_gb("lots")
 
 
@@ -292,3 +292,24 @@ def test_a_run_created_again_under_the_same_id_builds_anew_instead_of_adopting_t
     assert list(new) == [op.job_name(context(), 1, again=1)]
     assert get_backend("local", platform).status(op.job_name(context(), 1, again=1)).state.value == "SUCCEEDED"
     assert marker.stat().st_mtime_ns != first  # published again
+
+
+def test_the_window_task_checks_the_gaps_again_before_it_builds(tmp_path: Path, monkeypatch) -> None:
+    """validation.on_window_gap: fail. In a backfill the next day's validate_window can look before the day before is
+    quarantined; its window task (which waits for that day's) looks again, and refuses to build over the gap."""
+    import pyarrow as pa
+
+    root = tmp_path / "root"
+    for day in ("2026-11-01", "2026-11-03"):  # landed (the gap check looks at the markers only)
+        storage.write_table(root, contracts.RAW_EVENTS, day, pa.Table.from_pylist([], schema=contracts.EVENTS_SCHEMA))
+    (root / "quarantine" / "events" / "ds=2026-11-02" / "20261103T000000Z").mkdir(parents=True)
+    cfg = PlatformConfig(storage_root=str(root), validation={"on_window_gap": "fail"})
+    monkeypatch.setattr(config, "load", lambda: cfg)
+    task = FeatureBuildOperator(task_id="window_features", step="window", ds="2026-11-03")
+    with pytest.raises(DataError, match=r"1 day\(s\) without validated raw events: 2026-11-02 .*found when the window "
+                       "was about to be built"):
+        task._check_window_gaps()
+    monkeypatch.setattr(config, "load", lambda: cfg.model_copy(update={"validation": cfg.validation.model_copy(
+        update={"on_window_gap": "proceed"})}))
+    task._check_window_gaps()  # proceed: built over it, recorded in missing_days
+
