@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, Context
 
-from core.config import memory_size_gb
 from core.failures import ConfigError, DataError, InfraError
 from operators.compute_job import ComputeJobOperator, JobRef, Submission, Watch
 
@@ -41,6 +40,8 @@ STEP_OUTPUTS = {
 ABANDONED_AFTER_TIMEOUTS = 2
 def memory_gb(limit: str) -> float:
     """DuckDB's memory limit (``4GB``, ``512MiB``) in GB; a ConfigError naming the key if it is not one."""
+    from core.config import memory_size_gb  # not at parse time: the DAG files read the configuration's cached view
+
     try:
         return memory_size_gb(limit)
     except ValueError as err:
