@@ -21,7 +21,7 @@ from operators.assets import EXAMPLES_ASSET
 from operators.errors import default_args
 from operators.features import AnnounceExamplesOperator, FeatureBuildOperator
 from operators.sensors import RawPartitionSensor
-from operators.validation import QuarantinedDayGateOperator, ValidatePartitionOperator, WindowGapCheckOperator
+from operators.validation import ValidatePartitionOperator, WindowGapCheckOperator
 
 # The day a run builds: its data interval's, or the `ds` param of a run triggered from the form. A backfill
 # builds each run's own day: the Backfill dialog offers the DAG's params too, and a `ds` given there would
@@ -94,7 +94,10 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
     }
-    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS, shards=shards)
+    # Runs however the validations ended: a day whose events were quarantined is skipped with the steps after it (not
+    # left upstream_failed), so that the next days' depends_on_past steps build over the gap; any other failure fails
+    # it. The failed validation still fails the run (the validations_passed leaf).
+    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS, shards=shards, gated=True)
     # The window of ds is that of ds-1 plus ds minus the day that leaves (a full sum when ds-1's is missing, or when
     # a day it summed is not there yet and has to be computed from raw): in a backfill, wait for the day before.
     window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS, shards=shards, depends_on_past=True)
@@ -108,10 +111,7 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
     )
 
-    # A day whose events were quarantined: its build is skipped (not upstream_failed), so that the next days'
-    # depends_on_past steps build over the gap; the failed validation still fails the run (validations_passed leaf).
-    gate = QuarantinedDayGateOperator(task_id="skip_quarantined_day", ds=DS)
-    wait >> validations >> gate >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
+    wait >> validations >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
         task_id="announce_examples", ds=DS, outlets=[EXAMPLES_ASSET])
     validations >> EmptyOperator(task_id="validations_passed")
     wait >> validate_labels

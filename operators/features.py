@@ -127,6 +127,8 @@ class FeatureBuildOperator(ComputeJobOperator):
     :param shards: split the step into this many jobs (templated; empty: ``features.shards``).
     :param backend: ``local``, ``batch`` or ``kubernetes`` (templated; empty: ``features.backend``, else
         ``training.backend``).
+    :param gated: run after the upstream validations however they ended and decide (the day's first step:
+        :func:`operators.validation.gate_on_validations`: build, skip a day whose events were quarantined, or fail).
     :param deferrable: wait for the job in the triggerer (default); False polls on the worker.
 
     The job's lifecycle is :class:`~operators.compute_job.ComputeJobOperator`'s: its end is classified
@@ -151,9 +153,13 @@ class FeatureBuildOperator(ComputeJobOperator):
         skip_validation: bool = False,
         shards: Any = None,
         backend: str | None = None,
+        gated: bool = False,
         **kwargs: Any,
     ) -> None:
+        if gated:  # it decides itself what its upstream validations' end means (gate_on_validations)
+            kwargs.setdefault("trigger_rule", "all_done")
         super().__init__(**kwargs)
+        self.gated = gated
         if step not in FEATURE_STEPS:
             raise ValueError(f"unknown feature step {step!r}: choose one of {FEATURE_STEPS}")
         self.step = step
@@ -163,6 +169,13 @@ class FeatureBuildOperator(ComputeJobOperator):
         self.shards = shards
         self.backend = backend
         self._built: dict[str, Any] | None = None
+
+    def execute(self, context: Context) -> Any:
+        if self.gated:
+            from operators.validation import gate_on_validations
+
+            gate_on_validations(context, self.ds, sorted(self.upstream_task_ids))
+        return super().execute(context)
 
     def _features(self, cfg: PlatformConfig) -> FeaturesConfig:
         return with_run_params(cfg.features, self.overrides, self.shards)

@@ -20,7 +20,7 @@ from operators.sensors import RawPartitionSensor, RawPartitionTrigger
 
 __all__ = [
     "DataDocsLink",
-    "QuarantinedDayGateOperator",
+    "gate_on_validations",
     "RawPartitionSensor",
     "RawPartitionTrigger",
     "ValidatePartitionOperator",
@@ -63,8 +63,8 @@ class ValidatePartitionOperator(BaseOperator):
     The report (every check, observed value, threshold, pass/fail) and the partition's profile are written
     under ``reports/validation/``, and a short summary is pushed to XCom (key ``validation``) before a
     failure is raised, so the UI shows why. A failed partition is moved to ``quarantine/`` with its report
-    (``validation.quarantine``) and the task fails with a ``DataError``: no retry; the day's build is skipped
-    (:class:`QuarantinedDayGateOperator`).
+    (``validation.quarantine``) and the task fails with a ``DataError``: no retry; the day is not built
+    (:func:`gate_on_validations`).
 
     :param dataset: ``events``, ``pins`` or ``users``.
     :param ds: the partition day (templated).
@@ -122,55 +122,43 @@ class ValidatePartitionOperator(BaseOperator):
 
 
 
-class QuarantinedDayGateOperator(BaseOperator):
-    """After the day's validations, however they ended: lets the day's build run when every one passed.
+def gate_on_validations(context: Context, ds: str, task_ids: Sequence[str]) -> None:
+    """The day's first build step, after the day's validations however they ended (its trigger rule is all_done):
+    returns when every one passed (the step builds).
 
-    When one failed and the day's raw events were quarantined, the build's tasks are skipped rather than left
-    ``upstream_failed``: the window, sequences and examples of the next day wait for this day's (``depends_on_past``
-    accepts success or skipped) and would wait for ever; skipped, the next days build over the gap as
-    ``validation.on_window_gap`` says (a day without raw events: proceed records it in ``missing_days``, fail fails
-    the next day's validate_window naming it). The failed validation still fails the run (the ``validations_passed``
-    leaf). Any other failure (another partition quarantined, whose day the next days' features still read; a
-    validation that could not run) fails this task: the next days wait for this day's rerun.
-
-    :param ds: the partition day (templated).
+    When one failed and the day's raw events were quarantined, raises AirflowSkipException: the step and the build's
+    next steps are skipped rather than left ``upstream_failed``, for the window, sequences and examples of the next
+    day wait for this day's (``depends_on_past`` accepts success or skipped) and would wait for ever; skipped, the next
+    days build over it as a day without events (``validation.on_window_gap``: proceed records it in ``missing_days``,
+    fail fails the next day's validate_window naming it). The failed validation still fails the run (the
+    ``validations_passed`` leaf). Any other failure (another partition quarantined, whose day the next days' features
+    still read; a validation that could not run) raises DataError: the next days wait for this day's rerun.
     """
+    from airflow.sdk.exceptions import AirflowSkipException
 
-    template_fields: Sequence[str] = ("ds",)
-    ui_color = "#fde8c8"
+    from core import config, storage
+    from core.contracts import RAW_EVENTS
+    from features.validation.report import quarantine_records
 
-    def __init__(self, *, ds: str, **kwargs: Any) -> None:
-        super().__init__(trigger_rule="all_done", **kwargs)
-        self.ds = ds
-
-    def execute(self, context: Context) -> None:
-        from airflow.sdk.exceptions import AirflowSkipException
-
-        from core import config, storage
-        from core.contracts import RAW_EVENTS
-        from features.validation.report import quarantine_records
-
-        run, ti = context["dag_run"], context["ti"]
-        upstream = sorted(self.upstream_task_ids)
-        states = (ti.get_task_states(dag_id=run.dag_id, task_ids=upstream, run_ids=[run.run_id]).get(run.run_id)
-                  or {})
-        failed = [f"{task} ({states.get(task)})" for task in upstream if states.get(task) != "success"]
-        if not failed:
-            self.log.info("every validation of ds=%s passed: the day is built", self.ds)
-            return
-        root = config.load().storage_root
-        if not storage.is_complete(root, RAW_EVENTS, self.ds) and quarantine_records(root, "events", self.ds):
-            raise AirflowSkipException(
-                f"ds={self.ds}: {', '.join(failed)}; its raw events were quarantined: the day's build is skipped, so "
-                "that the next days build over it as a day without events (validation.on_window_gap). To build this "
-                "day: land fixed events, then clear this run (the days after it keep what they built without it "
-                "until they are rebuilt too)"
-            )
-        raise DataError(
-            f"ds={self.ds}: {', '.join(failed)}: nothing is built, and the next days' window, sequences and examples "
-            "wait for this day (they read its features). Fix what the failed task's log says (a quarantined "
-            "partition: land it again), then clear this run"
+    run, ti = context["dag_run"], context["ti"]
+    upstream = sorted(task_ids)
+    states = ti.get_task_states(dag_id=run.dag_id, task_ids=upstream, run_ids=[run.run_id]).get(run.run_id) or {}
+    failed = [f"{task} ({states.get(task)})" for task in upstream if states.get(task) != "success"]
+    if not failed:
+        return
+    root = config.load().storage_root
+    if not storage.is_complete(root, RAW_EVENTS, ds) and quarantine_records(root, "events", ds):
+        raise AirflowSkipException(
+            f"ds={ds}: {', '.join(failed)}; its raw events were quarantined: the day's build is skipped, so that the "
+            "next days build over it as a day without events (validation.on_window_gap). To build this day: land "
+            "fixed events, then clear this run (the days after it keep what they built without it until they are "
+            "rebuilt too)"
         )
+    raise DataError(
+        f"ds={ds}: {', '.join(failed)}: nothing is built, and the next days' window, sequences and examples wait for "
+        "this day (they read its features). Fix what the failed task's log says (a quarantined partition: land it "
+        "again), then clear this run"
+    )
 
 
 class WindowGapCheckOperator(BaseOperator):

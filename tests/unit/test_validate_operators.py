@@ -394,7 +394,7 @@ def test_events_are_bucketed_when_the_runs_build_is_sharded(root: Path, monkeypa
     assert asked == [buckets]  # the form's shards, else features.shards (1 here)
 
 
-def test_the_gate_skips_a_day_whose_events_were_quarantined_and_holds_one_with_another_failure(root: Path) -> None:
+def test_the_day_is_skipped_when_its_events_were_quarantined_and_held_on_another_failure(root: Path) -> None:
     """Skipped (the next days build over it as a day without events) only when the day's raw events were quarantined;
     a quarantined pins snapshot, which the next days' features read, or a validation that could not run: failed,
     and the next days wait for this day."""
@@ -404,16 +404,17 @@ def test_the_gate_skips_a_day_whose_events_were_quarantined_and_holds_one_with_a
 
     from core.contracts import RAW_EVENTS
     from features.validation.report import quarantine_root
-    from operators.validation import QuarantinedDayGateOperator
+    from operators.validation import gate_on_validations
 
     ds = "2026-11-02"
     states = {"validate_events": "success", "validate_pins": "success", "validate_users": "success",
               "validate_window": "success"}
     ti = SimpleNamespace(get_task_states=lambda dag_id, task_ids, run_ids: {"r": {t: states[t] for t in task_ids}})
     context: Any = {"dag_run": SimpleNamespace(dag_id="pin_daily_features", run_id="r"), "ti": ti}
-    gate = QuarantinedDayGateOperator(task_id="skip_quarantined_day", ds=ds)
-    gate.upstream_task_ids.update(states)
-    gate.execute(context)  # every validation passed: the build runs
+    def gate() -> None:
+        gate_on_validations(context, ds, sorted(states))
+
+    gate()  # every validation passed: the build runs
 
     states["validate_pins"] = "failed"
     import pyarrow as pa
@@ -423,10 +424,10 @@ def test_the_gate_skips_a_day_whose_events_were_quarantined_and_holds_one_with_a
     storage.write_table(root, RAW_EVENTS, ds, pa.Table.from_pylist([], schema=EVENTS_SCHEMA))  # the events passed
     Path(quarantine_root(root, "pins", ds), "20261102T010000Z").mkdir(parents=True)
     with pytest.raises(DataError, match=r"validate_pins \(failed\): nothing is built, and the next days' window"):
-        gate.execute(context)
+        gate()
 
     states["validate_events"] = "failed"
     storage.remove_tree(storage.partition(root, RAW_EVENTS, ds))
     Path(quarantine_root(root, "events", ds), "20261102T010000Z").mkdir(parents=True)
     with pytest.raises(AirflowSkipException, match="its raw events were quarantined: the day's build is skipped"):
-        gate.execute(context)
+        gate()
