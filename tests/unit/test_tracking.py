@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,14 +17,11 @@ pytestmark = pytest.mark.unit
 FAMILIES = Path(__file__).resolve().parents[1] / "families"
 
 
-def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp_path: Path, monkeypatch):
-    """Registration, then writing the state file beside the checkpoints failed (a full disk, say): the retry continues
-    the same MLflow run, and the registry, asked for this run's version, stops it registering a second."""
+@pytest.fixture
+def tiny_click(tmp_path: Path, monkeypatch) -> Iterator[tuple[RunConfig, Any, str]]:
+    """A run of the test family tiny_click tracked in a SQLite MLflow under ``tmp_path``: its config, family, URI."""
     monkeypatch.syspath_prepend(str(FAMILIES))
-    from mlflow import MlflowClient
-
     from training.sdk import load_family
-    from training.tracking import STATE_FILE, Tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = RunConfig.from_dict({
@@ -30,7 +29,18 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
         "checkpoint_dir": str(tmp_path / "checkpoints"), "mlflow_tracking_uri": uri,
         "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "tiny_click", "family_module": "tiny_click",
     })
-    family = load_family("tiny_click", "tiny_click", {})
+    yield config, load_family("tiny_click", "tiny_click", {}), uri
+    sys.modules.pop("tiny_click", None)
+
+
+def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp_path: Path, tiny_click):
+    """Registration, then writing the state file beside the checkpoints failed (a full disk, say): the retry continues
+    the same MLflow run, and the registry, asked for this run's version, stops it registering a second."""
+    from mlflow import MlflowClient
+
+    from training.tracking import STATE_FILE, Tracker
+
+    config, family, uri = tiny_click
     first = Tracker(config)
     uri_1, version_1 = first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40)
     first.end("FAILED")
@@ -46,26 +56,17 @@ def test_a_retry_whose_state_file_was_lost_finds_the_version_in_the_registry(tmp
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     assert [str(v.version) for v in client.search_model_versions("name='tiny_click'")] == ["1"]
     assert json.loads(state.read_text())["model_version"] == "1"
-    sys.modules.pop("tiny_click", None)
 
 
-def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_path: Path, monkeypatch):
+def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_path: Path, tiny_click):
     """A finished run resumed with more epochs trains on from its last checkpoint in the same MLflow run: its model
     is a new version (before, the version of the shorter run was reported for it), and a retry of the extended run
     (its state file lost) finds that new version rather than the first."""
-    monkeypatch.syspath_prepend(str(FAMILIES))
     from mlflow import MlflowClient
 
-    from training.sdk import load_family
     from training.tracking import EXAMPLES_TAG, STATE_FILE, Tracker
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = RunConfig.from_dict({
-        "root": str(tmp_path), "train_days": ["2026-01-01"], "eval_ds": "2026-01-02", "output_dir": str(tmp_path / "job"),
-        "checkpoint_dir": str(tmp_path / "checkpoints"), "mlflow_tracking_uri": uri,
-        "mlflow_artifact_location": str(tmp_path / "artifacts"), "family": "tiny_click", "family_module": "tiny_click",
-    })
-    family = load_family("tiny_click", "tiny_click", {})
+    config, family, uri = tiny_click
     first = Tracker(config)
     assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40) == ("models:/tiny_click/1", "1")
     first.end()
@@ -87,7 +88,6 @@ def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_pa
     assert sorted(versions) == ["1", "2"]
     assert versions["1"].tags[EXAMPLES_TAG] == "40" and versions["2"].tags[EXAMPLES_TAG] == "120"
     assert versions["1"].run_id == versions["2"].run_id == first.run_id
-    sys.modules.pop("tiny_click", None)
 
 
 def test_a_tracking_server_that_does_not_answer_stops_the_submit():
