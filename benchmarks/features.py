@@ -17,11 +17,12 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
 * ``pandas`` — a straightforward pandas (with numpy/pyarrow for I/O and lists) implementation of the
   same four steps with the same inputs, checked against the DuckDB outputs;
 * ``sharding`` (benchmark config only) — for each of ``--shards`` (1, 2, 4, 8) shards, the incremental build split
-  into that many shards per step, each shard its own process (as the DAG's array jobs run it; here one after another),
+  into that many shards per job (the DAG's two: daily, sequences and examples in one, then the window), each shard its
+  own process (as the DAG's array jobs run it; here one after another),
   from the day's events bucketed as validation writes them (``--buckets``, not timed with the build: ``bucketing``)
   and the state a build in as many shards left the day before, each step merged: ``work_vs_unsharded`` is the CPU-
   seconds of the shards and merges over the unsharded build's (the incremental build run just before and after the
-  shards, averaged), ``parallel_vs_unsharded`` the time with one machine per shard (each step's slowest shard plus its
+  shards, averaged), ``parallel_vs_unsharded`` the time with one machine per shard (each job's slowest shard plus its
   merge) over the unsharded build's, and ``equal`` whether every output holds the unsharded rows.
   ``--sharding-only`` measures only these (for a day too large for the full recompute and pandas).
 
@@ -573,20 +574,21 @@ SHARDING_HEADLINE = ("work_vs_unsharded", "parallel_vs_unsharded", "equal", "mea
 
 
 def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, count: int) -> dict[str, Any]:
-    """The incremental build of DAY in ``count`` shards per step, each shard a process as the array job runs it (one
-    after another here), from the state a ``count``-shard build of the day before left; each step merged.
+    """The incremental build of DAY in ``count`` shards per job of the DAG (``build.DAY_JOBS``), each shard a process
+    as the array job runs it (one after another here), from the state a ``count``-shard build of the day before left;
+    each job merged.
 
     ``work_vs_unsharded``: the shards' and merges' CPU-seconds (every thread) over the unsharded build's (the same
     measure, interpreter start excluded on both sides; ``process_work_vs_unsharded`` includes each shard process's
-    start and imports). ``parallel_vs_unsharded``: each step's slowest shard plus its merge, in seconds, over the
-    unsharded build's seconds (a machine per shard); ``mean_shard_parallel_vs_unsharded`` the same with each step's
+    start and imports). ``parallel_vs_unsharded``: each job's slowest shard plus its merge, in seconds, over the
+    unsharded build's seconds (a machine per shard); ``mean_shard_parallel_vs_unsharded`` the same with each job's
     mean shard instead of its slowest: the shards hold the same rows within about 1%, so here, run one after another
     on one machine, the gap between the two is the machine's noise more than the shards'. The unsharded build is the
     incremental phase run just before and just after the shards, averaged (``unsharded``): this machine's speed
     drifts by a third over minutes (its page cache, its neighbours), which a baseline from the start of the run
     would put into the ratios. ``equal``: every output holds the unsharded build's rows.
     """
-    say(f"sharding: {count} shard(s) per step")
+    say(f"sharding: {count} shard(s) per job")
     baseline = [run_phase("incremental", args, root)]
     shutil.rmtree(sharded_root, ignore_errors=True)
     sharded_root.mkdir()
@@ -594,7 +596,7 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
     relay_state(root, sharded_root, count, args.window_days)
     cpu = process_cpu = parallel = parallel_mean = 0.0
     steps: dict[str, Any] = {}
-    for step in build.STEP_DATASETS:
+    for step in build.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
         seconds, cpus = [], []
         for index in range(count):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -45,10 +45,10 @@ links to its Data Docs page), checks the 30-day window for quarantined or missin
 with `shards` (form) or `features.shards` > 1 each step is an array job of that many shards (users and pins by id
 hash), published together once all are built (a retry builds only the missing ones):
 
-1. `features/user_daily`, `features/pin_daily` — per-day aggregates;
-2. `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`;
-3. `features/user_sequence` — each user's last N engagements as of the end of `ds`;
-4. `examples` — impressions of `ds` with labels, joined with features as of the end of `ds-1`.
+1. `daily_sequences_examples`, one job: `features/user_daily`, `features/pin_daily` (per-day aggregates),
+   `features/user_sequence` (each user's last N engagements as of the end of `ds`) and `examples` (impressions of
+   `ds` with labels, joined with features as of the end of `ds-1`);
+2. `window_features`: `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`.
 
 Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --dag-id pin_daily_features
 --from-date 2026-11-01 --to-date 2026-11-07 --reprocess-behavior completed`, or the UI's Backfill dialog. Airflow
@@ -94,24 +94,21 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         "negative_downsample": "{{ params.negative_downsample }}",
         "sequence_length": "{{ params.sequence_length }}",
     }
-    # Runs however the validations ended: a day whose events were quarantined is skipped with the steps after it (not
-    # left upstream_failed), so that the next days' depends_on_past steps build over the gap; any other failure fails
-    # it. The failed validation still fails the run (the validations_passed leaf).
-    daily = FeatureBuildOperator(task_id="daily_aggregates", step="daily", ds=DS, shards=shards, gated=True)
+    # Daily aggregates, sequences and examples of ds in one job (each shard starts once): none reads another's output
+    # of ds (sequences extend ds-1's, examples join the features of ds-1). Runs however the validations ended: a day
+    # whose events were quarantined is skipped with the window after it (not left upstream_failed), so that the next
+    # days build over the gap; any other failure fails it. The failed validation still fails the run (the
+    # validations_passed leaf). wait_for_downstream: in a backfill, wait for the day before's build and its window
+    # (these examples read them; the sequences of ds-1 make the day's incremental, 30 times faster than a recompute).
+    build = FeatureBuildOperator(
+        task_id="daily_sequences_examples", step="daily_sequences_examples", ds=DS, overrides=overrides, shards=shards,
+        gated=True, wait_for_downstream=True,
+    )
     # The window of ds is that of ds-1 plus ds minus the day that leaves (a full sum when ds-1's is missing, or when
-    # a day it summed is not there yet and has to be computed from raw): in a backfill, wait for the day before.
+    # a day it summed is not there yet and has to be computed from raw): it reads the day's merged aggregates.
     window = FeatureBuildOperator(task_id="window_features", step="window", ds=DS, shards=shards, depends_on_past=True)
-    # Sequences of ds extend those of ds-1 (a full recompute when they are missing gives the same result,
-    # 30 times slower): in a backfill, wait for the day before so that each day is incremental.
-    sequences = FeatureBuildOperator(
-        task_id="user_sequences", step="sequences", ds=DS, overrides=overrides, shards=shards, depends_on_past=True
-    )
-    # Examples of ds read the features of ds-1: in a backfill with parallel runs, wait for the day before.
-    examples = FeatureBuildOperator(
-        task_id="training_examples", step="examples", ds=DS, overrides=overrides, shards=shards, depends_on_past=True,
-    )
 
-    wait >> validations >> daily >> [window, sequences] >> examples >> AnnounceExamplesOperator(
+    wait >> validations >> build >> window >> AnnounceExamplesOperator(
         task_id="announce_examples", ds=DS, outlets=[EXAMPLES_ASSET])
     validations >> EmptyOperator(task_id="validations_passed")
     wait >> validate_labels

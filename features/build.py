@@ -111,6 +111,24 @@ STEP_DATASETS: dict[str, tuple[str, ...]] = {
     "sequences": (USER_SEQUENCE,),
     "examples": (EXAMPLES,),
 }
+# Steps one job builds, in order. The DAG's first build job runs every step of ``ds`` that reads only the day's raw
+# partitions and the day before's features, so that each of its shards starts a process and DuckDB once, not three
+# times (per job, that start costs about what a shard's share of a step's query does); the window reads the day's
+# merged daily aggregates (the pin totals of every shard) and is a job of its own, after it.
+STEP_GROUPS: dict[str, tuple[str, ...]] = {"daily_sequences_examples": ("daily", "sequences", "examples")}
+DAY_JOBS = ("daily_sequences_examples", "window")  # the DAG's build jobs of a day, in order
+
+
+def steps_of(step: str) -> tuple[str, ...]:
+    """The steps a job of ``step`` (one step, or a group of ``STEP_GROUPS``) builds, in order."""
+    return STEP_GROUPS.get(step, (step,))
+
+
+def step_datasets(step: str) -> tuple[str, ...]:
+    """The datasets a job of ``step`` writes (a group's published together)."""
+    return tuple(dataset for one in steps_of(step) for dataset in STEP_DATASETS[one])
+
+
 # Metadata that differs from shard to shard (summed or dropped by the merge); every other key must agree.
 _SUMMED_KEYS = ("rows", "events", "unknown_action_events", "impressions", "impressions_unknown_pin")
 # Totals of columns by name (the examples' labels, the pin counts of pin_daily): summed per name.
@@ -129,8 +147,14 @@ def build_step(
     engine: DuckDBSettings | None = None,
     shard: Shard | None = None,
 ) -> dict[str, Any]:
-    """Build one step of ``ds`` with the ``features:`` settings (of one shard, if given): the summaries by dataset."""
+    """Build one step (or a group of ``STEP_GROUPS``, its steps in order) of ``ds`` with the ``features:`` settings (of
+    one shard, if given): the summaries by dataset."""
     common: dict[str, Any] = {"require_validation": require_validation, "engine": engine, "shard": shard}
+    if step in STEP_GROUPS:
+        summary: dict[str, Any] = {}
+        for one in STEP_GROUPS[step]:
+            summary |= build_step(root, ds, one, features, recompute=recompute, **common)
+        return summary
     if step == "daily":
         return build_daily(root, ds, **common)
     if step == "window":
@@ -142,14 +166,14 @@ def build_step(
             root, ds, features.pin_prior_impressions, features.negative_downsample, features.negative_downsample_seed,
             **common,
         )
-    raise ValueError(f"unknown feature step {step!r}: choose one of {', '.join(STEP_DATASETS)}")
+    raise ValueError(f"unknown feature step {step!r}: choose one of {', '.join([*STEP_DATASETS, *STEP_GROUPS])}")
 
 
 def missing_shards(staging: str, step: str, count: int) -> list[int]:
     """The shards of a sharded build step whose outputs are not all in ``staging`` yet."""
     return [
         i for i in range(count)
-        if not all(exists(join(shard_folder(staging, d, i), MARKER)) for d in STEP_DATASETS[step])
+        if not all(exists(join(shard_folder(staging, d, i), MARKER)) for d in step_datasets(step))
     ]
 
 
@@ -181,7 +205,7 @@ def merge_shards(
     missing = missing_shards(staging, step, count)
     if missing:
         # Shards of another build there first: building the missing ones (the advice below) would not make this merge.
-        first = STEP_DATASETS[step][0]
+        first = step_datasets(step)[0]
         for i in range(count):
             if i not in missing:
                 meta = dict(read_json(join(shard_folder(staging, first, i), METADATA_FILE)))
@@ -191,7 +215,7 @@ def merge_shards(
     try:
         # Every dataset's shards checked before any is published: a step's partitions are published together.
         shards: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
-        for dataset in STEP_DATASETS[step]:
+        for dataset in step_datasets(step):
             # Each shard's published version (on an object store the version folder its marker names).
             folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
             metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
@@ -243,7 +267,7 @@ def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, st
 
     what = f"{step} of ds={ds}: shard(s) {missing} have no output in {staging}"
     if len(missing) == count:
-        first = STEP_DATASETS[step][0]
+        first = step_datasets(step)[0]
         published = read_metadata(root, first, ds).get("shards") if is_complete(root, first, ds) else None
         if published:
             what += f" (none built yet, or already merged: {first} ds={ds} is published from {published} shard(s))"
@@ -279,7 +303,7 @@ def _remove_shards(staging: str, step: str) -> None:
     """Remove the step's shard outputs from ``staging`` (and their unfinished temporaries), then the folders above
     them up to ``staging`` itself where left empty; nothing else under it (the spec refuses a staging folder that
     holds data)."""
-    for dataset in STEP_DATASETS[step]:
+    for dataset in step_datasets(step):
         shards = join(staging, *dataset.split("/"))
         remove_tree(shards)
         if exists(shards):
@@ -313,8 +337,9 @@ def _parser(defaults: FeaturesConfig) -> argparse.ArgumentParser:
     # Settings flags default to None: given with --spec, they are refused, never silently ignored.
     parser.add_argument("--root", help="storage root: a local folder, a file:// or an s3:// URL")
     parser.add_argument("--ds", help="the partition day, YYYY-MM-DD")
-    parser.add_argument("--step", choices=("daily", "window", "sequences", "examples", "all"),
-                        help="which output to build (default: all, in order)")
+    parser.add_argument("--step", choices=(*STEP_DATASETS, *STEP_GROUPS, "all"),
+                        help="which output to build (daily_sequences_examples: those three steps, in one job; "
+                        "default: all, in order)")
     parser.add_argument("--window-days", type=int,
                         help=f"days in the window features and sequences (default: {defaults.window_days})")
     parser.add_argument("--sequence-length", type=int,

@@ -17,7 +17,8 @@ from core.config import FeaturesConfig
 from core.failures import ConfigError
 from core.storage import parse_ds
 
-Step = Literal["daily", "window", "sequences", "examples", "all"]
+# One step, the group of steps the DAG's first build job runs (``features.build.STEP_GROUPS``), or every step in order.
+Step = Literal["daily", "window", "sequences", "examples", "daily_sequences_examples", "all"]
 SPEC_FILE = "BUILD.json"
 # Under the storage root: the shard outputs of sharded builds not merged yet (no dataset's folder starts with _).
 STAGING = "_staging"
@@ -35,7 +36,8 @@ class BuildSpec(BaseModel):
 
     root: str = Field(description="storage root: a local folder, a file:// or an s3:// URL")
     ds: str = Field(description="the partition day, YYYY-MM-DD")
-    step: Step = Field("all", description="which output to build (all: every step, in order)")
+    step: Step = Field("all", description="which output to build (daily_sequences_examples: those steps in one job; "
+                      "all: every step, in order)")
     window_days: int = _FEATURES.window_days
     sequence_length: int = _FEATURES.sequence_length
     pin_prior_impressions: float = _FEATURES.pin_prior_impressions
@@ -55,7 +57,8 @@ class BuildSpec(BaseModel):
         parse_ds(self.ds)  # a ValueError naming the day
         self.features()
         if (self.shards > 1 or self.merge) and (self.step == "all" or not self.staging):
-            raise ValueError("a sharded build needs one step (daily, window, sequences or examples) and a staging folder")
+            raise ValueError("a sharded build needs one step (daily, window, sequences or examples, or "
+                             "daily_sequences_examples) and a staging folder")
         if self.staging:
             problem = staging_problem(self.root, self.staging)
             if problem:

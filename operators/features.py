@@ -28,14 +28,16 @@ if TYPE_CHECKING:
     from features.spec import BuildSpec
     from operators.jobs import ShardMarkers
 
-FEATURE_STEPS = ("daily", "window", "sequences", "examples")
-# The datasets each step writes (``core.contracts``; spelled out here so that parsing a DAG imports no pyarrow).
+# The datasets each step (or group of steps in one job, ``features.build.STEP_GROUPS``) writes (``core.contracts``;
+# spelled out here so that parsing a DAG imports no pyarrow or DuckDB).
 STEP_OUTPUTS = {
     "daily": ("features/user_daily", "features/pin_daily"),
     "window": ("features/user_window", "features/pin_window"),
     "sequences": ("features/user_sequence",),
     "examples": ("examples",),
+    "daily_sequences_examples": ("features/user_daily", "features/pin_daily", "features/user_sequence", "examples"),
 }
+FEATURE_STEPS = tuple(STEP_OUTPUTS)
 # A staging folder of another build unwritten for this many build timeouts is abandoned (removed at the next merge).
 ABANDONED_AFTER_TIMEOUTS = 2
 def memory_gb(limit: str) -> float:
@@ -117,7 +119,8 @@ class FeatureBuildOperator(ComputeJobOperator):
     """Build one feature step of a day as a job on a compute backend; written atomically, rerunning replaces that
     day only.
 
-    :param step: one of ``daily``, ``window``, ``sequences``, ``examples``.
+    :param step: one of ``daily``, ``window``, ``sequences``, ``examples``, or ``daily_sequences_examples`` (those
+        three in one job: what the DAG runs first; the window, which reads the day's merged aggregates, after it).
     :param ds: the partition day (templated).
     :param overrides: ``features:`` settings that win over the platform configuration for this run (templated),
         e.g. from params; validated by the same typed model (a bad value fails the task as USER).

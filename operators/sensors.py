@@ -136,7 +136,7 @@ class RawPartitionSensor(BaseSensorOperator):
         if named != self.ds:
             self.log.warning(
                 "This run builds ds=%s but is dated %s (its logical date: when it was triggered). Its build steps "
-                "(window_features, user_sequences, training_examples) wait until the DAG's run before %s has finished "
+                "(daily_sequences_examples, window_features) wait until the DAG's run before %s has finished "
                 "them (depends_on_past: each day extends the day before), for example the daily run that unpausing "
                 "the DAG started, which waits up to %.0f h for its day's raw data. To rebuild %s at once, trigger "
                 "again with the form's Logical date set to %sT00:00:00Z and ds empty: the run is then dated that "

@@ -173,11 +173,12 @@ def test_lineage_links_raw_data_to_features_to_model_to_corpus_scores(demo_run, 
     # Validation reads the raw partition and reports its checks.
     validate = [e for e in tasks["pin_daily_features.validate_events"] if local(f"raw/events/ds={last}") in ids(e, "inputs")]
     assert validate and validate[0]["inputs"][0]["inputFacets"]["dataQualityAssertions"]["assertions"]
-    # raw → daily aggregates → window → examples (of ds, with the features of ds-1).
-    daily = [e for e in tasks["pin_daily_features.daily_aggregates"] if local(f"features/user_daily/ds={last}") in ids(e, "outputs")]
+    # raw → daily aggregates, sequences and examples (of ds, with the features of ds-1; one job) → window.
+    built = tasks["pin_daily_features.daily_sequences_examples"]
+    daily = [e for e in built if local(f"features/user_daily/ds={last}") in ids(e, "outputs")]
     assert daily and {local(f"raw/events/ds={last}"), local(f"raw/pins/ds={last}")} <= ids(daily[0], "inputs")
-    examples = [e for e in tasks["pin_daily_features.training_examples"] if local(f"examples/ds={last}") in ids(e, "outputs")]
-    assert examples, [sorted(ids(e, "outputs")) for e in tasks["pin_daily_features.training_examples"]]
+    examples = [e for e in built if local(f"examples/ds={last}") in ids(e, "outputs")]
+    assert examples, [sorted(ids(e, "outputs")) for e in built]
     feature_outputs = {d for name, evs in tasks.items() if name.startswith("pin_daily_features.") for e in evs
                        for d in ids(e, "outputs")}
     assert ids(examples[0], "inputs") & feature_outputs & {d for d in ids(examples[0], "inputs") if "/features/" in d[1]}

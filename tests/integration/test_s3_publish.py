@@ -322,7 +322,7 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
     features = FeaturesConfig(window_days=2, sequence_length=5)
     engine = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
     for day in storage.day_range(DAY, storage.shift_ds(DAY, 1)):
-        for step in build.STEP_DATASETS:
+        for step in build.DAY_JOBS:
             build.build_step(local, day, step, features, require_validation=False, engine=engine)
             staging = storage.join(root, "_staging", step, day)
             for index in range(2):

@@ -21,7 +21,7 @@ import pytest
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
 START, BAD, NEXT = "2026-11-01", "2026-11-02", "2026-11-03"
-DOWNSTREAM = ("daily_aggregates", "window_features", "user_sequences", "training_examples")
+DOWNSTREAM = ("daily_sequences_examples", "window_features")
 
 
 # -- the driver (runs in a subprocess) -----------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_partition_that_never_lands_fails_the_deferred_sensor(airflow_db, tmp_pa
     }, states
     # The day's first step runs however the validations ended: nothing was quarantined, so it fails (the next days
     # wait for this day) instead of skipping.
-    assert states["daily_aggregates"] == "failed", states
+    assert states["daily_sequences_examples"] == "failed", states
     text = log.read_text()
     assert "DataError" in text and f"raw partitions of ds={BAD} did not land within 2 s" in text
     assert f"raw/events/ds={BAD} does not exist" in text

@@ -42,7 +42,7 @@ def build_sharded(root: Path, day: str, step: str, shards: int = SHARDS) -> dict
 
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The same raw world built day by day unsharded, and with every step in 3 shards."""
+    """The same raw world built day by day unsharded, step by step, and with each of the DAG's jobs in 3 shards."""
     raw = tmp_path_factory.mktemp("raw")
     generate_world(raw, WorldConfig(start=START, days=len(DAYS), users=50, pins=70, seed=3, active_rate=0.9))
     for dataset in (contracts.RAW_EVENTS, contracts.RAW_PINS, "raw/users", "truth"):
@@ -54,7 +54,8 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for day in BUILT:
         for step in build.STEP_DATASETS:
             build.build_step(whole, day, step, FEATURES, require_validation=False, engine=ENGINE)
-            build_sharded(sharded, day, step)
+        for job in build.DAY_JOBS:  # as the DAG shards them: daily, sequences and examples in one job, then the window
+            build_sharded(sharded, day, job)
     return whole, sharded
 
 
@@ -311,8 +312,8 @@ def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     for day in BUILT:
         meta = bucketed_events.write_event_buckets(root, day, 6, engine=ENGINE)
         assert meta[contracts.EVENTS_BY_USER]["rows"] == read_table(root, contracts.RAW_EVENTS, day).num_rows
-        for step in build.STEP_DATASETS:
-            build_sharded(root, day, step, shards=4 if day == BUILT[-1] else SHARDS)
+        for job in build.DAY_JOBS:
+            build_sharded(root, day, job, shards=4 if day == BUILT[-1] else SHARDS)
     return root
 
 
@@ -433,3 +434,29 @@ def test_the_first_connection_of_a_process_takes_the_hash_probe_and_stays_usable
             "assert sharding.hash_probe() == sharding._HASH_PROBE[0]\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.unit
+def test_a_shard_of_the_dags_first_job_counts_as_built_only_with_all_three_steps(roots: tuple[Path, Path],
+                                                                                  tmp_path: Path) -> None:
+    """daily_sequences_examples (the DAG's first job) builds three steps per shard: a shard killed after its daily step
+    is still missing (a retry builds it again), and nothing of the day is published until every shard has all four."""
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging, job = BUILT[-1], str(tmp_path / "staging"), "daily_sequences_examples"
+    published = {d: read_metadata(root, d, day) for d in build.step_datasets(job)}
+    assert build.step_datasets(job) == (contracts.USER_DAILY, contracts.PIN_DAILY, contracts.USER_SEQUENCE, contracts.EXAMPLES)
+    build.build_step(root, day, job, FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(0, 2, staging))
+    build.build_step(root, day, "daily", FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
+    assert build.missing_shards(staging, job, 2) == [1]
+    with pytest.raises(InfraError, match=r"shard\(s\) \[1\] have no output"):
+        build.merge_shards(root, day, job, staging, 2)
+    assert {d: read_metadata(root, d, day) for d in published} == published
+    build.build_step(root, day, job, FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
+    merged = build.merge_shards(root, day, job, staging, 2)
+    assert sorted(merged) == sorted(published) and all(m["shards"] == 2 for m in merged.values())
+    for dataset in published:
+        assert sorted_by(read_table(root, dataset, day), KEYS[dataset]).equals(
+            sorted_by(read_table(sharded, dataset, day), KEYS[dataset])), dataset
+    assert not Path(staging).exists()
