@@ -14,6 +14,7 @@ The steps (``features.steps``) import this module; it imports none of them.
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import logging
 import os
@@ -121,15 +122,59 @@ class DuckDBSettings:
         return cls(features.duckdb_threads, features.duckdb_memory_limit, features.duckdb_temp_directory or None)
 
 
+# The database that ``connect`` opens a cursor of instead of a database of its own: set by ``shared_database``
+# (the steps of one job run side by side on one DuckDB instance, its memory limit and threads shared).
+_SHARED: contextvars.ContextVar[duckdb.DuckDBPyConnection | None] = contextvars.ContextVar("duckdb_shared", default=None)
+
+
+def _session(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute("SET TimeZone = 'UTC'")
+    # DuckDB materialises a subplan used twice (the day's events in the user aggregates) instead of scanning the
+    # Parquet files again; the copy cost ~4x the scan here.
+    con.execute("SET disabled_optimizers = 'common_subplan'")
+
+
+@contextmanager
+def shared_database(
+    settings: DuckDBSettings | None = None, root: str | os.PathLike[str] | None = None
+) -> Iterator[None]:
+    """Within it (this context, and the threads started with a copy of it), ``connect`` gives cursors of one DuckDB
+    database opened with ``settings``: queries run side by side share its memory limit, threads and spill folder."""
+    with _database(settings, root) as con:
+        token = _SHARED.set(con)
+        try:
+            yield
+        finally:
+            _SHARED.reset(token)
+
+
 @contextmanager
 def connect(
     settings: DuckDBSettings | None = None, root: str | os.PathLike[str] | None = None
 ) -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB connection with the given resources, in UTC.
+    """An in-memory DuckDB connection with the given resources, in UTC (inside ``shared_database``: a cursor of
+    that database, whose settings it has).
 
     With a storage ``root`` on an object store (``s3://``), DuckDB reads its Parquet files through the same
     fsspec filesystem as the rest of the platform (no DuckDB extension to download).
     """
+    shared = _SHARED.get()
+    if shared is None:
+        with _database(settings, root) as con:
+            yield con
+        return
+    cursor = shared.cursor()
+    try:
+        _session(cursor)
+        yield cursor
+    finally:
+        cursor.close()
+
+
+@contextmanager
+def _database(
+    settings: DuckDBSettings | None, root: str | os.PathLike[str] | None
+) -> Iterator[duckdb.DuckDBPyConnection]:
     settings = settings or DuckDBSettings()
     spill = make_scratch("pinflow-duckdb-", settings.temp_directory)
     try:
@@ -143,10 +188,7 @@ def connect(
             }
         )
         try:
-            con.execute("SET TimeZone = 'UTC'")
-            # DuckDB materialises a subplan used twice (the day's events in the user aggregates) instead of scanning
-            # the Parquet files again; the copy cost ~4x the scan here.
-            con.execute("SET disabled_optimizers = 'common_subplan'")
+            _session(con)
             take_hash_probe(con)
             if root is not None and is_remote(root):
                 con.register_filesystem(filesystem(root)[0])

@@ -460,3 +460,28 @@ def test_a_shard_of_the_dags_first_job_counts_as_built_only_with_all_three_steps
         assert sorted_by(read_table(root, dataset, day), KEYS[dataset]).equals(
             sorted_by(read_table(sharded, dataset, day), KEYS[dataset])), dataset
     assert not Path(staging).exists()
+
+
+@pytest.mark.unit
+def test_a_failed_step_of_a_shard_fails_the_shard_after_the_others_end(
+    roots: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's steps run side by side: one step's error is the shard's (its class kept), once the others have
+    published theirs; the shard stays missing, so the retry builds it again."""
+    from core.failures import DataError
+
+    _, sharded = roots
+    root = tmp_path / "root"
+    shutil.copytree(sharded, root)
+    day, staging, job = BUILT[-1], str(tmp_path / "staging"), "daily_sequences_examples"
+
+    def broken(*_: object, **__: object) -> dict:
+        raise DataError("sequences: an input was unreadable")
+
+    monkeypatch.setattr(build, "build_sequences", broken)
+    with pytest.raises(DataError, match="an input was unreadable"):
+        build.build_step(root, day, job, FEATURES, require_validation=False, engine=ENGINE, shard=sharding.Shard(1, 2, staging))
+    for dataset in (contracts.USER_DAILY, contracts.PIN_DAILY, contracts.EXAMPLES):
+        assert (Path(sharding.shard_folder(staging, dataset, 1)) / storage.MARKER).exists(), dataset
+    assert not Path(sharding.shard_folder(staging, contracts.USER_SEQUENCE, 1)).exists()
+    assert build.missing_shards(staging, job, 2) == [0, 1]
