@@ -262,7 +262,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         """``validation.on_window_gap: fail`` as of now: the run's validate_window may have looked before the day
         before was quarantined (runs of a backfill validate side by side; this task waits for the day before's window,
         ``depends_on_past``), and would let the window build over that day."""
-        from core import config
+        from core import config, storage
         from features.validation.window import window_gaps
 
         cfg = config.load()
@@ -272,7 +272,7 @@ class FeatureBuildOperator(ComputeJobOperator):
         if gaps["gaps"]:
             raise DataError(
                 f"the {cfg.features.window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without "
-                f"validated raw events: {', '.join(gaps['gaps'])} (validation.on_window_gap=fail; found when the "
+                f"validated raw events: {storage.day_spans(gaps['gaps'])} (validation.on_window_gap=fail; found when the "
                 "window was about to be built). Land those days again and clear their runs, or set "
                 "validation.on_window_gap=proceed"
             )

@@ -179,7 +179,7 @@ class WindowGapCheckOperator(BaseOperator):
         self.ds = ds
 
     def execute(self, context: Context) -> dict[str, Any]:
-        from core import config
+        from core import config, storage
         from features.validation.window import window_gaps
 
         cfg = config.load()
@@ -193,8 +193,8 @@ class WindowGapCheckOperator(BaseOperator):
             return gaps
         message = (
             f"the {window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without validated raw "
-            f"events: {', '.join(gaps['gaps'])}"
-            + (f" (quarantined: {', '.join(gaps['quarantined'])})" if gaps["quarantined"] else "")
+            f"events: {storage.day_spans(gaps['gaps'])}"
+            + (f" (quarantined: {storage.day_spans(gaps['quarantined'])})" if gaps["quarantined"] else "")
         )
         if policy == "fail":
             raise DataError(

@@ -714,6 +714,9 @@ def score_plan_shard(plan: ScoringPlan, shard: int, scorer: Scorer | None = None
         return _score_shard(plan, shard, scorer, engine, started, summary)
 
 
+CLAIM_WAIT_LOG_S = 60.0  # how often a scorer waiting for another's claim on its shard says so
+
+
 @contextlib.contextmanager
 def _shard_claim(plan: ScoringPlan, shard: int, poll_s: float = 1.0) -> Iterator[None]:
     """Hold the claim on scoring ``shard`` of the plan (a lock file beside its parts, dropped with this process
@@ -723,15 +726,17 @@ def _shard_claim(plan: ScoringPlan, shard: int, poll_s: float = 1.0) -> Iterator
 
     fd = None
     if not storage.is_remote(plan.parts_dir):
-        waited = False
+        since, said = time.monotonic(), -1.0
         while storage.exists(plan.parts_dir):
             try:
                 fd = claims.hold(storage.join(plan.parts_dir, f".shard-{shard:05d}.lock"))
                 break
             except claims.Claimed as held:
-                if not waited:
-                    log.info("shard %d of plan %s is being scored by %s: waiting for it", shard, plan.plan_id, held.holder)
-                    waited = True
+                waited = time.monotonic() - since
+                if said < 0 or waited - said >= CLAIM_WAIT_LOG_S:  # a line now and then: a hung holder shows
+                    log.info("shard %d of plan %s is being scored by %s: waiting for it (%.0f s so far; if that scorer "
+                             "hangs, stop it and this one scores the shard)", shard, plan.plan_id, held.holder, waited)
+                    said = waited
                 time.sleep(poll_s)
     try:
         yield

@@ -575,9 +575,10 @@ class Trainer:
         else:
             epoch = max(e for e in range(len(saved)) if starts[e] <= resumed.step)
             share = (resumed.step - starts[epoch]) / saved[epoch]
-        self.checkpoint_past_run = epoch + share > self.epochs
-        step = self.total_steps if epoch >= self.epochs else min(
-            self.total_steps, self.epoch_start[epoch] + round(share * self.steps_per_epoch[epoch]))
+        as_far = None if epoch >= self.epochs else self.epoch_start[epoch] + round(share * self.steps_per_epoch[epoch])
+        # Past this run: more epochs than it asks, or further than its cap (max_steps, target_examples).
+        self.checkpoint_past_run = epoch + share > self.epochs or (as_far is not None and as_far > self.total_steps)
+        step = self.total_steps if as_far is None else min(self.total_steps, as_far)
         if step == resumed.step:
             return resumed
         self.step = step

@@ -34,7 +34,7 @@ Names used inside a module are looked up there: a test that replaces one (``_exc
 ``write_json``, ``SUPERSEDED_GRACE_SECONDS``) patches that module, not this package.
 """
 
-from core.storage.days import day_range, ds_str, parse_ds, partition, shift_ds
+from core.storage.days import day_range, day_spans, ds_str, parse_ds, partition, shift_ds
 from core.storage.parquet import (
     parquet_file,
     read_metadata,
@@ -88,7 +88,7 @@ from core.storage.publishing import MARKER, VERSION_PREFIX, marker_version, new_
 
 __all__ = [
     "DATA_FILE", "MARKER", "METADATA_FILE", "PINS_FILE", "VERSION_PREFIX", "InputPins", "Location", "Pin", "as_uri",
-    "check_pin", "check_root", "complete_days", "copy_file", "copy_tree", "data_files", "day_range", "ds_str",
+    "check_pin", "check_root", "complete_days", "copy_file", "copy_tree", "data_files", "day_range", "day_spans", "ds_str",
     "exists", "filesystem", "glob", "is_complete", "is_dir", "is_remote", "join", "last_modified", "list_names",
     "local_path", "make_dirs", "marker_version", "modified", "move_tree", "name_of", "new_version", "open_output",
     "parquet_file", "parse_ds", "partition", "partition_folder", "pin_partition", "pinned", "pins_intact",

@@ -33,6 +33,18 @@ def shift_ds(ds: str | dt.date, days: int) -> str:
     return (parse_ds(ds) + dt.timedelta(days=days)).isoformat()
 
 
+def day_spans(days: list[str]) -> str:
+    """Days for a message, consecutive ones as one span (``2026-06-01 to 2026-06-03 (3 days), 2026-06-07``): a window
+    missing 29 days reads as one span, not 29 dates."""
+    spans: list[list[str]] = []
+    for day in sorted(set(days)):
+        if spans and shift_ds(spans[-1][-1], 1) == day:
+            spans[-1].append(day)
+        else:
+            spans.append([day])
+    return ", ".join(s[0] if len(s) == 1 else f"{s[0]} to {s[-1]} ({len(s)} days)" for s in spans)
+
+
 def partition(root: Location, dataset: str, ds: str | dt.date) -> str:
     """The folder of one day of a dataset: ``<root>/<dataset>/ds=YYYY-MM-DD``."""
     return join(root, *dataset.split("/"), f"ds={ds_str(ds)}")

@@ -33,6 +33,7 @@ from core.storage import (
     MARKER,
     data_files,
     day_range,
+    day_spans,
     ds_str,
     is_complete,
     join,
@@ -242,19 +243,21 @@ def _incremental_window(
     and no day of the window has an action outside the contract (``unknown_action_days``).
     """
     previous_ds = shift_ds(ds, -1)
-    previous = partition_ref(USER_WINDOW, previous_ds)
-    if not (is_complete(root, USER_WINDOW, previous_ds) and is_complete(root, PIN_WINDOW, previous_ds)):
-        return None, f"{previous} is missing"
+    # Both outputs' mode_reason: it names the two windows, not the user one alone.
+    previous = f"the windows of {previous_ds}"
+    absent = [partition_ref(d, previous_ds) for d in (USER_WINDOW, PIN_WINDOW) if not is_complete(root, d, previous_ds)]
+    if absent:
+        return None, f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing"
     meta = read_metadata(root, USER_WINDOW, previous_ds)
     versions = meta.get("daily_versions")
     if meta.get("window_days") != window_days:
-        return None, f"{previous} was built with window_days={meta.get('window_days')}, not {window_days}"
+        return None, f"{previous} were built with window_days={meta.get('window_days')}, not {window_days}"
     if not isinstance(versions, dict) or read_metadata(root, PIN_WINDOW, previous_ds).get("daily_versions") != versions:
-        return None, f"{previous} and {partition_ref(PIN_WINDOW, previous_ds)} record no common daily_versions"
+        return None, f"{partition_ref(USER_WINDOW, previous_ds)} and {partition_ref(PIN_WINDOW, previous_ds)} record no common daily_versions"
     if meta.get("computed_from_raw"):
         return None, f"{previous} computed {', '.join(meta['computed_from_raw'])} from raw events"
     if meta.get("unknown_action_days") != []:
-        return None, f"{previous} sums days with actions outside the contract: {meta.get('unknown_action_days')}"
+        return None, f"{previous} sum days with actions outside the contract: {meta.get('unknown_action_days')}"
     version = _daily_version(root, ds)
     if version is None:
         return None, f"the daily aggregates of {ds} are missing"
@@ -264,7 +267,7 @@ def _incremental_window(
     for day in [leaving, *days[:-1]]:
         recorded = versions.get(day)
         if recorded is not None and _daily_version(root, day) != recorded:
-            return None, f"the daily aggregates of {day} were rebuilt since {previous} was built"
+            return None, f"the daily aggregates of {day} were rebuilt since {previous} were built"
         if recorded is None and day != leaving and (_daily_version(root, day) is not None or has_raw(root, day)):
             return None, f"{day} was missing from {previous} and has data now"
     plan = {
@@ -363,7 +366,7 @@ def build_window(
                     ref for d in computed for ref in (partition_ref(RAW_EVENTS, d), partition_ref(RAW_PINS, d))
                 ]
         if missing:
-            log.warning("window of ds=%s: no data for %s (not in the window)", ds, ", ".join(missing))
+            log.warning("window of ds=%s: no data for %s (not in the window)", ds, day_spans(missing))
         mode = "incremental" if plan is not None else "recompute" if recompute else "full"
         log.info("window of ds=%s: %s (%s)", ds, mode, reason)
         base = {

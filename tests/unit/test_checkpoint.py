@@ -256,13 +256,16 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_not_resumed_silently(tmp_p
     check(base.replace("RUN.json", lr=0.03))
 
 
-@pytest.mark.parametrize(("saved_step", "epochs", "expected_step", "past"), [
-    (20, 4, 40, False),  # a finished 4-epoch run on 2 ranks, on 1 rank: finished, not trained again
-    (10, 4, 20, False),  # half-way: the same half of the run
-    (7, 4, 14, False),  # 2 of epoch 2's 5 steps: 4 of its 10
-    (20, 1, 10, True),  # 4 epochs trained, 1 asked now: nothing to train, and said
+@pytest.mark.parametrize(("saved_step", "epochs", "expected_step", "past", "cap"), [
+    (20, 4, 40, False, None),  # a finished 4-epoch run on 2 ranks, on 1 rank: finished, not trained again
+    (10, 4, 20, False, None),  # half-way: the same half of the run
+    (7, 4, 14, False, None),  # 2 of epoch 2's 5 steps: 4 of its 10
+    (20, 1, 10, True, None),  # 4 epochs trained, 1 asked now: nothing to train, and said
+    (15, 4, 25, True, 25),  # 3 epochs trained, the run now capped at 25 steps (max_steps): past it, and said
+    (10, 4, 20, False, 25),  # 2 epochs trained, within the cap: trained on to it
 ])
-def test_a_resume_on_another_world_size_continues_as_far_into_the_same_epoch(saved_step, epochs, expected_step, past):
+def test_a_resume_on_another_world_size_continues_as_far_into_the_same_epoch(saved_step, epochs, expected_step, past,
+                                                                             cap):
     """2 ranks took 5 steps an epoch, 1 rank takes 10: the saved step counted in the new world's steps trained epochs
     again (a finished run a second time). The LR schedule moves to the new step."""
     import torch
@@ -274,7 +277,7 @@ def test_a_resume_on_another_world_size_continues_as_far_into_the_same_epoch(sav
     trainer.step = saved_step  # as resume() sets it before
     trainer.epochs, trainer.steps_per_epoch = epochs, [10] * epochs
     trainer.epoch_start = [10 * e for e in range(epochs)]
-    trainer.total_steps = 10 * epochs
+    trainer.total_steps = min(10 * epochs, cap or 10 * epochs)
     weight = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.AdamW([weight], lr=0.01)
     schedule = lr_lambda(trainer.total_steps, 2, 0.1)

@@ -283,6 +283,9 @@ def test_window_is_a_full_sum_when_a_summed_day_was_rebuilt_or_parameters_differ
     summary = build_window(root, D4, window_days=2, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["mode"] == "full"
     assert "rebuilt" in summary[contracts.USER_WINDOW]["mode_reason"]
+    # One reason for both windows, naming both (the pin window's named the user window alone).
+    assert summary[contracts.PIN_WINDOW]["mode_reason"] == summary[contracts.USER_WINDOW]["mode_reason"]
+    assert f"since the windows of {D3} were built" in summary[contracts.PIN_WINDOW]["mode_reason"]
     assert_window_equals_recompute(root, D4, window_days=2)
     summary = build_window(root, D4, window_days=3, engine=ENGINE, require_validation=False)
     assert summary[contracts.USER_WINDOW]["mode"] == "full"

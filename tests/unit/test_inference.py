@@ -171,9 +171,10 @@ def test_the_plan_id_keys_model_snapshot_shards_and_batch_size(tmp_path: Path):
                                                                                 (1, 0, 0, 100), (1, 1, 0, 5)]
 
 
-def test_a_second_scorer_of_a_shard_waits_for_the_first_and_takes_its_part(tmp_path: Path):
+def test_a_second_scorer_of_a_shard_waits_for_the_first_and_takes_its_part(tmp_path: Path, caplog, monkeypatch):
     """Two scorers given the same plan and shard (a job started twice by hand): the second waits while the first
-    holds the shard's claim, then finds its part instead of scoring it again. The first is another process here."""
+    holds the shard's claim, saying so now and then (a hung first scorer shows), then finds its part instead of
+    scoring it again. The first is another process here."""
     import subprocess
     import sys
     import threading
@@ -188,10 +189,14 @@ def test_a_second_scorer_of_a_shard_waits_for_the_first_and_takes_its_part(tmp_p
     try:
         assert first.stdout is not None and first.stdout.readline().strip() == "held"
         second, outcome = StandIn(), {}
+        monkeypatch.setattr(inference, "CLAIM_WAIT_LOG_S", 0.0)  # a line at every poll (a second apart), not a minute
+        caplog.set_level("INFO", logger=inference.log.name)
         waiting = threading.Thread(target=lambda: outcome.update(score_plan_shard(plan, 0, second)))
         waiting.start()
-        time.sleep(0.5)
+        time.sleep(1.5)
         assert waiting.is_alive() and not second.batches  # waits, scoring nothing
+        said = [r.getMessage() for r in caplog.records if "waiting for it" in r.getMessage()]
+        assert len(said) >= 2 and "if that scorer hangs, stop it" in said[-1], said
         # What the first scorer does while it holds the claim: score the shard (here, past the claim).
         summary = {"plan_id": plan.plan_id, "shard": 0, "num_shards": 2, "ds": DS, "path": inference.staged_part(plan, 0)}
         written = inference._score_shard(plan, 0, StandIn(), "processes", time.monotonic(), summary)

@@ -296,3 +296,11 @@ def test_an_incremental_snapshot_resolves_to_the_full_view_as_of_a_day(base: str
     assert storage.snapshot_days(base, "raw/pins", "2026-11-04") == ["2026-11-04"]
     assert sorted(storage.read_snapshot(base, "raw/pins", "2026-11-04", "pin_id")[0].column("pin_id").to_pylist()) == [1, 4]
     assert storage.read_snapshot(base, "raw/pins", "2026-10-31", "pin_id")[1] is None
+
+
+def test_day_spans_name_runs_of_consecutive_days_once():
+    days = ["2026-06-07", "2026-06-01", "2026-06-02", "2026-06-03", "2026-06-30", "2026-07-01"]
+    assert storage.day_spans(days) == ("2026-06-01 to 2026-06-03 (3 days), 2026-06-07, "
+                                       "2026-06-30 to 2026-07-01 (2 days)")
+    assert storage.day_spans(storage.day_range("2026-05-01", "2026-05-29")) == "2026-05-01 to 2026-05-29 (29 days)"
+    assert storage.day_spans([]) == ""
