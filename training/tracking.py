@@ -29,6 +29,8 @@ STATE_FILE = "mlflow_run.json"
 MODEL_ARTIFACT = "model"
 FEATURE_SPEC_ARTIFACT = "feature_spec.json"
 INPUTS_ARTIFACT = "inputs.json"
+# Tags of a resumed run: the value of each param it resumed with that differs from the first, logged one.
+RESUMED_WITH_TAG = "pinflow.resumed_with"
 # The examples a registered version's model was trained on: a run resumed with more epochs registers its model again.
 EXAMPLES_TAG = "pinflow.examples_seen"
 # The family whose versions a registered model holds (one per registered model).
@@ -146,16 +148,19 @@ class Tracker:
 
     # ----------------------------------------------------------------------------------------------
     def log_params(self, params: dict[str, Any]) -> None:
-        """Log params; on a resumed run, keys already logged keep their first value (MLflow forbids changes)."""
-        from mlflow.entities import Param
+        """Log params; on a resumed run, keys already logged keep their first value (MLflow forbids changes) and the
+        values it resumed with are the tags ``pinflow.resumed_with.<key>`` (a run extended to more epochs shows it)."""
+        from mlflow.entities import Param, RunTag
 
         existing = self.client.get_run(self.run_id).data.params
         new = [Param(k, _param_value(v)) for k, v in params.items() if k not in existing]
-        changed = [k for k, v in params.items() if k in existing and existing[k] != _param_value(v)]
+        changed = {k: _param_value(v) for k, v in params.items() if k in existing and existing[k] != _param_value(v)}
         if changed:
-            log.warning("resumed MLflow run keeps its first value of params %s", ", ".join(changed))
-        for i in range(0, len(new), 100):
-            self.client.log_batch(self.run_id, params=new[i : i + 100])
+            log.warning("resumed MLflow run keeps its first value of params %s (the values it resumed with are its "
+                        "tags pinflow.resumed_with.*)", ", ".join(f"{k} {existing[k]} (now {v})" for k, v in changed.items()))
+        tags = [RunTag(f"{RESUMED_WITH_TAG}.{k}", v) for k, v in changed.items()]
+        for i in range(0, max(len(new), len(tags)), 100):
+            self.client.log_batch(self.run_id, params=new[i : i + 100], tags=tags[i : i + 100])
 
     def log_inputs(self, inputs: dict[str, dict[str, dict[str, Any]]]) -> None:
         """The run's pinned input partitions (RUN.json ``inputs``): a param ``input.<dataset>.<day>`` with each

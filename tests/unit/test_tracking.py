@@ -68,11 +68,13 @@ def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_pa
 
     config, family, uri = tiny_click
     first = Tracker(config)
+    first.log_params({"epochs": 1, "lr": 0.01})
     assert first.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=40) == ("models:/tiny_click/1", "1")
     first.end()
 
     extended = Tracker(config)
     assert extended.run_id == first.run_id
+    extended.log_params({"epochs": 3, "lr": 0.01})  # the run's params keep 1 (MLflow); the tag says 3
     assert extended.log_model(family, family.build_model(), {"family": "tiny_click"}, examples_seen=120) == (
         "models:/tiny_click/2", "2")
     extended.end()
@@ -88,6 +90,9 @@ def test_a_run_resumed_with_more_epochs_registers_the_model_it_trained_on(tmp_pa
     assert sorted(versions) == ["1", "2"]
     assert versions["1"].tags[EXAMPLES_TAG] == "40" and versions["2"].tags[EXAMPLES_TAG] == "120"
     assert versions["1"].run_id == versions["2"].run_id == first.run_id
+    run = client.get_run(first.run_id).data
+    assert run.params["epochs"] == "1" and run.tags["pinflow.resumed_with.epochs"] == "3"
+    assert "pinflow.resumed_with.lr" not in run.tags
 
 
 def test_a_tracking_server_that_does_not_answer_stops_the_submit():
