@@ -6,8 +6,9 @@ beside the partition's ``result.json``. ``history_checks`` compares a new profil
 trailing days that passed validation (a quarantined day never becomes history):
 
 * ``history.volume`` — the row count inside ``[volume_min_ratio, volume_max_ratio]`` x the trailing median;
-* ``history.action_mix`` (events) — the population stability index of the action mix against the pooled
-  mix of the trailing days, at most ``action_mix_max_psi``;
+* ``history.action_mix`` (events) — the population stability index of the mix of the contract's actions against
+  the pooled mix of the trailing days, at most ``action_mix_max_psi`` (actions outside the contract are
+  ``action.in_set``'s failure, said once);
 * ``history.null_rate`` — no column's null rate more than ``null_rate_max_increase`` above its trailing
   median.
 
@@ -198,7 +199,7 @@ def history_checks(
     if "history.action_mix" in names and not profile["rows"]:
         results.append(HistoryResult("history.action_mix", None, None, None, "not run: the partition has no rows"))
     elif "history.action_mix" in names:
-        actual_mix = dict(profile.get("action_mix", {}))
+        actual_mix = _pooled_mix([profile])
         mixes = {name: _pooled_mix(days_of) for name, days_of in baselines.items()}
         values = {name: psi(actual_mix, mix) for name, mix in mixes.items()}
         ok = any(v <= config.action_mix_max_psi for v in values.values())
@@ -271,9 +272,11 @@ def _volume(profile: Mapping[str, Any], history: list[dict[str, Any]], config: V
 
 
 def _pooled_mix(history: list[dict[str, Any]]) -> dict[str, float]:
+    """The mix of the contract's actions over the profiles' counts (other actions left out)."""
     pooled: dict[str, int] = {}
     for p in history:
         for action, count in p.get("action_counts", {}).items():
-            pooled[action] = pooled.get(action, 0) + int(count)
+            if action in contracts.ACTIONS:
+                pooled[action] = pooled.get(action, 0) + int(count)
     total = sum(pooled.values())
     return {a: c / total for a, c in pooled.items()} if total else {}
