@@ -107,7 +107,7 @@ class FeaturesConfig(Section):
     backend: Annotated[str, BeforeValidator(functools.partial(_backend_name, empty=True))] = Field(
         "", description="where a build step runs as a job (local: a process on this machine); empty: training.backend"
     )
-    shards: int = Field(1, ge=1, le=10000, description="split each build step into this many jobs by user / pin id hash")
+    shards: int = Field(1, ge=1, le=10000, description="split each build job of a day into this many shards by user / pin id hash")
     event_buckets: int = Field(
         64, ge=1, le=1024,
         description="buckets of the day's events that validation writes when shards > 1 (a shard reads its buckets; keep shards a divisor)",

@@ -1,4 +1,4 @@
-"""Daily feature DAG: wait for raw partitions → validate → aggregates → 30-day window → sequences → examples."""
+"""Daily feature DAG: wait for raw partitions → validate → aggregates, sequences and examples (one job) → 30-day window."""
 
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ pin review labels partitions (deferrable), validates each with its Great Expecta
 partition is moved to `quarantine/` and stops the day, and the run fails (quarantined events: the day's build is
 skipped, so that the next days build over the gap; another partition: the next days wait for this day); each validation task
 links to its Data Docs page), checks the 30-day window for quarantined or missing days
-(`validation.on_window_gap`: fail or proceed), then builds with DuckDB, each step a job on the compute backend
-(`features.backend`, else `training.backend`: a local process on the embedded default) and written atomically;
-with `shards` (form) or `features.shards` > 1 each step is an array job of that many shards (users and pins by id
-hash), published together once all are built (a retry builds only the missing ones):
+(`validation.on_window_gap`: fail or proceed), then builds with DuckDB in two jobs on the compute backend
+(`features.backend`, else `training.backend`: a local process on the embedded default), each output written
+atomically; with `shards` (form) or `features.shards` > 1 each job is an array job of that many shards (users and
+pins by id hash), published together once all are built (a retry builds only the missing ones):
 
 1. `daily_sequences_examples`, one job: `features/user_daily`, `features/pin_daily` (per-day aggregates),
    `features/user_sequence` (each user's last N engagements as of the end of `ds`) and `examples` (impressions of
@@ -69,7 +69,7 @@ start training (trigger `pin_ranker_training` from its form to train on older da
         "ds": Param(None, type=["null", "string"], format="date", description="Build this day instead of the run's data interval (YYYY-MM-DD). Ignored by backfills: each backfilled run builds its own day. To rebuild a past day at once, leave this empty and set the Logical date to that day instead (00:00 UTC): the run is then dated that day and its build steps wait only for the day before it, not for a run dated later."),
         "negative_downsample": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1.0, description=f"Keep this fraction of impressions without a label (empty: features.negative_downsample = {_cfg.features.negative_downsample})."),
         "sequence_length": Param(None, type=["null", "integer"], minimum=1, maximum=1000, description=f"Engagements kept per user sequence (empty: features.sequence_length = {_cfg.features.sequence_length})."),
-        "shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, description=f"Split each build step into this many jobs by user / pin id hash (empty: features.shards = {_cfg.features.shards})."),
+        "shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, description=f"Split each of the day's two build jobs into this many shards by user / pin id hash (empty: features.shards = {_cfg.features.shards})."),
     },
     render_template_as_native_obj=True,
 ) as dag:

@@ -177,8 +177,8 @@ def _build_group(
     another: each query keeps the cores busy and has the whole memory limit. A shard's steps run side by side, on
     threads sharing one DuckDB database (its memory limit, threads and spill folder): a shard's queries are small next
     to its fixed parts (Python, the DuckDB start, its one file encoded on one thread), which then overlap; on the
-    benchmark's day a shard of 8 took 0.62-0.66 s against 0.71 s one after another (docs/data.md). The first error
-    is raised once every step has ended."""
+    benchmark's day a shard of 8 took 0.62-0.66 s against 0.71 s one after another (docs/data.md, issue 33's tenth
+    round). The first error is raised once every step has ended, the others logged."""
     common: dict[str, Any] = {"recompute": recompute, "require_validation": require_validation, "engine": engine,
                               "shard": shard}
     summary: dict[str, Any] = {}
@@ -191,6 +191,11 @@ def _build_group(
         futures = [pool.submit(contextvars.copy_context().run, functools.partial(build_step, root, ds, one, features,
                                                                                  **common)) for one in steps]
         wait(futures)
+    failed = [(one, future.exception()) for one, future in zip(steps, futures, strict=True) if future.exception()]
+    for one, error in failed[1:]:  # the first is raised (and said by the caller); the others would go unsaid
+        log.error("%s of ds=%s, shard %d of %d, failed too: %s", one, ds, shard.index, shard.count, error)
+    if failed:
+        raise failed[0][1]  # type: ignore[misc]
     for future in futures:
         summary |= future.result()
     return summary

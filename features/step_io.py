@@ -98,7 +98,7 @@ class UnvalidatedInputError(DataError, ValueError):
 
 @dataclass(frozen=True)
 class DuckDBSettings:
-    """Resources of the DuckDB engine of one build step.
+    """Resources of the DuckDB engine of one build job (a shard's steps run side by side share them).
 
     ``memory_limit`` bounds DuckDB's own memory; joins, aggregations and sorts beyond it spill to disk
     instead of failing. ``temp_directory`` is the parent folder for spill files; each connection spills into

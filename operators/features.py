@@ -38,6 +38,8 @@ STEP_OUTPUTS = {
     "daily_sequences_examples": ("features/user_daily", "features/pin_daily", "features/user_sequence", "examples"),
 }
 FEATURE_STEPS = tuple(STEP_OUTPUTS)
+# Steps that read the window's earlier days: checked for gaps again when their job is submitted.
+WINDOW_READERS = ("window", "examples", "daily_sequences_examples")
 # A staging folder of another build unwritten for this many build timeouts is abandoned (removed at the next merge).
 ABANDONED_AFTER_TIMEOUTS = 2
 def memory_gb(limit: str) -> float:
@@ -252,16 +254,18 @@ class FeatureBuildOperator(ComputeJobOperator):
                           settings=(plan.spec, spec_path))
 
     def before_submit(self, context: Context, backend: Any, submission: Submission) -> None:
-        """Write the job's BUILD.json; the window step checks its gaps again first (below)."""
-        if self.step == "window":
+        """Write the job's BUILD.json; a step that reads the days before (the window, and the examples of the DAG's
+        first job, which join the features of ds-1) checks the window's gaps again first (below)."""
+        if self.step in WINDOW_READERS:
             self._check_window_gaps()
         build, path = submission.settings
         build.write(path)
 
     def _check_window_gaps(self) -> None:
         """``validation.on_window_gap: fail`` as of now: the run's validate_window may have looked before the day
-        before was quarantined (runs of a backfill validate side by side; this task waits for the day before's window,
-        ``depends_on_past``), and would let the window build over that day."""
+        before was quarantined (runs of a backfill validate side by side; this task waits for the day before's build,
+        ``depends_on_past``), and would let the window, or examples joined with the day before's features, build over
+        that day."""
         from core import config, storage
         from features.validation.window import window_gaps
 
@@ -272,8 +276,8 @@ class FeatureBuildOperator(ComputeJobOperator):
         if gaps["gaps"]:
             raise DataError(
                 f"the {cfg.features.window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without "
-                f"validated raw events: {storage.day_spans(gaps['gaps'])} (validation.on_window_gap=fail; found when the "
-                "window was about to be built). Land those days again and clear their runs, or set "
+                f"validated raw events: {storage.day_spans(gaps['gaps'])} (validation.on_window_gap=fail; found when "
+                f"{self.step} was about to be built). Land those days again and clear their runs, or set "
                 "validation.on_window_gap=proceed"
             )
 

@@ -127,8 +127,8 @@ def gate_on_validations(context: Context, ds: str, task_ids: Sequence[str]) -> N
     returns when every one passed (the step builds).
 
     When one failed and the day's raw events were quarantined, raises AirflowSkipException: the step and the build's
-    next steps are skipped rather than left ``upstream_failed``, for the window, sequences and examples of the next
-    day wait for this day's (``depends_on_past`` accepts success or skipped) and would wait for ever; skipped, the next
+    next steps are skipped rather than left ``upstream_failed``, for the next day's build waits for this day's
+    (``depends_on_past`` accepts success or skipped) and would wait for ever; skipped, the next
     days build over it as a day without events (``validation.on_window_gap``: proceed records it in ``missing_days``,
     fail fails the next day's validate_window naming it). The failed validation still fails the run (the
     ``validations_passed`` leaf). Any other failure (another partition quarantined, whose day the next days' features
@@ -155,8 +155,8 @@ def gate_on_validations(context: Context, ds: str, task_ids: Sequence[str]) -> N
             "rebuilt too)"
         )
     raise DataError(
-        f"ds={ds}: {', '.join(failed)}: nothing is built, and the next days' window, sequences and examples wait for "
-        "this day (they read its features). Fix what the failed task's log says (a quarantined partition: land it "
+        f"ds={ds}: {', '.join(failed)}: nothing is built, and the next days' builds wait for this day (they read its "
+        "features). Fix what the failed task's log says (a quarantined partition: land it "
         "again), then clear this run"
     )
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,7 +271,7 @@ def _volume(profile: Mapping[str, Any], history: list[dict[str, Any]], config: V
     }
 
 
-def _pooled_mix(history: list[dict[str, Any]]) -> dict[str, float]:
+def _pooled_mix(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """The mix of the contract's actions over the profiles' counts (other actions left out)."""
     pooled: dict[str, int] = {}
     for p in history:

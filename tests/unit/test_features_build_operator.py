@@ -296,7 +296,7 @@ def test_a_run_created_again_under_the_same_id_builds_anew_instead_of_adopting_t
 
 def test_the_window_task_checks_the_gaps_again_before_it_builds(tmp_path: Path, monkeypatch) -> None:
     """validation.on_window_gap: fail. In a backfill the next day's validate_window can look before the day before is
-    quarantined; its window task (which waits for that day's) looks again, and refuses to build over the gap."""
+    quarantined; its build tasks (which wait for that day's) look again, and refuse to build over the gap."""
     import pyarrow as pa
 
     root = tmp_path / "root"
@@ -306,9 +306,13 @@ def test_the_window_task_checks_the_gaps_again_before_it_builds(tmp_path: Path, 
     cfg = PlatformConfig(storage_root=str(root), validation={"on_window_gap": "fail"})
     monkeypatch.setattr(config, "load", lambda: cfg)
     task = FeatureBuildOperator(task_id="window_features", step="window", ds="2026-11-03")
-    with pytest.raises(DataError, match=r"1 day\(s\) without validated raw events: 2026-11-02 .*found when the window "
+    with pytest.raises(DataError, match=r"1 day\(s\) without validated raw events: 2026-11-02 .*found when window "
                        "was about to be built"):
         task._check_window_gaps()
+    # The DAG's first job too: its examples join the features of the day before.
+    first = FeatureBuildOperator(task_id="daily_sequences_examples", step="daily_sequences_examples", ds="2026-11-03")
+    with pytest.raises(DataError, match=r"2026-11-02 .*found when daily_sequences_examples was about to be built"):
+        first.before_submit({}, None, None)  # type: ignore[arg-type]
     monkeypatch.setattr(config, "load", lambda: cfg.model_copy(update={"validation": cfg.validation.model_copy(
         update={"on_window_gap": "proceed"})}))
     task._check_window_gaps()  # proceed: built over it, recorded in missing_days

@@ -423,7 +423,7 @@ def test_the_day_is_skipped_when_its_events_were_quarantined_and_held_on_another
 
     storage.write_table(root, RAW_EVENTS, ds, pa.Table.from_pylist([], schema=EVENTS_SCHEMA))  # the events passed
     Path(quarantine_root(root, "pins", ds), "20261102T010000Z").mkdir(parents=True)
-    with pytest.raises(DataError, match=r"validate_pins \(failed\): nothing is built, and the next days' window"):
+    with pytest.raises(DataError, match=r"validate_pins \(failed\): nothing is built, and the next days' builds wait"):
         gate()
 
     states["validate_events"] = "failed"
