@@ -91,7 +91,7 @@ from core.storage import (  # noqa: E402
     write_partition,
     write_table,
 )
-from features import bucketed_events, build, sharding, step_io  # noqa: E402
+from features import bucketed_events, build, sharding, spec, step_io  # noqa: E402
 from features.steps.daily import build_daily  # noqa: E402
 from features.steps.examples import build_examples  # noqa: E402
 from features.steps.sequences import build_sequences  # noqa: E402
@@ -574,7 +574,7 @@ SHARDING_HEADLINE = ("work_vs_unsharded", "parallel_vs_unsharded", "equal", "mea
 
 
 def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, count: int) -> dict[str, Any]:
-    """The incremental build of DAY in ``count`` shards per job of the DAG (``build.DAY_JOBS``), each shard a process
+    """The incremental build of DAY in ``count`` shards per job of the DAG (``spec.DAY_JOBS``), each shard a process
     as the array job runs it (one after another here), from the state a ``count``-shard build of the day before left;
     each job merged.
 
@@ -596,7 +596,7 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
     relay_state(root, sharded_root, count, args.window_days)
     cpu = process_cpu = parallel = parallel_mean = 0.0
     steps: dict[str, Any] = {}
-    for step in build.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
+    for step in spec.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
         seconds, cpus = [], []
         for index in range(count):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)

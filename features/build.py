@@ -67,6 +67,7 @@ from core.storage import (
     write_partition,
 )
 from features.sharding import DATASET_KEYS, Shard, hash_layout, shard_file, shard_folder
+from features.spec import STEP_GROUPS
 from features.step_io import DEFAULTS, DuckDBSettings, shared_database
 from features.steps.daily import build_daily
 from features.steps.examples import build_examples
@@ -114,14 +115,6 @@ STEP_DATASETS: dict[str, tuple[str, ...]] = {
     "sequences": (USER_SEQUENCE,),
     "examples": (EXAMPLES,),
 }
-# Steps one job builds, in order. The DAG's first build job runs every step of ``ds`` that reads only the day's raw
-# partitions and the day before's features, so that each of its shards starts a process and DuckDB once, not three
-# times (per job, that start costs about what a shard's share of a step's query does); the window reads the day's
-# merged daily aggregates (the pin totals of every shard) and is a job of its own, after it.
-STEP_GROUPS: dict[str, tuple[str, ...]] = {"daily_sequences_examples": ("daily", "sequences", "examples")}
-DAY_JOBS = ("daily_sequences_examples", "window")  # the DAG's build jobs of a day, in order
-
-
 def steps_of(step: str) -> tuple[str, ...]:
     """The steps a job of ``step`` (one step, or a group of ``STEP_GROUPS``) builds, in order."""
     return STEP_GROUPS.get(step, (step,))

@@ -17,7 +17,14 @@ from core.config import FeaturesConfig
 from core.failures import ConfigError
 from core.storage import parse_ds
 
-# One step, the group of steps the DAG's first build job runs (``features.build.STEP_GROUPS``), or every step in order.
+# Steps one job builds, in order. The DAG's first build job runs every step of ``ds`` that reads only the day's raw
+# partitions and the day before's features, so that each of its shards starts a process and DuckDB once, not three
+# times (per job, that start costs about what a shard's share of a step's query does), and runs them side by side
+# (``features.build``); the window reads the day's merged daily aggregates (the pin totals of every shard) and is a
+# job of its own, after it. Here (no DuckDB, no pyarrow) for the operator, which sizes a group's shard jobs.
+STEP_GROUPS: dict[str, tuple[str, ...]] = {"daily_sequences_examples": ("daily", "sequences", "examples")}
+DAY_JOBS = ("daily_sequences_examples", "window")  # the DAG's build jobs of a day, in order
+# One step, a group of STEP_GROUPS, or every step in order.
 Step = Literal["daily", "window", "sequences", "examples", "daily_sequences_examples", "all"]
 SPEC_FILE = "BUILD.json"
 # Under the storage root: the shard outputs of sharded builds not merged yet (no dataset's folder starts with _).

@@ -78,11 +78,12 @@ def with_run_params(features: FeaturesConfig, overrides: dict[str, Any], shards:
 
 
 def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg: PlatformConfig,
-                   features: FeaturesConfig, backend: str) -> Any:
+                   features: FeaturesConfig, backend: str, side_by_side: int = 1) -> Any:
     """The job of one build step (pure): one process (``shards`` empty: unsharded), or an array job with one child
     per shard in ``shards`` (``--run-shards``: its array index picks one), each on a slice of a
     ``features.instance_type`` node (DuckDB's threads, its memory limit and half as much again for Arrow batches and
-    the interpreter). Local children run as many at once as the machine has CPUs for their DuckDB threads."""
+    the interpreter, per step run ``side_by_side`` in one DuckDB database: a shard of a step group). Local children run
+    as many at once as the machine has CPUs for their DuckDB threads."""
     from core.arrays import format_shards
     from operators.backends import JobSpec
 
@@ -90,7 +91,7 @@ def build_job_spec(command: list[str], *, name: str, shards: Sequence[int], cfg:
         name=name, command=command, team=features.team or cfg.training.team, image=cfg.training.image,
         instance_type=features.instance_type, env={"OMP_NUM_THREADS": str(features.duckdb_threads)},
         timeout_s=int(features.timeout_seconds), cpus_per_node=features.duckdb_threads,
-        memory_gb_per_node=round(memory_gb(features.duckdb_memory_limit) * 1.5, 2),
+        memory_gb_per_node=round(memory_gb(features.duckdb_memory_limit) * (1 + 0.5 * side_by_side), 2),
     )
     if shards:
         parallelism = max(1, (os.cpu_count() or 1) // features.duckdb_threads) if backend == "local" else 0
@@ -238,7 +239,7 @@ class FeatureBuildOperator(ComputeJobOperator):
 
     def prepare(self, context: Context, name: str, todo: tuple[FeaturePlan, list[int]] | None = None) -> Submission:
         from core import config, storage
-        from features.spec import SPEC_FILE
+        from features.spec import SPEC_FILE, STEP_GROUPS
         from operators.compute_job import job_folder
         cfg = config.load()
         plan, missing = todo or self.todo(context)
@@ -247,8 +248,10 @@ class FeatureBuildOperator(ComputeJobOperator):
         shards = missing if plan.staging else []
         # The job reads its spec from its folder (every backend the same way), as a training job its RUN.json.
         spec_path = storage.join(job_folder(cfg, plan.backend, name), SPEC_FILE)
+        # A shard of a step group runs its steps side by side (features.build): each its Arrow batches.
+        side_by_side = len(STEP_GROUPS.get(self.step, ())) if shards else 1
         spec = build_job_spec(["-m", "features.build", "--spec", spec_path], name=name, shards=shards, cfg=cfg,
-                              features=plan.features, backend=plan.backend)
+                              features=plan.features, backend=plan.backend, side_by_side=max(side_by_side, 1))
         what = f"shard(s) {shards} of {plan.shards}" if plan.staging else "unsharded"
         return Submission(plan.backend, spec, shards=tuple(shards), summary=f"{self.step} ds={self.ds}, {what}",
                           settings=(plan.spec, spec_path))

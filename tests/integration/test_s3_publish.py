@@ -313,7 +313,7 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
     """Shards published as versions in the staging area, merged (server-side copies) into versioned partitions."""
     from core import contracts
     from core.config import FeaturesConfig
-    from features import build, sharding, step_io
+    from features import build, sharding, spec, step_io
     from features.synthetic import WorldConfig, generate_world
 
     local = tmp_path / "local"
@@ -322,7 +322,7 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
     features = FeaturesConfig(window_days=2, sequence_length=5)
     engine = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
     for day in storage.day_range(DAY, storage.shift_ds(DAY, 1)):
-        for step in build.DAY_JOBS:
+        for step in spec.DAY_JOBS:
             build.build_step(local, day, step, features, require_validation=False, engine=engine)
             staging = storage.join(root, "_staging", step, day)
             for index in range(2):

@@ -115,6 +115,10 @@ def test_a_sharded_step_is_an_array_job_of_the_missing_shards() -> None:
     assert submit["containerOverrides"]["command"] == ["python", *spec.command]
     unsharded = build_job_spec(command, name="features-x", shards=[], cfg=cfg, features=cfg.features, backend="batch")
     assert unsharded.array_size == 0 and "--run-shards" not in unsharded.command
+    # A shard of the DAG's first job runs three steps side by side on its one DuckDB limit: each its Arrow batches.
+    group = build_job_spec(command, name="features-x", shards=[0], cfg=cfg, features=cfg.features, backend="batch",
+                           side_by_side=3)
+    assert group.memory_gb_per_node == 2.5
 
 
 @pytest.mark.unit

@@ -13,7 +13,7 @@ from core import contracts, storage
 from core.config import FeaturesConfig
 from core.failures import ConfigError, DataError, ExitCode, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
-from features import bucketed_events, build, sharding, step_io
+from features import bucketed_events, build, sharding, spec, step_io
 from features.steps.daily import build_daily
 from features.synthetic import WorldConfig, generate_world
 
@@ -54,7 +54,7 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for day in BUILT:
         for step in build.STEP_DATASETS:
             build.build_step(whole, day, step, FEATURES, require_validation=False, engine=ENGINE)
-        for job in build.DAY_JOBS:  # as the DAG shards them: daily, sequences and examples in one job, then the window
+        for job in spec.DAY_JOBS:  # as the DAG shards them: daily, sequences and examples in one job, then the window
             build_sharded(sharded, day, job)
     return whole, sharded
 
@@ -312,7 +312,7 @@ def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     for day in BUILT:
         meta = bucketed_events.write_event_buckets(root, day, 6, engine=ENGINE)
         assert meta[contracts.EVENTS_BY_USER]["rows"] == read_table(root, contracts.RAW_EVENTS, day).num_rows
-        for job in build.DAY_JOBS:
+        for job in spec.DAY_JOBS:
             build_sharded(root, day, job, shards=4 if day == BUILT[-1] else SHARDS)
     return root
 
