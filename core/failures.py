@@ -59,7 +59,8 @@ _CLASS_EXIT = {
 }
 
 ADVICE = {
-    FailureClass.INFRA: "retrying from the last checkpoint",
+    FailureClass.INFRA: "retried (a training job resumes from its last checkpoint, a feature build or scoring job does "
+                        "only what is missing)",
     FailureClass.USER: "fix the model code, the run's params or the platform config, then clear the task",
     FailureClass.DATA: "fix or rebuild the input partitions, then clear the task",
     FailureClass.OOM: "lower batch_size or give each node more memory",

@@ -333,6 +333,12 @@ class FeatureBuildOperator(ComputeJobOperator):
             if folder != plan.staging and written is not None and written < cutoff:
                 self.log.info("removing an abandoned sharded build of %s ds=%s: %s", self.step, self.ds, folder)
                 storage.remove_tree(folder)
+        if not storage.is_remote(day_folder):  # the day's and the step's folders, once empty (an object store has none)
+            for empty in (storage.local_path(day_folder), storage.local_path(day_folder).parent):
+                try:
+                    empty.rmdir()
+                except OSError:  # not empty: another build of this step (a day) in progress, or gone
+                    break
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """OpenLineage (the provider's listener): the partitions this step read (its metadata's ``inputs``) and

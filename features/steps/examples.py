@@ -280,8 +280,9 @@ def build_examples(
             # The reference of every example's sequence (seq_ds, seq_len): what a reader checks it resolves against.
             "sequence_ds": features_ds,
             # The window of the features joined (their own build's, None without them): a day built with another
-            # --window-days than the day before's joins that day's window as it is.
-            "window_days": read_metadata(root, USER_WINDOW, features_ds).get("window_days"),
+            # --window-days than the day before's joins that day's window as it is. Not ``window_days``, the build's
+            # own setting, which a merge checks its shards against.
+            "features_window_days": read_metadata(root, USER_WINDOW, features_ds).get("window_days"),
             "sequence_digest": sequence_digest,
             **validation,
         }

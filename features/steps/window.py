@@ -342,7 +342,7 @@ def build_window(
             if ds in missing:
                 raise MissingInputError(
                     f"features/user_daily and features/pin_daily for ds={ds} are missing and so is raw data to "
-                    f"compute them; run `python -m features.build --step daily --ds {ds}` once "
+                    f"compute them; run `python -m features.build --root {root} --step daily --ds {ds}` once "
                     f"{RAW_EVENTS} and {RAW_PINS} of {ds} have landed"
                 )
             validation = check_validated(root, computed, require_validation=require_validation)

@@ -540,7 +540,7 @@ def test_a_checked_build_refuses_features_built_without_validation_and_an_unchec
 
     build.build_day(root, D2, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
     examples = read_metadata(root, contracts.EXAMPLES, D2)
-    assert examples["window_days"] == 2  # the window of the features it joined (D1's)
+    assert examples["features_window_days"] == 2  # the window of the features it joined (D1's)
     assert examples["skip_validation"] is True and f"features/user_window/ds={D1}" in examples["unvalidated_inputs"]
     build.build_day(root, D3, window_days=2, sequence_length=3, engine=ENGINE, require_validation=False)
     assert f"features/user_sequence/ds={D2}" in read_metadata(root, contracts.USER_SEQUENCE, D3)["unvalidated_inputs"]

@@ -143,6 +143,7 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
         assert len(storage.data_files(root, dataset, DAY)) == 3
         assert storage.read_table(root, dataset, DAY).sort_by(key).equals(whole[dataset].sort_by(key))
     assert not any(Path(root, "_staging").rglob("*.parquet"))
+    assert not Path(root, "_staging", "features", "daily").exists()  # no empty folders left for the day
     # Each child's log says which shard it built (what the job page shows of a job that succeeded).
     from operators.backends import get_backend
 
