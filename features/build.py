@@ -32,7 +32,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from core.config import FeaturesConfig
@@ -179,16 +179,16 @@ def _build_group(
         for one in steps:
             summary |= build_step(root, ds, one, features, **common)
         return summary
+    # The pool is shut down (every step ended) before the database is closed.
     with shared_database(engine, root), ThreadPoolExecutor(len(steps), thread_name_prefix="feature-step") as pool:
         # Each thread a copy of this context: the shared database is found there (``step_io.connect``).
         futures = [pool.submit(contextvars.copy_context().run, functools.partial(build_step, root, ds, one, features,
                                                                                  **common)) for one in steps]
-        wait(futures)
-    failed = [(one, future.exception()) for one, future in zip(steps, futures, strict=True) if future.exception()]
+    failed = [(one, error) for one, future in zip(steps, futures, strict=True) if (error := future.exception())]
     for one, error in failed[1:]:  # the first is raised (and said by the caller); the others would go unsaid
         log.error("%s of ds=%s, shard %d of %d, failed too: %s", one, ds, shard.index, shard.count, error)
     if failed:
-        raise failed[0][1]  # type: ignore[misc]
+        raise failed[0][1]
     for future in futures:
         summary |= future.result()
     return summary

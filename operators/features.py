@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from features.spec import BuildSpec
     from operators.jobs import ShardMarkers
 
-# The datasets each step (or group of steps in one job, ``features.build.STEP_GROUPS``) writes (``core.contracts``;
+# The datasets each step (or group of steps in one job, ``features.spec.STEP_GROUPS``) writes (``core.contracts``;
 # spelled out here so that parsing a DAG imports no pyarrow or DuckDB).
 STEP_OUTPUTS = {
     "daily": ("features/user_daily", "features/pin_daily"),
@@ -249,9 +249,9 @@ class FeatureBuildOperator(ComputeJobOperator):
         # The job reads its spec from its folder (every backend the same way), as a training job its RUN.json.
         spec_path = storage.join(job_folder(cfg, plan.backend, name), SPEC_FILE)
         # A shard of a step group runs its steps side by side (features.build): each its Arrow batches.
-        side_by_side = len(STEP_GROUPS.get(self.step, ())) if shards else 1
+        side_by_side = len(STEP_GROUPS.get(self.step, (self.step,))) if shards else 1
         spec = build_job_spec(["-m", "features.build", "--spec", spec_path], name=name, shards=shards, cfg=cfg,
-                              features=plan.features, backend=plan.backend, side_by_side=max(side_by_side, 1))
+                              features=plan.features, backend=plan.backend, side_by_side=side_by_side)
         what = f"shard(s) {shards} of {plan.shards}" if plan.staging else "unsharded"
         return Submission(plan.backend, spec, shards=tuple(shards), summary=f"{self.step} ds={self.ds}, {what}",
                           settings=(plan.spec, spec_path))
