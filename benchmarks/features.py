@@ -66,6 +66,7 @@ import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from core import contracts  # noqa: E402
+from core.config import FeaturesConfig  # noqa: E402
 from core.contracts import (  # noqa: E402
     ACTIONS,
     COUNT_COLUMNS,
@@ -189,12 +190,17 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def phase_shard(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One shard of one step of DAY (``--step``, ``--shard`` of ``--shards``), as one job of the array runs it."""
-    features = step_io.DEFAULTS.model_copy(update={
+def bench_features(args: argparse.Namespace) -> FeaturesConfig:
+    """The ``features:`` settings of the benchmark's builds."""
+    return step_io.DEFAULTS.model_copy(update={
         "window_days": args.window_days, "sequence_length": args.sequence_length,
         "negative_downsample": args.negative_downsample, "negative_downsample_seed": args.seed,
     })
+
+
+def phase_shard(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One shard of one step of DAY (``--step``, ``--shard`` of ``--shards``), as one job of the array runs it."""
+    features = bench_features(args)
     engine = step_io.DuckDBSettings(threads=args.threads, memory_limit=args.memory_limit)
     cpu, started = cpu_s(), time.perf_counter()
     build.build_step(root, DAY, args.step, features, require_validation=False, engine=engine,
@@ -596,7 +602,11 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
     relay_state(root, sharded_root, count, args.window_days)
     cpu = process_cpu = parallel = parallel_mean = 0.0
     steps: dict[str, Any] = {}
+    settings = build.recorded_settings(bench_features(args), skip_validation=True)
     for step in spec.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
+        if step == "window" and build.window_built_by_group(sharded_root, DAY, settings):
+            steps[step] = {"built_by": spec.DAY_JOBS[0]}  # as the DAG's window task: no job (spec.STAGED_STEPS)
+            continue
         seconds, cpus = [], []
         for index in range(count):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from core.contracts import EVENTS_BY_PIN, EVENTS_BY_USER, EVENTS_SCHEMA, RAW_EVENTS
+from core.contracts import ACTIONS, COUNT_COLUMNS, EVENTS_BY_PIN, EVENTS_BY_USER, EVENTS_SCHEMA, RAW_EVENTS
 from core.storage import (
     METADATA_FILE,
     data_files,
@@ -32,13 +32,38 @@ from features.step_io import (
     create_view,
     events_hint,
     input_versions,
+    one_row,
     parquet_writer,
     partition_ref,
     query_table,
     require_input,
+    sql_list,
 )
 
 log = logging.getLogger(__name__)
+
+
+# The day's events by action, over every event: what pin_daily's rows of the day sum to once merged (its ``sums``;
+# each of its rows counts one pin's events by action), and the events outside the contract's actions. A shard of the
+# DAG's first job reads them to build the day's window with the other shards' pins in its global rates
+# (``features.steps.window``), before pin_daily is merged.
+DAY_COUNTS_SQL = "SELECT " + ", ".join(
+    [f"count(*) FILTER (WHERE action = '{a}')" for a in ACTIONS]
+    + ["count(*)", f"count(*) FILTER (WHERE action IS NULL OR action NOT IN ({sql_list(ACTIONS)}))"]
+) + " FROM events_all"
+
+
+def day_counts(root: str | os.PathLike[str], day: str) -> dict[str, Any] | None:
+    """The counts of ``day``'s events recorded when they were bucketed (``sums`` by count column, ``events``,
+    ``unknown_action_events``), if the buckets are of the raw partition as it is now; else None."""
+    if not is_complete(root, EVENTS_BY_PIN, day):
+        return None
+    meta = read_metadata(root, EVENTS_BY_PIN, day)
+    current = input_versions(root, [partition_ref(RAW_EVENTS, day)])[partition_ref(RAW_EVENTS, day)]
+    sums = meta.get("sums")
+    if current is None or meta.get("source_version") != current or not isinstance(sums, dict):
+        return None
+    return {"sums": sums, "events": meta.get("events"), "unknown_action_events": meta.get("unknown_action_events")}
 
 
 # The columns of each bucketed copy of the events: the pin side only feeds pin_daily.
@@ -79,6 +104,9 @@ def write_event_buckets(
     summary: dict[str, Any] = {}
     with connect(engine, root) as con:
         create_view(con, "events_all", events, EVENTS_SCHEMA)
+        *by_action, total, unknown = (int(v) for v in one_row(con, DAY_COUNTS_SQL))
+        counts = {"sums": dict(zip(COUNT_COLUMNS, by_action, strict=True)), "events": total,
+                  "unknown_action_events": unknown}
         for dataset, (key, columns) in EVENT_BUCKETS.items():
             # Sorted by bucket, so that each bucket's scan of the temp table skips the others' row groups.
             con.execute(
@@ -97,7 +125,7 @@ def write_event_buckets(
                         writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
                 meta = {
                     "dataset": dataset, "ds": ds, "source": partition_ref(RAW_EVENTS, ds), "source_version": version,
-                    "rows": rows, "hash_buckets": hash_layout(key, count),
+                    "rows": rows, "hash_buckets": hash_layout(key, count), **counts,
                 }
                 write_json(join(out, METADATA_FILE), meta)
             summary[dataset] = meta

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextvars
 import datetime as dt
-import functools
 import json
 import logging
 import os
@@ -66,13 +65,21 @@ from core.storage import (
     write_json,
     write_partition,
 )
+from features.bucketed_events import day_counts
 from features.sharding import DATASET_KEYS, Shard, hash_layout, shard_file, shard_folder
-from features.spec import STEP_GROUPS
-from features.step_io import DEFAULTS, DuckDBSettings, shared_database
+from features.spec import STAGED_STEPS, STEP_GROUPS
+from features.step_io import (
+    DEFAULTS,
+    DuckDBSettings,
+    input_versions,
+    partition_ref,
+    shared_database,
+    unvalidated_inputs,
+)
 from features.steps.daily import build_daily
 from features.steps.examples import build_examples
 from features.steps.sequences import build_sequences
-from features.steps.window import build_window
+from features.steps.window import STAGED_DAY_VERSION, StagedDay, build_window, daily_version
 
 if TYPE_CHECKING:
     from features.spec import BuildSpec
@@ -121,8 +128,14 @@ def steps_of(step: str) -> tuple[str, ...]:
 
 
 def step_datasets(step: str) -> tuple[str, ...]:
-    """The datasets a job of ``step`` writes (a group's published together)."""
+    """The datasets a job of ``step`` always writes (a group's published together)."""
     return tuple(dataset for one in steps_of(step) for dataset in STEP_DATASETS[one])
+
+
+def staged_datasets(step: str) -> tuple[str, ...]:
+    """The datasets the shards of a group's job also write when they can (``spec.STAGED_STEPS``): published with the
+    others when every shard wrote them."""
+    return tuple(dataset for one in STAGED_STEPS.get(step, ()) for dataset in STEP_DATASETS[one])
 
 
 # Metadata that differs from shard to shard (summed or dropped by the merge); every other key must agree.
@@ -147,7 +160,7 @@ def build_step(
     one shard, if given): the summaries by dataset."""
     common: dict[str, Any] = {"require_validation": require_validation, "engine": engine, "shard": shard}
     if step in STEP_GROUPS:
-        return _build_group(root, ds, STEP_GROUPS[step], features, recompute=recompute, **common)
+        return _build_group(root, ds, step, features, recompute=recompute, **common)
     if step == "daily":
         return build_daily(root, ds, **common)
     if step == "window":
@@ -162,8 +175,26 @@ def build_step(
     raise ValueError(f"unknown feature step {step!r}: choose one of {', '.join([*STEP_DATASETS, *STEP_GROUPS])}")
 
 
+def _window_of_staged_day(root: str | os.PathLike[str], ds: str | dt.date, features: FeaturesConfig,
+                          common: dict[str, Any]) -> dict[str, Any]:
+    """A shard's part of the day's window, from the daily aggregates it has just built (``StagedDay``), when the
+    window can be incremental and the day's events were bucketed with their counts; else nothing (the DAG's window
+    job builds it once the day is merged). Saves the window job: its start, its reads of the merged day, its merge."""
+    shard: Shard = common["shard"]
+    counts = day_counts(root, ds_str(ds))
+    if counts is None:
+        log.info("window of ds=%s: left to the window job: the day's events are not bucketed with their counts "
+                 "(validation buckets them for sharded builds)", ds_str(ds))
+        return {}
+    user_daily, pin_daily = (join(resolve(shard.folder(d)), shard_file(shard.index)) for d in (USER_DAILY, PIN_DAILY))
+    staged = StagedDay(user_daily, pin_daily, counts)
+    return build_window(root, ds, features.window_days, features.pin_prior_impressions,
+                        require_validation=common["require_validation"], engine=common["engine"], shard=shard,
+                        staged=staged)
+
+
 def _build_group(
-    root: str | os.PathLike[str], ds: str | dt.date, steps: tuple[str, ...], features: FeaturesConfig, *,
+    root: str | os.PathLike[str], ds: str | dt.date, group: str, features: FeaturesConfig, *,
     recompute: bool, require_validation: bool, engine: DuckDBSettings | None, shard: Shard | None,
 ) -> dict[str, Any]:
     """The steps of a group (none reads another's output), each publishing its own outputs. Unsharded, one after
@@ -171,19 +202,27 @@ def _build_group(
     threads sharing one DuckDB database (its memory limit, threads and spill folder): a shard's queries are small next
     to its fixed parts (Python, the DuckDB start, its one file encoded on one thread), which then overlap; on the
     benchmark's day a shard of 8 took 0.62-0.66 s against 0.71 s one after another (docs/data.md, issue 33's tenth
-    round). The first error is raised once every step has ended, the others logged."""
+    round). A shard also builds the group's ``STAGED_STEPS`` when it can: the window after its daily aggregates, on
+    the same thread. The first error is raised once every step has ended, the others logged."""
     common: dict[str, Any] = {"recompute": recompute, "require_validation": require_validation, "engine": engine,
                               "shard": shard}
+    steps = STEP_GROUPS[group]
     summary: dict[str, Any] = {}
     if shard is None:
         for one in steps:
             summary |= build_step(root, ds, one, features, **common)
         return summary
+
+    def run(one: str) -> dict[str, Any]:
+        built = build_step(root, ds, one, features, **common)
+        if one == "daily" and "window" in STAGED_STEPS.get(group, ()) and not recompute:
+            built |= _window_of_staged_day(root, ds, features, common)
+        return built
+
     # The pool is shut down (every step ended) before the database is closed.
     with shared_database(engine, root), ThreadPoolExecutor(len(steps), thread_name_prefix="feature-step") as pool:
         # Each thread a copy of this context: the shared database is found there (``step_io.connect``).
-        futures = [pool.submit(contextvars.copy_context().run, functools.partial(build_step, root, ds, one, features,
-                                                                                 **common)) for one in steps]
+        futures = [pool.submit(contextvars.copy_context().run, run, one) for one in steps]
     failed = [(one, error) for one, future in zip(steps, futures, strict=True) if (error := future.exception())]
     for one, error in failed[1:]:  # the first is raised (and said by the caller); the others would go unsaid
         log.error("%s of ds=%s, shard %d of %d, failed too: %s", one, ds, shard.index, shard.count, error)
@@ -200,6 +239,22 @@ def missing_shards(staging: str, step: str, count: int) -> list[int]:
         i for i in range(count)
         if not all(exists(join(shard_folder(staging, d, i), MARKER)) for d in step_datasets(step))
     ]
+
+
+def window_built_by_group(root: str | os.PathLike[str], ds: str, settings: dict[str, Any]) -> bool:
+    """Whether the window of ``ds`` was built by the shards of the day's first job (``STAGED_STEPS``) with these
+    ``settings`` (``recorded_settings``) from the daily aggregates of ``ds`` as they are published now: the DAG's
+    window job then has nothing to build (a rebuilt day's aggregates, other settings: it builds the window again)."""
+    if not all(is_complete(root, dataset, ds) for dataset in STEP_DATASETS["window"]):
+        return False
+    version = daily_version(root, ds)
+    for dataset in STEP_DATASETS["window"]:
+        meta = read_metadata(root, dataset, ds)
+        if not meta.get("staged_day") or version is None or meta.get("daily_versions", {}).get(ds) != version:
+            return False
+        if any(key in meta and meta[key] != value for key, value in settings.items()):
+            return False
+    return True
 
 
 def recorded_settings(features: FeaturesConfig, *, skip_validation: bool) -> dict[str, Any]:
@@ -240,7 +295,7 @@ def merge_shards(
     try:
         # Every dataset's shards checked before any is published: a step's partitions are published together.
         shards: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
-        for dataset in step_datasets(step):
+        for dataset in (*step_datasets(step), *_staged_by_every_shard(staging, step, count)):
             # Each shard's published version (on an object store the version folder its marker names).
             folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
             metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
@@ -268,6 +323,8 @@ def merge_shards(
             if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
                 merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
             merged["shards"] = count
+            if merged.get("staged_day"):  # a window of the day's staged aggregates: published above, now its inputs
+                _add_staged_day(root, ds, dataset, merged)
             # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
             merged["hash_buckets"] = hash_layout(DATASET_KEYS[dataset], count)
             with write_partition(root, dataset, ds) as out:
@@ -284,6 +341,37 @@ def merge_shards(
         ) from None
     _remove_shards(staging, step)
     return summary
+
+
+def _staged_by_every_shard(staging: str, step: str, count: int) -> tuple[str, ...]:
+    """The datasets of the step's ``STAGED_STEPS`` that every shard wrote (merged with the rest); a step some shards
+    left out is left to its own job (each shard decides from the same published state: only a shard rebuilt after it
+    changed decides otherwise)."""
+    staged: list[str] = []
+    for one in STAGED_STEPS.get(step, ()):
+        datasets = STEP_DATASETS[one]
+        built = [i for i in range(count) if all(exists(join(shard_folder(staging, d, i), MARKER)) for d in datasets)]
+        if len(built) == count:
+            staged.extend(datasets)
+        elif built:
+            log.warning("%s was built by shard(s) %s of %d only: left to its own job", one, built, count)
+    return tuple(staged)
+
+
+def _add_staged_day(root: str | os.PathLike[str], ds: str, dataset: str, merged: dict[str, Any]) -> None:
+    """A window that its shards built from their staged daily aggregates of ``ds``: those, now published, are its
+    inputs, with their publish stamps (``daily_versions``, which the next day's incremental window checks)."""
+    daily = USER_DAILY if dataset == USER_WINDOW else PIN_DAILY
+    ref = partition_ref(daily, ds)
+    version = daily_version(root, ds)
+    if merged["daily_versions"].get(ds) != STAGED_DAY_VERSION or version is None:  # the merge published them first
+        raise InfraError(f"{dataset} ds={ds}: the day's daily aggregates it was built from are not published")
+    merged["inputs"] = [merged["inputs"][0], ref, *merged["inputs"][1:]]  # as built after them: window, day, leaving
+    merged["input_versions"] = {**merged["input_versions"], **input_versions(root, [ref])}
+    unvalidated = unvalidated_inputs(root, merged["inputs"])  # the day's too (built with --skip-validation)
+    if unvalidated:
+        merged["unvalidated_inputs"] = unvalidated
+    merged["daily_versions"] = {**merged["daily_versions"], ds: version}
 
 
 def _missing_shards_message(root: str | os.PathLike[str], ds: str, step: str, staging: str, count: int,
@@ -328,7 +416,7 @@ def _remove_shards(staging: str, step: str) -> None:
     """Remove the step's shard outputs from ``staging`` (and their unfinished temporaries), then the folders above
     them up to ``staging`` itself where left empty; nothing else under it (the spec refuses a staging folder that
     holds data)."""
-    for dataset in step_datasets(step):
+    for dataset in (*step_datasets(step), *staged_datasets(step)):
         shards = join(staging, *dataset.split("/"))
         remove_tree(shards)
         if exists(shards):

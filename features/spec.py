@@ -24,6 +24,10 @@ from core.storage import parse_ds
 # job of its own, after it. Here (no DuckDB, no pyarrow) for the operator, which sizes a group's shard jobs.
 STEP_GROUPS: dict[str, tuple[str, ...]] = {"daily_sequences_examples": ("daily", "sequences", "examples")}
 DAY_JOBS = ("daily_sequences_examples", "window")  # the DAG's build jobs of a day, in order
+# Steps the shards of a group's job also build when they can: the window, incrementally, from each shard's own daily
+# aggregates before they are merged and the day's pin totals recorded when its events were bucketed (the DAG's window
+# job then has nothing to do: ``features.build.window_built_by_group``); otherwise the window job builds it.
+STAGED_STEPS: dict[str, tuple[str, ...]] = {"daily_sequences_examples": ("window",)}
 # One step, a group of STEP_GROUPS, or every step in order.
 Step = Literal["daily", "window", "sequences", "examples", "daily_sequences_examples", "all"]
 SPEC_FILE = "BUILD.json"

@@ -232,6 +232,18 @@ class FeatureBuildOperator(ComputeJobOperator):
 
     def result_without_job(self, context: Context, todo: tuple[FeaturePlan, list[int]]) -> Any:
         plan, missing = todo
+        if self.step == "window" and not plan.spec.recompute:
+            from core import config, storage
+            from features.build import recorded_settings, window_built_by_group
+
+            root = config.load().storage_root
+            if window_built_by_group(root, self.ds, recorded_settings(plan.features, skip_validation=self.skip_validation)):
+                # The shards of the day's first job built it from their daily aggregates (features.spec.STAGED_STEPS).
+                self.log.info("the window of ds=%s was built with the day's daily aggregates as they are published now "
+                              "(by the shards of daily_sequences_examples, incrementally): no job to run. To rebuild it "
+                              "anyway, clear daily_sequences_examples with its downstream tasks", self.ds)
+                self._built = {d: storage.read_metadata(root, d, self.ds) for d in STEP_OUTPUTS["window"]}
+                return self._built
         if missing:
             return None
         self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)

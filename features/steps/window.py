@@ -11,6 +11,7 @@ import datetime as dt
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import duckdb
@@ -42,7 +43,7 @@ from core.storage import (
     read_text,
     shift_ds,
 )
-from features.sharding import Shard, shard_keeps, shard_part
+from features.sharding import Shard, ShardPart, shard_keeps, shard_part
 from features.step_io import (
     DEFAULTS,
     UNKNOWN_ID,
@@ -156,13 +157,35 @@ ORDER BY pin_id
 _PART_COLUMNS = {"user": ", ".join(["user_id", *COUNT_COLUMNS, "categories"]), "pin": ", ".join(["pin_id", *COUNT_COLUMNS])}
 
 
-def _recorded_totals(root: str | os.PathLike[str], signed: Sequence[tuple[str, str, int]]) -> dict[str, int] | None:
+# ``daily_versions`` of ds in the window a shard builds from its staged daily aggregates: the merge that publishes them
+# puts their publish stamps there (``features.build.merge_shards``).
+STAGED_DAY_VERSION = "staged"
+
+
+@dataclass(frozen=True)
+class StagedDay:
+    """The daily aggregates of ``ds`` that one shard of the DAG's first job has just built, not merged yet: its files
+    (``user_daily``, ``pin_daily``) and the counts of the day's events over every shard (``counts``,
+    ``features.bucketed_events.day_counts``). From them the shard builds its part of the day's window in the same job
+    (``features.build``), when the window can be incremental; the merge publishes both."""
+
+    user_daily: str
+    pin_daily: str
+    counts: dict[str, Any]
+
+
+def _recorded_totals(root: str | os.PathLike[str], signed: Sequence[tuple[str, str, int]],
+                     staged: StagedDay | None = None) -> dict[str, int] | None:
     """The pin totals of an incremental window from its parts' metadata, no data read: the previous pin_window's
     ``totals`` plus the day's pin_daily ``sums`` minus the leaving day's (the same integers as summing every pin's
-    rows, as each part's recorded totals are the sums of its rows); None when a part records none (built before)."""
+    rows, as each part's recorded totals are the sums of its rows); None when a part records none (built before).
+    With a ``staged`` day, the day's sums are the counts of its events recorded by the bucketing (the same integers)."""
     totals = dict.fromkeys(PIN_TOTAL_COLUMNS, 0)
     for dataset, day, sign in signed:
-        recorded = read_metadata(root, dataset, day).get("totals" if dataset == PIN_WINDOW else "sums")
+        if staged is not None and dataset == PIN_DAILY and sign > 0:
+            recorded = staged.counts.get("sums")
+        else:
+            recorded = read_metadata(root, dataset, day).get("totals" if dataset == PIN_WINDOW else "sums")
         if not isinstance(recorded, dict) or any(not isinstance(recorded.get(c), int) for c in PIN_TOTAL_COLUMNS):
             return None
         for column in PIN_TOTAL_COLUMNS:
@@ -170,7 +193,7 @@ def _recorded_totals(root: str | os.PathLike[str], signed: Sequence[tuple[str, s
     return totals
 
 
-def _daily_version(root: str | os.PathLike[str], day: str) -> str | None:
+def daily_version(root: str | os.PathLike[str], day: str) -> str | None:
     """The publish stamps (``_SUCCESS`` contents) of ``day``'s user_daily and pin_daily; None if one is incomplete.
 
     A rebuild of either partition changes it: an incremental window subtracts a day only if its aggregates
@@ -233,7 +256,7 @@ def _daily_sources(
 
 
 def _incremental_window(
-    root: str | os.PathLike[str], ds: str, days: Sequence[str], window_days: int
+    root: str | os.PathLike[str], ds: str, days: Sequence[str], window_days: int, staged: StagedDay | None = None
 ) -> tuple[dict[str, Any] | None, str]:
     """The plan of an incremental window of ``ds`` and why; None (and why not) when it must be a full sum.
 
@@ -258,17 +281,22 @@ def _incremental_window(
         return None, f"{previous} computed {', '.join(meta['computed_from_raw'])} from raw events"
     if meta.get("unknown_action_days") != []:
         return None, f"{previous} sum days with actions outside the contract: {meta.get('unknown_action_days')}"
-    version = _daily_version(root, ds)
-    if version is None:
-        return None, f"the daily aggregates of {ds} are missing"
-    if read_metadata(root, USER_DAILY, ds).get("unknown_action_events") != 0:
-        return None, f"{partition_ref(USER_DAILY, ds)} counts events with actions outside the contract"
+    if staged is None:
+        version = daily_version(root, ds)
+        if version is None:
+            return None, f"the daily aggregates of {ds} are missing"
+        if read_metadata(root, USER_DAILY, ds).get("unknown_action_events") != 0:
+            return None, f"{partition_ref(USER_DAILY, ds)} counts events with actions outside the contract"
+    else:
+        version = STAGED_DAY_VERSION
+        if staged.counts.get("unknown_action_events") != 0:
+            return None, f"the events of {ds} have actions outside the contract"
     leaving = shift_ds(ds, -window_days)
     for day in [leaving, *days[:-1]]:
         recorded = versions.get(day)
-        if recorded is not None and _daily_version(root, day) != recorded:
+        if recorded is not None and daily_version(root, day) != recorded:
             return None, f"the daily aggregates of {day} were rebuilt since {previous} were built"
-        if recorded is None and day != leaving and (_daily_version(root, day) is not None or has_raw(root, day)):
+        if recorded is None and day != leaving and (daily_version(root, day) is not None or has_raw(root, day)):
             return None, f"{day} was missing from {previous} and has data now"
     plan = {
         "previous_ds": previous_ds,
@@ -278,6 +306,14 @@ def _incremental_window(
     }
     reason = f"{previous} + {ds}" + (f" - {leaving}" if plan["leaving"] else f" ({leaving} was missing)")
     return plan, reason
+
+
+def _signed(window: str, daily: str, ds: str, plan: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """The parts of an incremental window and their signs: the previous window, the day, the day that leaves."""
+    signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
+    if plan["leaving"]:
+        signed.append((daily, plan["leaving"], -1))
+    return signed
 
 
 def build_window(
@@ -290,6 +326,7 @@ def build_window(
     require_validation: bool = True,
     engine: DuckDBSettings | None = None,
     shard: Shard | None = None,
+    staged: StagedDay | None = None,
 ) -> dict[str, Any]:
     """Write ``features/user_window`` and ``features/pin_window`` as of the end of ``ds``.
 
@@ -302,13 +339,24 @@ def build_window(
     there. ``recompute`` computes every day from raw (the full recompute that the incremental path must
     equal). Pin rates are smoothed towards the window's global rates with ``prior_impressions``
     pseudo-impressions; the global rates are recorded in the pin_window metadata (``global_rates``).
+
+    A shard given its ``staged`` daily aggregates of ``ds`` (:class:`StagedDay`) builds its part of the window from
+    them, and only incrementally with recorded pin totals: otherwise it builds nothing (an empty summary, the reason
+    logged) and the window is left to a job of its own, once the day's aggregates are merged.
     """
     ds = ds_str(ds)
     check_positive("window_days", window_days, "--window-days")
     check_positive("prior_impressions", prior_impressions, "--prior-impressions", allow_zero=True)
     days = day_range(shift_ds(ds, -(window_days - 1)), ds)
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
-    plan, reason = (None, "recompute requested") if recompute else _incremental_window(root, ds, days, window_days)
+    plan, reason = (None, "recompute requested") if recompute else _incremental_window(root, ds, days, window_days, staged)
+    if staged is not None:
+        if plan is None:
+            log.info("window of ds=%s: left to the window job, as it is not incremental (%s)", ds, reason)
+            return {}
+        if _recorded_totals(root, _signed(PIN_WINDOW, PIN_DAILY, ds, plan), staged) is None:
+            log.info("window of ds=%s: left to the window job: a part records no pin totals (built before they were)", ds)
+            return {}
     inputs: dict[str, list[str]] = {}
     recorded_totals: dict[str, int] | None = None
     with connect(engine, root) as con:
@@ -318,17 +366,20 @@ def build_window(
             validation = check_validated(root, [], require_validation=require_validation)  # reads no raw data
             daily_versions, unknown_action_days = plan["daily_versions"], []
             for name, window, daily in (("user", USER_WINDOW, USER_DAILY), ("pin", PIN_WINDOW, PIN_DAILY)):
-                signed = [(window, plan["previous_ds"], 1), (daily, ds, 1)]
-                if plan["leaving"]:
-                    signed.append((daily, plan["leaving"], -1))
+                signed = _signed(window, daily, ds, plan)
                 views = [(f"{name}_parts", shard)]
                 if name == "pin" and shard is not None:
                     # A shard's pin_sums hold its own pins: the totals come from the recorded ones, else every pin's parts.
-                    recorded_totals = _recorded_totals(root, signed)
+                    recorded_totals = _recorded_totals(root, signed, staged)
                     if recorded_totals is None:
                         views.append(("pin_parts_all", None))
                 for view, of_shard in views:
-                    parts = [(shard_part(root, dataset, day, of_shard), sign) for dataset, day, sign in signed]
+                    parts = [
+                        (ShardPart([staged.user_daily if name == "user" else staged.pin_daily], "TRUE")
+                         if staged is not None and day == ds and dataset == daily
+                         else shard_part(root, dataset, day, of_shard), sign)
+                        for dataset, day, sign in signed
+                    ]
                     selects = [
                         f"SELECT {_PART_COLUMNS[name]}, {sign} AS part_sign "
                         f"FROM read_parquet([{quoted_paths(part.files)}], hive_partitioning = false) WHERE {part.keeps}"
@@ -336,7 +387,9 @@ def build_window(
                     ]
                     # A shard reads only the files of its users / pins (``shard_part``).
                     con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS " + "\nUNION ALL\n".join(selects))
-                inputs[name] = [partition_ref(dataset, day) for dataset, day, _ in signed]
+                # The staged day is not an input partition yet: the merge that publishes it adds it.
+                inputs[name] = [partition_ref(dataset, day) for dataset, day, _ in signed
+                                if staged is None or (dataset, day) != (daily, ds)]
         else:
             stored, computed, missing = _classify_days(root, days, recompute=recompute)
             if ds in missing:
@@ -347,7 +400,7 @@ def build_window(
                 )
             validation = check_validated(root, computed, require_validation=require_validation)
             # Read before the aggregates are: a day rebuilt meanwhile then only makes the next day's window full.
-            daily_versions = {d: v for d in stored if (v := _daily_version(root, d)) is not None}
+            daily_versions = {d: v for d in stored if (v := daily_version(root, d)) is not None}
             unknown_action_days = computed + [
                 d for d in stored if read_metadata(root, USER_DAILY, d).get("unknown_action_events") != 0
             ]
@@ -383,6 +436,8 @@ def build_window(
             **validation,
             **params,
         }
+        if staged is not None:
+            base["staged_day"] = True  # the merge puts the day's published aggregates in inputs and daily_versions
         summary: dict[str, Any] = {
             f"features/{name}_window": {**base, "dataset": f"features/{name}_window", "inputs": inputs[name]}
             for name in ("user", "pin")

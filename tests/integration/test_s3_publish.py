@@ -310,10 +310,11 @@ def test_a_quarantined_versioned_partition_stays_whole_and_readable(root: str):
 
 
 def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, tmp_path: Path) -> None:
-    """Shards published as versions in the staging area, merged (server-side copies) into versioned partitions."""
+    """Shards published as versions in the staging area, merged (server-side copies) into versioned partitions; the
+    second day's window built by the first job's shards from their staged daily aggregates (its window job idle)."""
     from core import contracts
     from core.config import FeaturesConfig
-    from features import build, sharding, spec, step_io
+    from features import bucketed_events, build, sharding, spec, step_io
     from features.synthetic import WorldConfig, generate_world
 
     local = tmp_path / "local"
@@ -321,9 +322,13 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
     storage.copy_tree(str(local / "raw"), storage.join(root, "raw"))
     features = FeaturesConfig(window_days=2, sequence_length=5)
     engine = step_io.DuckDBSettings(threads=1, memory_limit="512MB")
+    settings = build.recorded_settings(features, skip_validation=True)
     for day in storage.day_range(DAY, storage.shift_ds(DAY, 1)):
+        bucketed_events.write_event_buckets(root, day, 4, engine=engine)
         for step in spec.DAY_JOBS:
             build.build_step(local, day, step, features, require_validation=False, engine=engine)
+            if step == "window" and build.window_built_by_group(root, day, settings):
+                continue
             staging = storage.join(root, "_staging", step, day)
             for index in range(2):
                 build.build_step(root, day, step, features, require_validation=False, engine=engine,
@@ -331,6 +336,8 @@ def test_a_sharded_build_on_an_object_store_equals_the_unsharded_one(root: str, 
             build.merge_shards(root, day, step, staging, 2)
             assert not storage.exists(staging)
     day = storage.shift_ds(DAY, 1)
+    assert storage.read_metadata(root, contracts.PIN_WINDOW, day)["staged_day"]
+    assert not storage.read_metadata(root, contracts.PIN_WINDOW, DAY).get("staged_day")  # the first day: a full sum
     for dataset, key in ((contracts.USER_WINDOW, "user_id"), (contracts.PIN_WINDOW, "pin_id"),
                          (contracts.USER_SEQUENCE, "user_id"), (contracts.EXAMPLES, "impression_id")):
         expected = storage.read_table(local, dataset, day).sort_by(key)

@@ -322,3 +322,40 @@ def test_the_window_task_checks_the_gaps_again_before_it_builds(tmp_path: Path, 
         update={"on_window_gap": "proceed"})}))
     task._check_window_gaps()  # proceed: built over it, recorded in missing_days
 
+
+
+@pytest.mark.unit
+def test_the_window_task_runs_no_job_when_the_first_jobs_shards_built_the_window(
+    platform: PlatformConfig, tmp_path: Path
+) -> None:
+    """A sharded day whose events were bucketed with their counts (validation, for sharded builds) and whose window
+    can be incremental: daily_sequences_examples's shards build the window too, and the window task only reads it."""
+    from features import build
+    from features.bucketed_events import write_event_buckets
+    from features.synthetic import generate_world
+
+    root = platform.storage_root
+    day = storage.shift_ds(DAY, 1)
+    generate_world(tmp_path / "next", WorldConfig(start=DAY, days=2, users=40, pins=50, seed=2, active_rate=0.9))
+    for dataset in (contracts.RAW_EVENTS, contracts.RAW_PINS):
+        shutil.copytree(Path(storage.partition(tmp_path / "next", dataset, day)), Path(storage.partition(root, dataset, day)))
+    build.build_day(root, DAY, window_days=14, require_validation=False)
+    write_event_buckets(root, day, 4)
+    jobs = Path(platform.home) / "jobs"
+
+    def run(task_id: str, step: str, try_number: int = 1) -> dict[str, Any]:
+        ti = SimpleNamespace(dag_id="pin_daily_features", run_id="manual__1", task_id=task_id, map_index=-1,
+                             try_number=try_number)
+        op = FeatureBuildOperator(task_id=task_id, step=step, ds=day, skip_validation=True, shards=2, deferrable=False)
+        return op.execute({"ti": ti})
+
+    built = run("daily_sequences_examples", "daily_sequences_examples")
+    assert built[contracts.PIN_WINDOW]["staged_day"] and built[contracts.PIN_WINDOW]["mode"] == "incremental"
+    before = sorted(p.name for p in jobs.iterdir())
+    summary = run("window_features", "window")
+    assert sorted(p.name for p in jobs.iterdir()) == before  # no job
+    assert summary[contracts.USER_WINDOW] == storage.read_metadata(root, contracts.USER_WINDOW, day)
+    # The day's aggregates rebuilt: the window task builds the window again (a job), from them.
+    run("daily_aggregates", "daily")
+    rebuilt = run("window_features", "window", try_number=2)
+    assert len(list(jobs.iterdir())) == len(before) + 2 and not rebuilt[contracts.USER_WINDOW].get("staged_day")

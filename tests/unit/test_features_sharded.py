@@ -14,6 +14,7 @@ from core.config import FeaturesConfig
 from core.failures import ConfigError, DataError, ExitCode, InfraError
 from core.storage import day_range, partition, read_metadata, read_table, shift_ds
 from features import bucketed_events, build, sharding, spec, step_io
+from features.steps import window as window_module
 from features.steps.daily import build_daily
 from features.synthetic import WorldConfig, generate_world
 
@@ -28,17 +29,24 @@ KEYS = {
     contracts.USER_DAILY: "user_id", contracts.PIN_DAILY: "pin_id", contracts.USER_WINDOW: "user_id",
     contracts.PIN_WINDOW: "pin_id", contracts.USER_SEQUENCE: "user_id", contracts.EXAMPLES: "impression_id",
 }
-# What only the layout changes (the digest hashes rows in file order), and publish stamps (daily_versions, input_versions).
-LAYOUT_KEYS = {"shards", "hash_buckets", "content_digest", "sequence_digest", "daily_versions", "input_versions"}
+# What only the layout changes (the digest hashes rows in file order), publish stamps (daily_versions, input_versions),
+# and that a window was built by the shards of the day's first job (staged_day).
+LAYOUT_KEYS = {"shards", "hash_buckets", "content_digest", "sequence_digest", "daily_versions", "input_versions",
+               "staged_day"}
+SETTINGS = build.recorded_settings(FEATURES, skip_validation=True)
 
 
 def build_sharded(root: Path, day: str, step: str, shards: int = SHARDS) -> dict:
+    """One of the DAG's jobs of ``day`` in ``shards`` shards, merged; the window job does nothing when the first job's
+    shards built the window (as the DAG's window task)."""
+    if step == "window" and build.window_built_by_group(root, day, SETTINGS):
+        return {}
     staging = storage.join(root, "_staging", step, f"ds={day}")
     for index in range(shards):
         build.build_step(root, day, step, FEATURES, require_validation=False, engine=ENGINE,
                          shard=sharding.Shard(index, shards, staging))
     # With the settings the DAG's merge checks (the first day and the day after the gap have no window before them).
-    return build.merge_shards(root, day, step, staging, shards, build.recorded_settings(FEATURES, skip_validation=True))
+    return build.merge_shards(root, day, step, staging, shards, SETTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +324,31 @@ def bucketed(roots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
         for job in spec.DAY_JOBS:
             build_sharded(root, day, job, shards=4 if day == BUILT[-1] else SHARDS)
     return root
+
+
+@pytest.mark.unit
+def test_the_first_jobs_shards_build_an_incremental_window_from_their_own_daily_aggregates(
+    roots: tuple[Path, Path], bucketed: Path
+) -> None:
+    """With the day's events bucketed with their counts, the shards of daily_sequences_examples build the window too
+    when it is incremental (the window job then has nothing to do); a full window is left to the window job. Either
+    way the rows equal the unsharded build's (test above), and the day's published aggregates are the window's inputs,
+    with their stamps: the next day's window is incremental over them."""
+    whole, _ = roots
+    staged = {day: bool(read_metadata(bucketed, contracts.USER_WINDOW, day).get("staged_day")) for day in BUILT}
+    modes = {day: read_metadata(whole, contracts.USER_WINDOW, day)["mode"] for day in BUILT}
+    assert staged == {day: modes[day] == "incremental" for day in BUILT} and any(staged.values()) and not all(staged.values())
+    day = next(d for d in BUILT if staged[d])
+    for window, daily in ((contracts.USER_WINDOW, contracts.USER_DAILY), (contracts.PIN_WINDOW, contracts.PIN_DAILY)):
+        meta = read_metadata(bucketed, window, day)
+        ref = step_io.partition_ref(daily, day)
+        assert meta["inputs"] == read_metadata(whole, window, day)["inputs"]
+        assert meta["input_versions"][ref] == step_io.input_versions(bucketed, [ref])[ref]
+        assert meta["daily_versions"][day] == window_module.daily_version(bucketed, day)
+    assert meta["totals"] == read_metadata(whole, contracts.PIN_WINDOW, day)["totals"]
+    assert build.window_built_by_group(bucketed, day, SETTINGS)
+    assert not build.window_built_by_group(bucketed, day, {**SETTINGS, "prior_impressions": 7.0})
+    assert read_metadata(bucketed, contracts.USER_WINDOW, shift_ds(day, 1)).get("mode") == "incremental"
 
 
 @pytest.mark.unit
