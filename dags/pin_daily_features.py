@@ -48,7 +48,9 @@ pins by id hash), published together once all are built (a retry builds only the
 1. `daily_sequences_examples`, one job: `features/user_daily`, `features/pin_daily` (per-day aggregates),
    `features/user_sequence` (each user's last N engagements as of the end of `ds`) and `examples` (impressions of
    `ds` with labels, joined with features as of the end of `ds-1`);
-2. `window_features`: `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds`.
+2. `window_features`: `features/user_window`, `features/pin_window` — 30-day window as of the end of `ds` (a
+   sharded day whose window is incremental has it built by the first job's shards already: this task then runs no
+   job).
 
 Rerunning a day replaces exactly that day. Backfill: `airflow backfill create --dag-id pin_daily_features
 --from-date 2026-11-01 --to-date 2026-11-07 --reprocess-behavior completed`, or the UI's Backfill dialog. Airflow

@@ -123,7 +123,8 @@ class FeatureBuildOperator(ComputeJobOperator):
     day only.
 
     :param step: one of ``daily``, ``window``, ``sequences``, ``examples``, or ``daily_sequences_examples`` (those
-        three in one job: what the DAG runs first; the window, which reads the day's merged aggregates, after it).
+        three in one job: what the DAG runs first, whose shards also build the window when it can be incremental; the
+        window, which reads the day's merged aggregates, after it: no job when the first job's shards built it).
     :param ds: the partition day (templated).
     :param overrides: ``features:`` settings that win over the platform configuration for this run (templated),
         e.g. from params; validated by the same typed model (a bad value fails the task as USER).
@@ -318,11 +319,12 @@ class FeatureBuildOperator(ComputeJobOperator):
                 summary[dataset] = storage.read_metadata(root, dataset, self.ds)
         for dataset, meta in summary.items():
             # Days left out or computed on demand are named in the task log, not only in the metadata.
-            if meta.get("missing_days") or meta.get("computed_from_raw"):
-                self.log.warning(
-                    "%s ds=%s: missing days %s, computed from raw %s",
-                    dataset, self.ds, meta.get("missing_days"), meta.get("computed_from_raw", []),
-                )
+            said = [f"{what} {storage.day_spans(days)}" for what, days in (
+                ("no data (left out) for", meta.get("missing_days")),
+                ("aggregates computed from the raw events of", meta.get("computed_from_raw")),
+            ) if days]
+            if said:
+                self.log.warning("%s ds=%s: %s", dataset, self.ds, "; ".join(said))
         for dataset, meta in summary.items():  # the whole metadata is the task's return value (XCom)
             self.log.info("published %s ds=%s: %s rows%s%s", dataset, self.ds, meta.get("rows"),
                           f", {meta['shards']} shards" if meta.get("shards") else "",

@@ -189,7 +189,12 @@ class WindowGapCheckOperator(BaseOperator):
         gaps["policy"] = policy
         context["ti"].xcom_push(key="window_gaps", value=gaps)
         if not gaps["gaps"]:
-            self.log.info("the %d-day window of ds=%s has no gap", window_days, self.ds)
+            start, first = gaps["window_start"], gaps["history_start"]
+            # A world's first days: the window reaches before the raw events start, which is not a gap.
+            before = storage.day_range(start, storage.shift_ds(first, -1)) if first is not None and first > start else []
+            self.log.info("the %d-day window of ds=%s has no gap%s", window_days, self.ds, (
+                f" (the raw events start at {first}: {storage.day_spans(before)} before them are not gaps, and the "
+                "window features record them as missing_days)") if before else "")
             return gaps
         message = (
             f"the {window_days}-day window of ds={self.ds} has {len(gaps['gaps'])} day(s) without validated raw "
