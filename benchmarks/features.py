@@ -17,8 +17,8 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
 * ``pandas`` — a straightforward pandas (with numpy/pyarrow for I/O and lists) implementation of the
   same four steps with the same inputs, checked against the DuckDB outputs;
 * ``sharding`` (benchmark config only) — for each of ``--shards`` (1, 2, 4, 8) shards, the incremental build split
-  into that many shards per job (the DAG's two: daily, sequences and examples in one, then the window), each shard its
-  own process (as the DAG's array jobs run it; here one after another),
+  into that many shards per job (the DAG's two: daily, sequences and examples in one, whose shards build the window
+  too when it is incremental, as here; then the window's, which then runs nothing), each shard its own process (as the DAG's array jobs run it; here one after another),
   from the day's events bucketed as validation writes them (``--buckets``, not timed with the build: ``bucketing``)
   and the state a build in as many shards left the day before, each step merged: ``work_vs_unsharded`` is the CPU-
   seconds of the shards and merges over the unsharded build's (the incremental build run just before and after the
@@ -28,7 +28,7 @@ Measured, each in a fresh subprocess (for its own peak RSS), on the same day:
 
 Two configurations, on the same day: ``default`` (the platform's ``negative_downsample``, 1.0) and ``benchmark``
 (``--negative-downsample``, 0.2). ``--repeat N``: N rounds of the three phases per config, each phase's fastest
-run counts. The pandas phase writes the same examples contract (the sequence by reference); untimed, it also
+run counts (and N rounds of each sharded build, ``measure_sharding``). The pandas phase writes the same examples contract (the sequence by reference); untimed, it also
 writes the examples with the sequences copied the old way, and ``resolved_sequences_vs_copied`` says whether the
 DuckDB examples, resolved as training reads them (``training.data.read_examples``), hold exactly those lists.
 
@@ -592,40 +592,60 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
     on one machine, the gap between the two is the machine's noise more than the shards'. The unsharded build is the
     incremental phase run just before and just after the shards, averaged (``unsharded``): this machine's speed
     drifts by a third over minutes (its page cache, its neighbours), which a baseline from the start of the run
-    would put into the ratios. ``equal``: every output holds the unsharded build's rows.
+    would put into the ratios. ``--repeat N`` (N > 1): N rounds of the shards, the unsharded build after each, and
+    each shard, merge and the unsharded build count with their fastest run (as the phases of ``measure``).
+    ``equal``: every output holds the unsharded build's rows (in every round).
     """
     say(f"sharding: {count} shard(s) per job")
+    rounds = max(1, args.repeat)
     baseline = [run_phase("incremental", args, root)]
-    shutil.rmtree(sharded_root, ignore_errors=True)
-    sharded_root.mkdir()
-    link_inputs(root, sharded_root, args.window_days)
-    relay_state(root, sharded_root, count, args.window_days)
-    cpu = process_cpu = parallel = parallel_mean = 0.0
-    steps: dict[str, Any] = {}
     settings = build.recorded_settings(bench_features(args), skip_validation=True)
-    for step in spec.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
-        if step == "window" and build.window_built_by_group(sharded_root, DAY, settings):
-            steps[step] = {"built_by": spec.DAY_JOBS[0]}  # as the DAG's window task: no job (spec.STAGED_STEPS)
-            continue
-        seconds, cpus = [], []
-        for index in range(count):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            result = run_phase("shard", args, sharded_root, ["--step", step, "--shard", str(index), "--shards", str(count)])
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            process_cpu += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-            seconds.append(round(result["seconds"], 3))
-            cpus.append(round(result["cpu_s"], 3))
-        merge_cpu, started = cpu_s(), time.perf_counter()
-        build.merge_shards(sharded_root, DAY, step, str(sharded_root / "_staging" / step), count)
-        merge_s, merge_cpu = time.perf_counter() - started, cpu_s() - merge_cpu
+    # By job: each shard's (seconds, CPU-s, process CPU-s) of every round, and the merge's (seconds, CPU-s).
+    shard_runs: dict[str, list[list[tuple[float, float, float]]]] = {}
+    merge_runs: dict[str, list[tuple[float, float]]] = {}
+    steps: dict[str, Any] = {}
+    equal: dict[str, str] = {}
+    for round_ in range(1, rounds + 1):
+        if rounds > 1:
+            say(f"  round {round_}/{rounds}")
+        shutil.rmtree(sharded_root, ignore_errors=True)
+        sharded_root.mkdir()
+        link_inputs(root, sharded_root, args.window_days)
+        relay_state(root, sharded_root, count, args.window_days)
+        for step in spec.DAY_JOBS:  # the DAG's build jobs: daily, sequences and examples in one, then the window
+            if step == "window" and build.window_built_by_group(sharded_root, DAY, settings):
+                steps[step] = {"built_by": spec.DAY_JOBS[0]}  # as the DAG's window task: no job (spec.STAGED_STEPS)
+                continue
+            runs = shard_runs.setdefault(step, [[] for _ in range(count)])
+            for index in range(count):
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                result = run_phase("shard", args, sharded_root, ["--step", step, "--shard", str(index), "--shards", str(count)])
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                process = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                runs[index].append((result["seconds"], result["cpu_s"], process))
+            merge_cpu, started = cpu_s(), time.perf_counter()
+            build.merge_shards(sharded_root, DAY, step, str(sharded_root / "_staging" / step), count)
+            merge_runs.setdefault(step, []).append((time.perf_counter() - started, cpu_s() - merge_cpu))
+        for dataset, verdict in compare_rows(root, sharded_root).items():
+            if equal.get(dataset, "equal") == "equal":  # a round that differed stays said
+                equal[dataset] = verdict
+        baseline.append(run_phase("incremental", args, root))
+    cpu = process_cpu = parallel = parallel_mean = 0.0
+    for step, runs in shard_runs.items():
+        # Each shard's and each merge's fastest round (one round: its only run).
+        seconds = [round(min(r[0] for r in shard), 3) for shard in runs]
+        cpus = [round(min(r[1] for r in shard), 3) for shard in runs]
+        merge_s, merge_cpu = (min(m[i] for m in merge_runs[step]) for i in (0, 1))
         cpu += sum(cpus) + merge_cpu
-        process_cpu += merge_cpu
+        process_cpu += sum(min(r[2] for r in shard) for shard in runs) + merge_cpu
         parallel += max(seconds) + merge_s
         parallel_mean += sum(seconds) / len(seconds) + merge_s
         steps[step] = {"shard_seconds": seconds, "shard_cpu_s": cpus, "merge_s": round(merge_s, 3)}
-    equal = compare_rows(root, sharded_root)
-    baseline.append(run_phase("incremental", args, root))
-    unsharded = {key: sum(b[key] for b in baseline) / len(baseline) for key in ("cpu_s", "seconds")}
+    steps = {step: steps[step] for step in spec.DAY_JOBS if step in steps}
+    # One round: the unsharded build run just before and after the shards, averaged; more: its fastest run, as the
+    # shards' (the fastest of each side: a shared machine's noise only ever adds time).
+    pick = (lambda values: sum(values) / len(values)) if rounds == 1 else min
+    unsharded = {key: pick([b[key] for b in baseline]) for key in ("cpu_s", "seconds")}
     result = {
         "work_vs_unsharded": round(cpu / unsharded["cpu_s"], 3),
         "parallel_vs_unsharded": round(parallel / unsharded["seconds"], 3),
@@ -636,6 +656,7 @@ def measure_sharding(args: argparse.Namespace, root: Path, sharded_root: Path, c
         "parallel_s": round(parallel, 3),
         "unsharded": {key: [round(b[key], 3) for b in baseline] for key in ("cpu_s", "seconds")},
         "steps": steps,
+        "rounds": rounds,
         **({} if all(v == "equal" for v in equal.values()) else {"differ": equal}),
     }
     say(f"  {result['work_vs_unsharded']}x the work, {result['parallel_vs_unsharded']}x the time "
