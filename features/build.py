@@ -71,6 +71,7 @@ from features.spec import STAGED_STEPS, STEP_GROUPS
 from features.step_io import (
     DEFAULTS,
     DuckDBSettings,
+    has_raw,
     input_versions,
     partition_ref,
     shared_database,
@@ -188,9 +189,16 @@ def _window_of_staged_day(root: str | os.PathLike[str], ds: str | dt.date, featu
         return {}
     user_daily, pin_daily = (join(resolve(shard.folder(d)), shard_file(shard.index)) for d in (USER_DAILY, PIN_DAILY))
     staged = StagedDay(user_daily, pin_daily, counts)
-    return build_window(root, ds, features.window_days, features.pin_prior_impressions,
-                        require_validation=common["require_validation"], engine=common["engine"], shard=shard,
-                        staged=staged)
+    try:
+        return build_window(root, ds, features.window_days, features.pin_prior_impressions,
+                            require_validation=common["require_validation"], engine=common["engine"], shard=shard,
+                            staged=staged)
+    except Exception as exc:  # optional here: the window job builds it, and its own failure is said there
+        log.warning("window of ds=%s: left to the window job: building it in shard %d of %d failed (%s: %s)",
+                    ds_str(ds), shard.index, shard.count, type(exc).__name__, exc)
+        for dataset in STEP_DATASETS["window"]:
+            remove_tree(shard.folder(dataset))
+        return {}
 
 
 def _build_group(
@@ -213,9 +221,13 @@ def _build_group(
             summary |= build_step(root, ds, one, features, **common)
         return summary
 
+    staged_window = "window" in STAGED_STEPS.get(group, ()) and not recompute
+    for dataset in STEP_DATASETS["window"]:  # an earlier try's: this try stages it again, or leaves it to its job
+        remove_tree(shard.folder(dataset))
+
     def run(one: str) -> dict[str, Any]:
         built = build_step(root, ds, one, features, **common)
-        if one == "daily" and "window" in STAGED_STEPS.get(group, ()) and not recompute:
+        if one == "daily" and staged_window:
             built |= _window_of_staged_day(root, ds, features, common)
         return built
 
@@ -243,18 +255,31 @@ def missing_shards(staging: str, step: str, count: int) -> list[int]:
 
 def window_built_by_group(root: str | os.PathLike[str], ds: str, settings: dict[str, Any]) -> bool:
     """Whether the window of ``ds`` was built by the shards of the day's first job (``STAGED_STEPS``) with these
-    ``settings`` (``recorded_settings``) from the daily aggregates of ``ds`` as they are published now: the DAG's
-    window job then has nothing to build (a rebuilt day's aggregates, other settings: it builds the window again)."""
+    ``settings`` (``recorded_settings``) from inputs that are all still as they are published now (``stale_inputs``):
+    the DAG's window job then has nothing to build. Any day of the window rebuilt or landed since, the day before's
+    window rebuilt, other settings: it builds the window again."""
     if not all(is_complete(root, dataset, ds) for dataset in STEP_DATASETS["window"]):
         return False
-    version = daily_version(root, ds)
     for dataset in STEP_DATASETS["window"]:
         meta = read_metadata(root, dataset, ds)
-        if not meta.get("staged_day") or version is None or meta.get("daily_versions", {}).get(ds) != version:
+        if not meta.get("staged_day") or any(key in meta and meta[key] != value for key, value in settings.items()):
             return False
-        if any(key in meta and meta[key] != value for key, value in settings.items()):
+        if stale_inputs(root, meta):
             return False
     return True
+
+
+def stale_inputs(root: str | os.PathLike[str], meta: dict[str, Any]) -> list[str]:
+    """What a window's metadata says it was built from that is not so any more: an input partition republished
+    (``input_versions``), a summed day's aggregates rebuilt (``daily_versions``; a staged day's, not published yet,
+    is left to its merge), or a day it lacked that has data now (``missing_days``)."""
+    recorded = dict(meta.get("input_versions") or {})
+    stale = [ref for ref, version in input_versions(root, list(recorded)).items() if version != recorded[ref]]
+    stale += [f"the daily aggregates of {day}" for day, version in (meta.get("daily_versions") or {}).items()
+              if version != STAGED_DAY_VERSION and daily_version(root, day) != version]
+    stale += [f"{day} (missing then)" for day in meta.get("missing_days") or []
+              if daily_version(root, day) is not None or has_raw(root, day)]
+    return stale
 
 
 def recorded_settings(features: FeaturesConfig, *, skip_validation: bool) -> dict[str, Any]:
@@ -295,7 +320,7 @@ def merge_shards(
     try:
         # Every dataset's shards checked before any is published: a step's partitions are published together.
         shards: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
-        for dataset in (*step_datasets(step), *_staged_by_every_shard(staging, step, count)):
+        for dataset in (*step_datasets(step), *_staged_by_every_shard(root, staging, step, count)):
             # Each shard's published version (on an object store the version folder its marker names).
             folders = [resolve(shard_folder(staging, dataset, i)) for i in range(count)]
             metas = [dict(read_json(join(folder, METADATA_FILE))) for folder in folders]
@@ -343,7 +368,7 @@ def merge_shards(
     return summary
 
 
-def _staged_by_every_shard(staging: str, step: str, count: int) -> tuple[str, ...]:
+def _staged_by_every_shard(root: str | os.PathLike[str], staging: str, step: str, count: int) -> tuple[str, ...]:
     """The datasets of the step's ``STAGED_STEPS`` that every shard wrote (merged with the rest); a step some shards
     left out is left to its own job (each shard decides from the same published state: only a shard rebuilt after it
     changed decides otherwise)."""
@@ -351,10 +376,25 @@ def _staged_by_every_shard(staging: str, step: str, count: int) -> tuple[str, ..
     for one in STAGED_STEPS.get(step, ()):
         datasets = STEP_DATASETS[one]
         built = [i for i in range(count) if all(exists(join(shard_folder(staging, d, i), MARKER)) for d in datasets)]
-        if len(built) == count:
-            staged.extend(datasets)
-        elif built:
-            log.warning("%s was built by shard(s) %s of %d only: left to its own job", one, built, count)
+        if 0 < len(built) < count:
+            log.warning("%s was built by shard(s) %s of %d only (each shard's log says why it did not): left to its own "
+                        "job", one, built, count)
+        if len(built) < count:
+            continue
+        # Built minutes or hours ago (the array's spread, a retried shard): from the same inputs in every shard, and
+        # none rebuilt since; otherwise left to its job (not a DataError of the whole day's shards).
+        inputs = {d: {json.dumps({key: meta.get(key) for key in ("input_versions", "daily_versions", "missing_days")},
+                                 sort_keys=True)
+                      for i in built for meta in [read_json(join(resolve(shard_folder(staging, d, i)), METADATA_FILE))]}
+                  for d in datasets}
+        if any(len(recorded) > 1 for recorded in inputs.values()):
+            log.warning("%s of the shards left to its own job: its shards were built from different inputs", one)
+            continue
+        stale = sorted({what for recorded in inputs.values() for what in stale_inputs(root, json.loads(recorded.pop()))})
+        if stale:
+            log.warning("%s of the shards left to its own job: built from inputs rebuilt since: %s", one, ", ".join(stale))
+            continue
+        staged.extend(datasets)
     return tuple(staged)
 
 

@@ -240,9 +240,9 @@ class FeatureBuildOperator(ComputeJobOperator):
             root = config.load().storage_root
             if window_built_by_group(root, self.ds, recorded_settings(plan.features, skip_validation=self.skip_validation)):
                 # The shards of the day's first job built it from their daily aggregates (features.spec.STAGED_STEPS).
-                self.log.info("the window of ds=%s was built with the day's daily aggregates as they are published now "
-                              "(by the shards of daily_sequences_examples, incrementally): no job to run. To rebuild it "
-                              "anyway, clear daily_sequences_examples with its downstream tasks", self.ds)
+                self.log.info("the window of ds=%s was built by the shards of daily_sequences_examples (incrementally) "
+                              "from inputs all still as published now: no job to run (a day of its window rebuilt or "
+                              "landed since, or other settings, and this task builds it again)", self.ds)
                 self._built = {d: storage.read_metadata(root, d, self.ds) for d in STEP_OUTPUTS["window"]}
                 return self._built
         if missing:

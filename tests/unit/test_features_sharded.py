@@ -519,3 +519,73 @@ def test_a_failed_step_of_a_shard_fails_the_shard_after_the_others_end(
         assert (Path(sharding.shard_folder(staging, dataset, 1)) / storage.MARKER).exists(), dataset
     assert not Path(sharding.shard_folder(staging, contracts.USER_SEQUENCE, 1)).exists()
     assert build.missing_shards(staging, job, 2) == [0, 1]
+
+
+@pytest.mark.unit
+def test_a_staged_window_is_kept_only_while_every_input_is_as_it_was_built_from(
+    roots: tuple[Path, Path], bucketed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The window task skips a staged window only while every input it summed is unchanged: a day of its window rebuilt
+    since makes it stale (the task builds it again). Staged shards whose inputs were rebuilt before their merge are not
+    published: the merge leaves the window to its job, and publishes the rest."""
+    whole, _ = roots
+    root = tmp_path / "root"
+    shutil.copytree(bucketed, root)
+    day = BUILT[-1]
+    assert build.window_built_by_group(root, day, SETTINGS)
+    # Re-landed raw events of a day before, its aggregates rebuilt (the same rows, a new publish stamp).
+    build.build_step(root, shift_ds(day, -1), "daily", FEATURES, require_validation=False, engine=ENGINE)
+    assert not build.window_built_by_group(root, day, SETTINGS)
+    stale = build.stale_inputs(root, read_metadata(root, contracts.USER_WINDOW, day))
+    assert f"the daily aggregates of {shift_ds(day, -1)}" in stale
+
+    # Shards staged, then an input rebuilt before their merge.
+    root = tmp_path / "second"
+    shutil.copytree(bucketed, root)
+    staging = str(tmp_path / "staging")
+    for index in range(SHARDS):
+        build.build_step(root, day, "daily_sequences_examples", FEATURES, require_validation=False, engine=ENGINE,
+                         shard=sharding.Shard(index, SHARDS, staging))
+    assert not build.missing_shards(staging, "daily_sequences_examples", SHARDS)
+    assert (Path(sharding.shard_folder(staging, contracts.USER_WINDOW, 0)) / storage.MARKER).exists()
+    build.build_step(root, shift_ds(day, -1), "window", FEATURES, require_validation=False, engine=ENGINE)
+    with caplog.at_level("WARNING", logger="features.build"):
+        merged = build.merge_shards(root, day, "daily_sequences_examples", staging, SHARDS, SETTINGS)
+    assert contracts.USER_WINDOW not in merged and contracts.USER_DAILY in merged
+    assert "window of the shards left to its own job: built from inputs rebuilt since" in caplog.text
+    assert not Path(staging).exists()  # its shards removed with the rest
+    assert not build.window_built_by_group(root, day, SETTINGS)
+    build_sharded(root, day, "window")  # the window task's job
+    for dataset in (contracts.USER_WINDOW, contracts.PIN_WINDOW):
+        assert sorted_by(read_table(root, dataset, day), KEYS[dataset]).equals(
+            sorted_by(read_table(whole, dataset, day), KEYS[dataset])), dataset
+
+
+@pytest.mark.unit
+def test_a_shard_that_cannot_stage_the_window_leaves_none_behind_and_builds_the_rest(
+    bucketed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retried shard that does not stage the window (it failed there, or the window cannot be incremental now)
+    removes the window an earlier try staged, so the merge never mixes them: the window is left to its job."""
+    from features.steps import window
+
+    root = tmp_path / "root"
+    shutil.copytree(bucketed, root)
+    day, staging, job = BUILT[-1], str(tmp_path / "staging"), "daily_sequences_examples"
+    for index in range(2):
+        build.build_step(root, day, job, FEATURES, require_validation=False, engine=ENGINE,
+                         shard=sharding.Shard(index, 2, staging))
+    staged = Path(sharding.shard_folder(staging, contracts.USER_WINDOW, 1)) / storage.MARKER
+    assert staged.exists()
+
+    def broken(*_: object, **__: object) -> dict:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(window, "write_query", broken)
+    built = build.build_step(root, day, job, FEATURES, require_validation=False, engine=ENGINE,
+                             shard=sharding.Shard(1, 2, staging))  # the retry of shard 1: its window fails
+    assert contracts.USER_WINDOW not in built and contracts.EXAMPLES in built
+    assert not staged.exists()
+    monkeypatch.undo()
+    merged = build.merge_shards(root, day, job, staging, 2, SETTINGS)
+    assert set(merged) == set(build.step_datasets(job))
