@@ -60,12 +60,13 @@ version.
 ) as dag:
 
     @task(retries=0)
-    def plan_shards(params: dict | None = None, triggering_asset_events: Any = None, dag_run: Any = None) -> dict:
+    def plan_shards(params: dict | None = None, triggering_asset_events: Any = None, dag_run: Any = None,
+                    dag: Any = None) -> dict:
         from operators.inference import plan_inference
         from operators.run_conf import check_run_conf
 
         assert params is not None
-        check_run_conf({"dag_run": dag_run, "params": params})
+        check_run_conf({"dag_run": dag_run, "params": params, "dag": dag})
         model, version = str(params["model"]), str(params["model_version"])
         events = [event for events in (triggering_asset_events or {}).values() for event in events]
         if events:  # started by a promotion: score with the champion it made, of its family

@@ -44,14 +44,14 @@ keyed by it, so nothing of the version rolled away from is reused).
 ) as dag:
 
     @task(outlets=[CHAMPION_MODEL_ASSET])
-    def rollback(params: dict | None = None, dag_run: Any = None, outlet_events: Any = None) -> dict:
+    def rollback(params: dict | None = None, dag_run: Any = None, outlet_events: Any = None, dag: Any = None) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
 
         from operators.run_conf import check_run_conf
         from services import champions
 
         assert params is not None
-        check_run_conf({"dag_run": dag_run, "params": params})
+        check_run_conf({"dag_run": dag_run, "params": params, "dag": dag})
         user = getattr(dag_run, "triggering_user_name", None) or "an unnamed user"
         move = champions.rollback(str(params["model"]), str(params["to_version"]), str(params["reason"]),
                                   moved_by=f"{user} via {dag_run.dag_id}/{dag_run.run_id}")

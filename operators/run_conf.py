@@ -11,10 +11,16 @@ from core.failures import UserError
 
 
 def check_run_conf(context: Any) -> None:
-    """Raise UserError (no retry) when the run's conf has keys that are not params of its DAG."""
+    """Raise UserError (no retry) when the run's conf has keys that are not params of its DAG.
+
+    The params the DAG (and the task) declare: a task's ``params`` in its context already hold every key of the conf
+    (Airflow merges the conf into them, ``core.dag_run_conf_overrides_params``), so they are only the fallback of a
+    context without the DAG."""
     dag_run = context.get("dag_run")
     conf = getattr(dag_run, "conf", None) or {}
-    known = sorted(context.get("params") or {})
+    declared = {str(name) for owner in (context.get("dag"), context.get("task"))
+                for name in (getattr(owner, "params", None) or {})}
+    known = sorted(declared or (context.get("params") or {}))
     unknown = sorted(str(key) for key in conf if key not in known)
     if not unknown:
         return

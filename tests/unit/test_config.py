@@ -99,6 +99,12 @@ def test_a_typo_in_a_triggers_conf_fails_naming_the_param():
     with pytest.raises(UserError, match=r"key\(s\) 'dss' \(did you mean 'ds'\?\) that pin_daily_features does not "
                                         r"know: its params are ds, shards"):
         check_run_conf({"dag_run": Run(), "params": {"ds": None, "shards": 1}})
+    # As a task's context holds them: its params with the conf merged in (Airflow's), its DAG's declared ones.
+    from types import SimpleNamespace
+
+    dag = SimpleNamespace(params={"ds": None, "shards": 1})
+    with pytest.raises(UserError, match=r"'dss' \(did you mean 'ds'\?\)"):
+        check_run_conf({"dag_run": Run(), "params": {"ds": None, "shards": 2, "dss": "2026-11-02"}, "dag": dag})
 
 
 def test_overrides_are_checked_by_the_same_model():
