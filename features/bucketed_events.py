@@ -19,6 +19,7 @@ from core.storage import (
     is_complete,
     join,
     open_output,
+    partition,
     read_metadata,
     write_json,
     write_partition,
@@ -53,17 +54,36 @@ DAY_COUNTS_SQL = "SELECT " + ", ".join(
 ) + " FROM events_all"
 
 
-def day_counts(root: str | os.PathLike[str], day: str) -> dict[str, Any] | None:
+def stale_buckets(root: str | os.PathLike[str], dataset: str, day: str) -> str | None:
+    """Why the bucketed copy ``dataset`` of ``day``'s events cannot stand for the raw partition as it is now (None
+    when it can): missing, or made from another version of it. Both its publish stamp and its content fingerprint
+    (``features.validation.report.content_fingerprint``: names, sizes, write stamps and footers of its files) must be
+    those the copy recorded: a producer that re-lands a day with the same (or an empty) ``_SUCCESS`` still changes the
+    fingerprint."""
+    from features.validation.report import content_fingerprint
+
+    if not is_complete(root, dataset, day):
+        return f"{partition_ref(dataset, day)} is missing (validation buckets the events for sharded builds)"
+    meta = read_metadata(root, dataset, day)
+    ref = partition_ref(RAW_EVENTS, day)
+    current = input_versions(root, [ref])[ref]
+    if current is None or meta.get("source_version") != current or (
+            meta.get("source_fingerprint") != content_fingerprint(partition(root, RAW_EVENTS, day))):
+        return f"{partition_ref(dataset, day)} was made from another version of {ref} (validate it again to rebucket it)"
+    return None
+
+
+def day_counts(root: str | os.PathLike[str], day: str) -> tuple[dict[str, Any] | None, str]:
     """The counts of ``day``'s events recorded when they were bucketed (``sums`` by count column, ``events``,
-    ``unknown_action_events``), if the buckets are of the raw partition as it is now; else None."""
-    if not is_complete(root, EVENTS_BY_PIN, day):
-        return None
+    ``unknown_action_events``) if the buckets are of the raw partition as it is now, and ''; else None and why."""
+    stale = stale_buckets(root, EVENTS_BY_PIN, day)
+    if stale:
+        return None, stale
     meta = read_metadata(root, EVENTS_BY_PIN, day)
-    current = input_versions(root, [partition_ref(RAW_EVENTS, day)])[partition_ref(RAW_EVENTS, day)]
     sums = meta.get("sums")
-    if current is None or meta.get("source_version") != current or not isinstance(sums, dict):
-        return None
-    return {"sums": sums, "events": meta.get("events"), "unknown_action_events": meta.get("unknown_action_events")}
+    if not isinstance(sums, dict):
+        return None, f"{partition_ref(EVENTS_BY_PIN, day)} records no counts (bucketed before they were recorded)"
+    return {"sums": sums, "events": meta.get("events"), "unknown_action_events": meta.get("unknown_action_events")}, ""
 
 
 # The columns of each bucketed copy of the events: the pin side only feeds pin_daily.
@@ -80,10 +100,7 @@ def events_part(root: str | os.PathLike[str], day: str, shard: Shard | None, key
     if shard is None:
         return ShardPart(raw, "TRUE")
     dataset = EVENTS_BY_USER if key == "user_id" else EVENTS_BY_PIN
-    if not is_complete(root, dataset, day):
-        return ShardPart(raw, shard.keeps(key))
-    current = input_versions(root, [partition_ref(RAW_EVENTS, day)])[partition_ref(RAW_EVENTS, day)]
-    if current is None or read_metadata(root, dataset, day).get("source_version") != current:
+    if stale_buckets(root, dataset, day):
         return ShardPart(raw, shard.keeps(key))
     return shard_part(root, dataset, day, shard)
 
@@ -99,8 +116,11 @@ def write_event_buckets(
     ds = ds_str(ds)
     if count < 1:
         raise ValueError(f"event buckets must be >= 1, got {count}; set features.event_buckets")
+    from features.validation.report import content_fingerprint
+
     events = require_input(root, RAW_EVENTS, ds, events_hint(ds))
     version = input_versions(root, [partition_ref(RAW_EVENTS, ds)])[partition_ref(RAW_EVENTS, ds)]
+    fingerprint = content_fingerprint(partition(root, RAW_EVENTS, ds))  # taken before the events are read
     summary: dict[str, Any] = {}
     with connect(engine, root) as con:
         create_view(con, "events_all", events, EVENTS_SCHEMA)
@@ -125,11 +145,13 @@ def write_event_buckets(
                         writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
                 meta = {
                     "dataset": dataset, "ds": ds, "source": partition_ref(RAW_EVENTS, ds), "source_version": version,
+                    "source_fingerprint": fingerprint,
                     "rows": rows, "hash_buckets": hash_layout(key, count), **counts,
                 }
                 write_json(join(out, METADATA_FILE), meta)
             summary[dataset] = meta
         con.execute("DROP TABLE IF EXISTS bucketed")
-    if input_versions(root, [partition_ref(RAW_EVENTS, ds)])[partition_ref(RAW_EVENTS, ds)] != version:
+    if (input_versions(root, [partition_ref(RAW_EVENTS, ds)])[partition_ref(RAW_EVENTS, ds)] != version
+            or content_fingerprint(partition(root, RAW_EVENTS, ds)) != fingerprint):
         log.warning("%s was republished while it was bucketed: shards read it whole until it is bucketed again", partition_ref(RAW_EVENTS, ds))
     return summary

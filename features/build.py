@@ -182,10 +182,9 @@ def _window_of_staged_day(root: str | os.PathLike[str], ds: str | dt.date, featu
     window can be incremental and the day's events were bucketed with their counts; else nothing (the DAG's window
     job builds it once the day is merged). Saves the window job: its start, its reads of the merged day, its merge."""
     shard: Shard = common["shard"]
-    counts = day_counts(root, ds_str(ds))
-    if counts is None:
-        log.info("window of ds=%s: left to the window job: the day's events are not bucketed with their counts "
-                 "(validation buckets them for sharded builds)", ds_str(ds))
+    counts, why = day_counts(root, ds_str(ds))
+    if counts is None:  # the day's pin totals are not known here
+        log.info("window of ds=%s: left to the window job: %s", ds_str(ds), why)
         return {}
     user_daily, pin_daily = (join(resolve(shard.folder(d)), shard_file(shard.index)) for d in (USER_DAILY, PIN_DAILY))
     staged = StagedDay(user_daily, pin_daily, counts)
@@ -254,19 +253,29 @@ def missing_shards(staging: str, step: str, count: int) -> list[int]:
 
 
 def window_built_by_group(root: str | os.PathLike[str], ds: str, settings: dict[str, Any]) -> bool:
-    """Whether the window of ``ds`` was built by the shards of the day's first job (``STAGED_STEPS``) with these
-    ``settings`` (``recorded_settings``) from inputs that are all still as they are published now (``stale_inputs``):
-    the DAG's window job then has nothing to build. Any day of the window rebuilt or landed since, the day before's
-    window rebuilt, other settings: it builds the window again."""
+    """Whether the window of ``ds`` was built by the shards of the day's first job (``STAGED_STEPS``) and still
+    stands: the DAG's window job then has nothing to build (``window_job_reason``)."""
+    return window_job_reason(root, ds, settings) is None
+
+
+def window_job_reason(root: str | os.PathLike[str], ds: str, settings: dict[str, Any]) -> str | None:
+    """Why the DAG's window job must build the window of ``ds``; None when the shards of the day's first job built it
+    with these ``settings`` (``recorded_settings``) from inputs that are all still as published now (``stale_inputs``:
+    a day of its window rebuilt or landed since, the day before's window rebuilt, and it must be built again)."""
     if not all(is_complete(root, dataset, ds) for dataset in STEP_DATASETS["window"]):
-        return False
+        return (f"the first job's shards did not build it (its log says why: not incremental, or the day's pin totals "
+                f"unknown), and no window of ds={ds} is published")
     for dataset in STEP_DATASETS["window"]:
         meta = read_metadata(root, dataset, ds)
-        if not meta.get("staged_day") or any(key in meta and meta[key] != value for key, value in settings.items()):
-            return False
-        if stale_inputs(root, meta):
-            return False
-    return True
+        if not meta.get("staged_day"):
+            return f"{dataset} ds={ds} was not built by the first job's shards (they left it to this job, said in its log)"
+        differ = sorted(key for key, value in settings.items() if key in meta and meta[key] != value)
+        if differ:
+            return f"{dataset} ds={ds} was built with other settings ({', '.join(differ)})"
+        stale = stale_inputs(root, meta)
+        if stale:
+            return f"{dataset} ds={ds} was built from inputs rebuilt since: {', '.join(stale)}"
+    return None
 
 
 def stale_inputs(root: str | os.PathLike[str], meta: dict[str, Any]) -> list[str]:
@@ -377,8 +386,8 @@ def _staged_by_every_shard(root: str | os.PathLike[str], staging: str, step: str
         datasets = STEP_DATASETS[one]
         built = [i for i in range(count) if all(exists(join(shard_folder(staging, d, i), MARKER)) for d in datasets)]
         if 0 < len(built) < count:
-            log.warning("%s was built by shard(s) %s of %d only (each shard's log says why it did not): left to its own "
-                        "job", one, built, count)
+            log.warning("%s was built by shard(s) %s of %d only (a shard's log says why it did not, unless it was "
+                        "killed before): left to its own job", one, built, count)
         if len(built) < count:
             continue
         # Built minutes or hours ago (the array's spread, a retried shard): from the same inputs in every shard, and

@@ -233,18 +233,20 @@ class FeatureBuildOperator(ComputeJobOperator):
 
     def result_without_job(self, context: Context, todo: tuple[FeaturePlan, list[int]]) -> Any:
         plan, missing = todo
-        if self.step == "window" and not plan.spec.recompute:
+        # Sharded, the shards of the day's first job may have built the window (features.spec.STAGED_STEPS).
+        if self.step == "window" and plan.staging and not plan.spec.recompute:
             from core import config, storage
-            from features.build import recorded_settings, window_built_by_group
+            from features.build import recorded_settings, window_job_reason
 
             root = config.load().storage_root
-            if window_built_by_group(root, self.ds, recorded_settings(plan.features, skip_validation=self.skip_validation)):
-                # The shards of the day's first job built it from their daily aggregates (features.spec.STAGED_STEPS).
+            reason = window_job_reason(root, self.ds, recorded_settings(plan.features, skip_validation=self.skip_validation))
+            if reason is None:
                 self.log.info("the window of ds=%s was built by the shards of daily_sequences_examples (incrementally) "
-                              "from inputs all still as published now: no job to run (a day of its window rebuilt or "
-                              "landed since, or other settings, and this task builds it again)", self.ds)
+                              "from inputs that are all still as published now: no job to run. A day of its window "
+                              "rebuilt or landed later, or a run with other settings, makes this task build it", self.ds)
                 self._built = {d: storage.read_metadata(root, d, self.ds) for d in STEP_OUTPUTS["window"]}
                 return self._built
+            self.log.info("building the window of ds=%s in this task's job: %s", self.ds, reason)
         if missing:
             return None
         self.log.info("every shard of %s ds=%s is built (an earlier try): merging", self.step, self.ds)

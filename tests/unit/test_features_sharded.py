@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from core import contracts, storage
@@ -422,11 +423,24 @@ def test_a_shard_reads_only_its_buckets_and_never_stale_ones(bucketed: Path, tmp
     storage.write_table(root, contracts.RAW_EVENTS, day, read_table(root, contracts.RAW_EVENTS, day))
     assert bucketed_events.events_part(root, day, sharding.Shard(1, 3, "s")) == (storage.data_files(root, contracts.RAW_EVENTS, day),
                                                                     "hash(user_id) % 3 = 1")
+    # Re-landed by a producer that keeps its marker's text (an empty _SUCCESS): the files' fingerprint tells.
+    other = BUILT[2]
+    assert bucketed_events.day_counts(root, other)[0] is not None
+    raw_folder = Path(partition(root, contracts.RAW_EVENTS, other))
+    marker = (raw_folder / storage.MARKER).read_text()
+    events = read_table(root, contracts.RAW_EVENTS, other)
+    for old_file in raw_folder.glob("*.parquet"):
+        old_file.unlink()
+    pq.write_table(events.slice(0, events.num_rows // 2), raw_folder / "part-00000.parquet")
+    assert (raw_folder / storage.MARKER).read_text() == marker
+    counts, why = bucketed_events.day_counts(root, other)
+    assert counts is None and "was made from another version of raw/events/ds=" in why
+    assert bucketed_events.events_part(root, other, sharding.Shard(1, 3, "s")).keeps == "hash(user_id) % 3 = 1"
     # A DuckDB whose hash() differs from the one that wrote the layout reads every file.
-    meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[2]), storage.METADATA_FILE)
+    meta_path = storage.join(partition(root, contracts.EVENTS_BY_USER, BUILT[-1]), storage.METADATA_FILE)
     meta = dict(storage.read_json(meta_path))
     storage.write_json(meta_path, meta | {"hash_buckets": meta["hash_buckets"] | {"probe": -1}})
-    assert len(bucketed_events.events_part(root, BUILT[2], sharding.Shard(1, 3, "s")).files) == 6
+    assert len(bucketed_events.events_part(root, BUILT[-1], sharding.Shard(1, 3, "s")).files) == 6
 
 
 @pytest.mark.unit
