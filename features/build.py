@@ -221,7 +221,7 @@ def _build_group(
         return summary
 
     staged_window = "window" in STAGED_STEPS.get(group, ()) and not recompute
-    for dataset in STEP_DATASETS["window"]:  # an earlier try's: this try stages it again, or leaves it to its job
+    for dataset in staged_datasets(group):  # an earlier try's: this try stages it again, or leaves it to its job
         remove_tree(shard.folder(dataset))
 
     def run(one: str) -> dict[str, Any]:

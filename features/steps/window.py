@@ -350,15 +350,16 @@ def build_window(
     days = day_range(shift_ds(ds, -(window_days - 1)), ds)
     params = {"window_days": window_days, "prior_impressions": prior_impressions}
     plan, reason = (None, "recompute requested") if recompute else _incremental_window(root, ds, days, window_days, staged)
+    recorded_totals: dict[str, int] | None = None
     if staged is not None:
         if plan is None:
             log.info("window of ds=%s: left to the window job, as it is not incremental (%s)", ds, reason)
             return {}
-        if _recorded_totals(root, _signed(PIN_WINDOW, PIN_DAILY, ds, plan), staged) is None:
+        recorded_totals = _recorded_totals(root, _signed(PIN_WINDOW, PIN_DAILY, ds, plan), staged)
+        if recorded_totals is None:
             log.info("window of ds=%s: left to the window job: a part records no pin totals (built before they were)", ds)
             return {}
     inputs: dict[str, list[str]] = {}
-    recorded_totals: dict[str, int] | None = None
     with connect(engine, root) as con:
         if plan is not None:
             computed: list[str] = []
@@ -369,8 +370,10 @@ def build_window(
                 signed = _signed(window, daily, ds, plan)
                 views = [(f"{name}_parts", shard)]
                 if name == "pin" and shard is not None:
-                    # A shard's pin_sums hold its own pins: the totals come from the recorded ones, else every pin's parts.
-                    recorded_totals = _recorded_totals(root, signed, staged)
+                    # A shard's pin_sums hold its own pins: the totals come from the recorded ones (a staged day's: read
+                    # above), else every pin's parts.
+                    if recorded_totals is None:
+                        recorded_totals = _recorded_totals(root, signed)
                     if recorded_totals is None:
                         views.append(("pin_parts_all", None))
                 for view, of_shard in views:
