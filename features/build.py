@@ -313,10 +313,16 @@ def merge_shards(
     build's flags). Every other metadata key must be equal in every shard (the same inputs, parameters and
     validation fingerprints): shards built from different data are never merged (DataError; they are removed, so
     that the step's rerun builds every shard again). A shard's missing output is an InfraError (a retry builds it).
-    Afterwards the step's shard outputs are removed from ``staging``, and the folder itself once empty.
+    Afterwards the step's shard outputs are removed from ``staging``, and the folder itself once empty. The published
+    metadata names the staging folder (``merged_from``): merging it again once its shards are gone (a retry of a merge
+    that published, or the CLI's ``--merge`` twice) returns what was published instead of failing.
     """
     ds = ds_str(ds)
     missing = missing_shards(staging, step, count)
+    if missing and (published := _merged_from(root, ds, step, staging, count)):
+        log.info("%s of ds=%s: already merged from the %d shard(s) in %s: nothing to do", step, ds, count, staging)
+        _remove_shards(staging, step)  # what a merge killed while removing its shards left
+        return published
     if missing:
         # Shards of another build there first: building the missing ones (the advice below) would not make this merge.
         first = step_datasets(step)[0]
@@ -357,6 +363,7 @@ def merge_shards(
             if all("content_digest" in m for m in metas):  # else each examples shard of the next day digests every file
                 merged["content_digest"] = combined_digest([m["content_digest"] for m in metas])
             merged["shards"] = count
+            merged["merged_from"] = staging
             if merged.get("staged_day"):  # a window of the day's staged aggregates: published above, now its inputs
                 _add_staged_day(root, ds, dataset, merged)
             # File part-i holds shard i's rows: the next day's shard i reads only its files (``shard_part``).
@@ -375,6 +382,19 @@ def merge_shards(
         ) from None
     _remove_shards(staging, step)
     return summary
+
+
+def _merged_from(root: str | os.PathLike[str], ds: str, step: str, staging: str, count: int) -> dict[str, Any]:
+    """The published metadata of ``step``'s datasets of ``ds`` when every one of them was merged from the ``count``
+    shards in ``staging`` (with those the shards staged and that merge published too); else nothing."""
+    published: dict[str, Any] = {}
+    for dataset in (*step_datasets(step), *staged_datasets(step)):
+        meta = read_metadata(root, dataset, ds) if is_complete(root, dataset, ds) else {}
+        if meta.get("merged_from") == staging and meta.get("shards") == count:
+            published[dataset] = meta
+        elif dataset in step_datasets(step):
+            return {}
+    return published
 
 
 def _staged_by_every_shard(root: str | os.PathLike[str], staging: str, step: str, count: int) -> tuple[str, ...]:

@@ -149,6 +149,10 @@ def test_a_step_runs_as_a_local_job_unsharded_and_sharded(platform: PlatformConf
 
     logs = get_backend("local", platform).logs(sharded.job_name(context(), 2))
     assert all(f"building daily of ds={DAY}, shard {i} of 3" in logs for i in range(3)), logs
+    # The same try again (its worker lost after the merge published, or `airflow tasks test` of the run): it finds its
+    # job ended and its shards merged already, and returns what was published without a job or a failure.
+    assert sharded.execute(context(try_number=2)) == summary
+    assert len(list((Path(platform.home) / "jobs").iterdir())) == 2
 
 
 @pytest.mark.unit

@@ -3,6 +3,7 @@ equals the unsharded build, row for row and in every metadata key but the layout
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -31,9 +32,9 @@ KEYS = {
     contracts.PIN_WINDOW: "pin_id", contracts.USER_SEQUENCE: "user_id", contracts.EXAMPLES: "impression_id",
 }
 # What only the layout changes (the digest hashes rows in file order), publish stamps (daily_versions, input_versions),
-# and that a window was built by the shards of the day's first job (staged_day).
+# that a window was built by the shards of the day's first job (staged_day), and the staging folder they were merged from.
 LAYOUT_KEYS = {"shards", "hash_buckets", "content_digest", "sequence_digest", "daily_versions", "input_versions",
-               "staged_day"}
+               "staged_day", "merged_from"}
 SETTINGS = build.recorded_settings(FEATURES, skip_validation=True)
 
 
@@ -204,8 +205,15 @@ def test_a_merge_publishes_only_the_shards_it_names_and_removes_only_them(
     assert build.main([*args, "--shards", "4", "--merge"]) == 0
     assert read_metadata(root, contracts.USER_SEQUENCE, day)["shards"] == 4
     assert [p.name for p in staging.iterdir()] == ["notes.txt"]  # only the merged shards removed
+    merged = read_metadata(root, contracts.USER_SEQUENCE, day)
+    assert merged["merged_from"] == str(staging)
     capsys.readouterr()
-    assert build.main([*args, "--shards", "4", "--merge"]) == ExitCode.INFRA  # merged twice: says so
+    # Merged twice (the CLI again, or a retry of a merge that published before its worker was lost): what was published.
+    assert build.main([*args, "--shards", "4", "--merge"]) == 0
+    assert json.loads(capsys.readouterr().out) == {contracts.USER_SEQUENCE: merged}
+    assert read_metadata(root, contracts.USER_SEQUENCE, day) == merged
+    # Another staging folder's shards were never built: that merge still says what is missing, and what is published.
+    assert build.main([*args, "--shards", "4", "--merge", "--staging", str(tmp_path / "other")]) == ExitCode.INFRA
     assert f"already merged: features/user_sequence ds={day} is published from 4 shard(s)" in capsys.readouterr().err
 
 
