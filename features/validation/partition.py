@@ -56,8 +56,19 @@ ROW_KEYS: dict[str, str] = {"events": "event_id", "pins": "pin_id", "users": "us
 
 
 def name_offenders(checks: dict[str, Check], dataset: str, table: pa.Table, derived: dict[str, pa.Array]) -> None:
-    """Add to each failed derived check a sample of the ids of its offending rows (what to look up upstream)."""
+    """Add to each failed derived or not-null check a sample of the ids of its offending rows (what to look up
+    upstream): the row's id, or its row number when the id itself is null (a null's own value names nothing)."""
     key = ROW_KEYS[dataset]
+    for name, null_check in checks.items():
+        column, _, kind = name.partition(".")
+        if kind != "not_null" or null_check.success is not False or column not in table.column_names:
+            continue
+        nulls = pc.is_null(table.column(column))
+        if column == key or key not in table.column_names:
+            what, offending = "rows (numbered from 0, files in name order)", pc.indices_nonzero(nulls)
+        else:
+            what, offending = key, pc.filter(table.column(key), nulls)
+        _add_sample(null_check, what, offending)
     if key not in table.column_names:
         return
     for check in DERIVED[dataset]:
@@ -65,12 +76,15 @@ def name_offenders(checks: dict[str, Check], dataset: str, table: pa.Table, deri
         values = derived.get(check.column)
         if result is None or result.success is not False or values is None or check.kind != "true":
             continue
-        offending = pc.filter(table.column(key), pc.equal(pc.fill_null(values, True), False))
-        sample = offending.slice(0, EXAMPLES).to_pylist()
-        if sample:
-            result.details += f"; offending {key}: {sample}" + (" ..." if len(offending) > EXAMPLES else "")
-            if isinstance(result.observed, dict):
-                result.observed[f"offending_{key}"] = sample
+        _add_sample(result, key, pc.filter(table.column(key), pc.equal(pc.fill_null(values, True), False)))
+
+
+def _add_sample(result: Check, what: str, offending: pa.Array | pa.ChunkedArray) -> None:
+    sample = offending.slice(0, EXAMPLES).to_pylist()
+    if sample:
+        result.details += f"; offending {what}: {sample}" + (" ..." if len(offending) > EXAMPLES else "")
+        if isinstance(result.observed, dict):
+            result.observed[f"offending_{what.split()[0]}"] = sample
 
 
 def check_names(dataset: str) -> list[str]:

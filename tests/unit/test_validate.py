@@ -235,6 +235,21 @@ def test_null_user_id(tmp_path: Path) -> None:
     text = Path(report.report_path).read_text()
     json.loads(text, parse_constant=lambda name: pytest.fail(f"result.json holds {name}"))
     assert "NaN" not in check(report, "user_id.not_null").details
+    # The null's own value names nothing: the report names the rows' event ids.
+    assert check(report, "user_id.not_null").details.endswith("; offending event_id: [5]")
+    assert check(report, "user_id.not_null").observed["offending_event_id"] == [5]
+
+
+def test_null_event_id_names_its_row(tmp_path: Path) -> None:
+    event_ids: list[int | None] = events_table()["event_id"].to_pylist()
+    event_ids[2] = event_ids[7] = None
+    write(tmp_path, "events", events_table(schema=nullable(contracts.EVENTS_SCHEMA), event_id=event_ids))
+
+    report = validate_partition(tmp_path, "events")
+
+    assert "event_id.not_null" in failed(report)
+    assert "; offending rows (numbered from 0, files in name order): [2, 7]" in check(report, "event_id.not_null").details
+    assert check(report, "event_id.not_null").observed["offending_rows"] == [2, 7]
 
 
 def test_unknown_action(tmp_path: Path) -> None:
