@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + "".join(f"\n{warning}" for warning in report.warnings)
         )
     else:
-        print(report.failure_message())
+        print(report.failure_message(again="run this command again to validate it again"))
     print(report.report_path, flush=True)
     return EXIT_OK if report.success else EXIT_FAILED
 

@@ -107,8 +107,9 @@ class ValidationReport:
             "warnings": self.warnings,
         }
 
-    def failure_message(self, top: int = 5) -> str:
-        """What failed, where, what was seen and how to fix it; empty when the partition passed."""
+    def failure_message(self, top: int = 5, again: str = "clear this task to validate it again") -> str:
+        """What failed, where, what was seen and how to fix it (then ``again``: the DAG task's way by default); empty
+        when the partition passed."""
         if self.success:
             return ""
         source = raw_dataset(self.dataset)
@@ -133,7 +134,7 @@ class ValidationReport:
                 f"correct the upstream data and replace the partition {where} (data files and its "
                 f"{storage.MARKER} marker, written atomically)"
             )
-        lines.append(f"Fix: {fix}, then clear this task to validate it again.")
+        lines.append(f"Fix: {fix}, then {again}.")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

@@ -401,6 +401,8 @@ def test_cli_fails_with_exit_2_and_prints_the_report_path(good_events: Path, cap
     out = capsys.readouterr().out
     assert code == 2
     assert "partition.marker" in out
+    # A command's user has no task to clear: the fix says to run the command again.
+    assert "then run this command again to validate it again." in out and "clear this task" not in out
     report_path = Path(out.strip().splitlines()[-1])
     assert json.loads(report_path.read_text())["failed_checks"] == ["partition.marker"]
 
