@@ -319,9 +319,11 @@ def merge_shards(
     """
     ds = ds_str(ds)
     missing = missing_shards(staging, step, count)
-    if missing and (published := _merged_from(root, ds, step, staging, count)):
+    # Every shard gone: merged (some left: a new build in the folder, or a merge killed while removing them, whose
+    # retry builds the rest and merges again).
+    if len(missing) == count and (published := _merged_from(root, ds, step, staging, count)):
         log.info("%s of ds=%s: already merged from the %d shard(s) in %s: nothing to do", step, ds, count, staging)
-        _remove_shards(staging, step)  # what a merge killed while removing its shards left
+        _remove_shards(staging, step)  # the staged datasets a merge killed while removing its shards left
         return published
     if missing:
         # Shards of another build there first: building the missing ones (the advice below) would not make this merge.

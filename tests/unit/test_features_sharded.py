@@ -212,6 +212,11 @@ def test_a_merge_publishes_only_the_shards_it_names_and_removes_only_them(
     assert build.main([*args, "--shards", "4", "--merge"]) == 0
     assert json.loads(capsys.readouterr().out) == {contracts.USER_SEQUENCE: merged}
     assert read_metadata(root, contracts.USER_SEQUENCE, day) == merged
+    # A new build in the same folder, one shard built so far: not "merged" (the shard is kept for the rest).
+    assert build.main([*args, "--shards", "4", "--run-shards", "0"]) == 0
+    assert build.main([*args, "--shards", "4", "--merge"]) == ExitCode.INFRA
+    assert "shard(s) [1, 2, 3] have no output" in capsys.readouterr().err
+    assert build.missing_shards(str(staging), "sequences", 4) == [1, 2, 3]
     # Another staging folder's shards were never built: that merge still says what is missing, and what is published.
     assert build.main([*args, "--shards", "4", "--merge", "--staging", str(tmp_path / "other")]) == ExitCode.INFRA
     assert f"already merged: features/user_sequence ds={day} is published from 4 shard(s)" in capsys.readouterr().err
