@@ -389,12 +389,13 @@ def merge_shards(
 def _merged_from(root: str | os.PathLike[str], ds: str, step: str, staging: str, count: int) -> dict[str, Any]:
     """The published metadata of ``step``'s datasets of ``ds`` when every one of them was merged from the ``count``
     shards in ``staging`` (with those the shards staged and that merge published too); else nothing."""
+    always = step_datasets(step)
     published: dict[str, Any] = {}
-    for dataset in (*step_datasets(step), *staged_datasets(step)):
+    for dataset in (*always, *staged_datasets(step)):
         meta = read_metadata(root, dataset, ds) if is_complete(root, dataset, ds) else {}
         if meta.get("merged_from") == staging and meta.get("shards") == count:
             published[dataset] = meta
-        elif dataset in step_datasets(step):
+        elif dataset in always:
             return {}
     return published
 

@@ -65,10 +65,9 @@ def name_offenders(checks: dict[str, Check], dataset: str, table: pa.Table, deri
             continue
         nulls = pc.is_null(table.column(column))
         if column == key or key not in table.column_names:
-            what, offending = "rows (numbered from 0, files in name order)", pc.indices_nonzero(nulls)
+            _add_sample(null_check, "rows", pc.indices_nonzero(nulls), "rows (numbered from 0, files in name order)")
         else:
-            what, offending = key, pc.filter(table.column(key), nulls)
-        _add_sample(null_check, what, offending)
+            _add_sample(null_check, key, pc.filter(table.column(key), nulls))
     if key not in table.column_names:
         return
     for check in DERIVED[dataset]:
@@ -79,12 +78,13 @@ def name_offenders(checks: dict[str, Check], dataset: str, table: pa.Table, deri
         _add_sample(result, key, pc.filter(table.column(key), pc.equal(pc.fill_null(values, True), False)))
 
 
-def _add_sample(result: Check, what: str, offending: pa.Array | pa.ChunkedArray) -> None:
+def _add_sample(result: Check, name: str, offending: pa.Array | pa.ChunkedArray, said: str = "") -> None:
+    """``offending_<name>`` in the check's observed values, and ``said`` (default: the name) in its details."""
     sample = offending.slice(0, EXAMPLES).to_pylist()
     if sample:
-        result.details += f"; offending {what}: {sample}" + (" ..." if len(offending) > EXAMPLES else "")
+        result.details += f"; offending {said or name}: {sample}" + (" ..." if len(offending) > EXAMPLES else "")
         if isinstance(result.observed, dict):
-            result.observed[f"offending_{what.split()[0]}"] = sample
+            result.observed[f"offending_{name}"] = sample
 
 
 def check_names(dataset: str) -> list[str]:
