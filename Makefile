@@ -89,11 +89,11 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy core services operators features training plugins dags scripts
 
-# Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole); each worker
-# has its own PINFLOW_HOME and Airflow home (tests/conftest.py). TEST_WORKERS=0 runs in one process.
+# Two pytest workers (pytest-xdist), a test file per worker at a time (module fixtures stay whole), the longest files
+# first (tests/conftest.py); each worker has its own PINFLOW_HOME and Airflow home. TEST_WORKERS=0 runs in one process.
 # Tests marked `extended` (DAG-level variants of what faster tests cover) run with `make test-extended`.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=25
+PYTEST := $(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
 test: install dev-tools lint
 	$(PYTEST) -m "not extended" $(PYTEST_ARGS)
 

@@ -22,6 +22,10 @@ def demo_run(airflow_db, pinflow_home):
     transport = {"type": "file", "log_file_path": str(events / "event")}
     env = {**os.environ, "PINFLOW_TRAINING__PROCS_PER_NODE": "2", "PINFLOW_TRAINING__BATCH_SIZE": "128",
            "PINFLOW_TRAINING__MIN_STEPS": "0",  # a tiny world: one short epoch, as asked
+           # Jobs of seconds: checked often (the defaults' 10 s would be most of each job's time). The nodes'
+           # preflight runs through the training operator in test_training_operator, on its own in test_gpu_check.
+           "PINFLOW_TRAINING__POLL_SECONDS": "1", "PINFLOW_INFERENCE__POLL_SECONDS": "1",
+           "PINFLOW_FEATURES__POLL_SECONDS": "0.5", "PINFLOW_TRAINING__PREFLIGHT": "false",
            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(transport), "AIRFLOW__OPENLINEAGE__NAMESPACE": "pinflow",
            # The demo puts the repository on sys.path, where `pip install -e .` left pinflow.egg-info: pinflow's
            # entry point is then seen twice, and the Task SDK 1.3 plugin loader stops at a duplicate name and drops

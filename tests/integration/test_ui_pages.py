@@ -309,9 +309,12 @@ class Stack:
             usage = next((t for t in platform["usage"] if t["team"] == TEAM), {})
             if "WAITING" in mine and usage.get("waiting") == 1 and progress.get("phase") == "training" and \
                     0 < progress["step"] < progress["total_steps"]:
-                seen = {"platform": platform, "run": pages.training_run(cfg, "pin_ranker_training", running["run_id"])}
-                if progress["step"] >= progress["total_steps"] / 3:
-                    break
+                run = pages.training_run(cfg, "pin_ranker_training", running["run_id"])
+                # Read a moment after the platform's data: the job may have moved on to checkpointing meanwhile.
+                if run["progress"].get("phase") == "training":
+                    seen = {"platform": platform, "run": run}
+                    if progress["step"] >= progress["total_steps"] / 3:
+                        break
             elif seen and (not running or progress.get("phase") != "training"):
                 break  # run a's job has moved on: the latest moment seen will do
             time.sleep(0.2)
