@@ -143,7 +143,10 @@ class Airflow:
         while time.monotonic() < deadline:
             status, body = self.api(f"/api/v2/dags/{DAG_ID}/dagRuns/~/hitlDetails?response_received=false")
             assert status == 200, body
-            if body["hitl_details"]:
+            # Answered only once the task is parked: on SQLite, Airflow's park reads "no response yet" and then
+            # parks without a lock, so an answer that lands in between is recorded but never resumes the task
+            # (the run then waits for ever). A person answering from the UI is never that quick.
+            if body["hitl_details"] and body["hitl_details"][0]["task_instance"]["state"] == "awaiting_input":
                 return dict(body["hitl_details"][0])
             proc = self.processes[driver]
             assert proc.poll() is None, f"{driver} ended without asking for approval:\n{self.log(driver)[-6000:]}"
