@@ -144,8 +144,8 @@ class Airflow:
             status, body = self.api(f"/api/v2/dags/{DAG_ID}/dagRuns/~/hitlDetails?response_received=false")
             assert status == 200, body
             # Answered only once the task is parked: on SQLite, Airflow's park reads "no response yet" and then
-            # parks without a lock, so an answer that lands in between is recorded but never resumes the task
-            # (the run then waits for ever). A person answering from the UI is never that quick.
+            # parks without a lock, so an answer that lands in between is recorded but resumes the task only at
+            # its approval timeout (docs/training.md). A person answering from the UI is never that quick.
             if body["hitl_details"] and body["hitl_details"][0]["task_instance"]["state"] == "awaiting_input":
                 return dict(body["hitl_details"][0])
             proc = self.processes[driver]
