@@ -130,7 +130,8 @@ user_features AS (
          {_USER_FEATURES},
          s.seq_len
   FROM user_window AS u
-  FULL JOIN (SELECT user_id, len(seq_ts) AS seq_len FROM user_sequence) AS s ON s.user_id = u.user_id
+  -- The four lists have one length: the INTEGER one is the cheapest to read (half the bytes of the timestamps).
+  FULL JOIN (SELECT user_id, len(seq_actions) AS seq_len FROM user_sequence) AS s ON s.user_id = u.user_id
 ),
 pin_features AS (
   SELECT coalesce(p.pin_id, pw.pin_id) AS pin_id, p.category, p.creator_id,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -25,7 +27,7 @@ from core.contracts import (
     USER_WINDOW_SCHEMA,
 )
 from core.failures import ExitCode
-from core.storage import partition, read_metadata, read_table, shift_ds, write_table
+from core.storage import is_complete, partition, read_metadata, read_table, shift_ds, write_table
 from features import build, step_io
 from features.steps.daily import build_daily
 from features.steps.examples import KEEP_NEGATIVE_HASH, _keep_negative, build_examples
@@ -461,6 +463,69 @@ def test_a_steps_last_query_closes_its_connection_once_read_and_writes_every_row
             con.execute("SELECT 1")
     assert summary["rows"] == rows and summary["counted"] == 42  # late_metadata ran before the close
     assert read_table(tmp_path, "features/last_query", D1)["user_id"].to_pylist() == list(range(rows))
+
+
+def _hold_encoding(monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> threading.Event:
+    """Hold the encoding of every output's files until the returned event is set (and fail the files of ``fail``)."""
+    release = threading.Event()
+    encode = step_io._ParquetFiles._encode
+
+    def held(files: step_io._ParquetFiles, path: str, tables: list[pa.Table]) -> None:
+        assert release.wait(60)
+        if fail and f"/{fail}/" in path:
+            raise OSError(28, "No space left on device", path)
+        encode(files, path, tables)
+
+    monkeypatch.setattr(step_io._ParquetFiles, "_encode", held)
+    return release
+
+
+def _write_range(con: Any, root: Path, dataset: str, rows: int) -> dict[str, Any]:
+    schema = pa.schema([pa.field("user_id", pa.int64(), nullable=False)])
+    sql = f"SELECT range AS user_id FROM range({rows}) ORDER BY user_id"
+    return step_io.write_query(con, sql, None, root, dataset, D1, schema, {"inputs": []})
+
+
+@pytest.mark.unit
+def test_overlapped_outputs_run_the_next_query_while_files_encode_and_publish_every_output_by_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = _hold_encoding(monkeypatch)
+    with step_io.connect(ENGINE) as con, step_io.overlapped_outputs():
+        first = _write_range(con, tmp_path, "features/first", 1000)
+        # Returned with its files still held: not published yet, and the next query runs.
+        assert first["rows"] == 1000 and not is_complete(tmp_path, "features/first", D1)
+        with step_io.overlapped_outputs():  # nested: joins the outer block (published at its end, not this one's)
+            second = _write_range(con, tmp_path, "features/second", 10)
+        assert not is_complete(tmp_path, "features/second", D1)
+        release.set()
+    assert second["rows"] == 10
+    assert read_table(tmp_path, "features/first", D1)["user_id"].to_pylist() == list(range(1000))
+    assert read_table(tmp_path, "features/second", D1)["user_id"].to_pylist() == list(range(10))
+    # Outside a block, an output is published when write_query returns.
+    release.clear()
+    threading.Timer(0.2, release.set).start()
+    with step_io.connect(ENGINE) as con:
+        _write_range(con, tmp_path, "features/third", 5)
+    assert is_complete(tmp_path, "features/third", D1)
+
+
+@pytest.mark.unit
+def test_a_failed_overlapped_output_is_raised_at_the_end_and_neither_it_nor_the_next_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with step_io.connect(ENGINE) as con:
+        _write_range(con, tmp_path, "features/second", 10)  # an older version
+    release = _hold_encoding(monkeypatch, fail="features/second")
+    with pytest.raises(OSError, match="No space left"), step_io.connect(ENGINE) as con, step_io.overlapped_outputs():
+        _write_range(con, tmp_path, "features/first", 100)
+        _write_range(con, tmp_path, "features/second", 20)
+        _write_range(con, tmp_path, "features/third", 30)
+        release.set()
+    assert read_table(tmp_path, "features/first", D1).num_rows == 100  # finished before the failure
+    assert read_table(tmp_path, "features/second", D1).num_rows == 10  # the old version stays
+    assert not storage.exists(partition(tmp_path, "features/third", D1))
+    assert not [p.name for p in (tmp_path / "features").rglob(".tmp-*")]  # no staging folder left
 
 
 @pytest.mark.unit
