@@ -32,6 +32,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from core.config import FeaturesConfig
@@ -167,7 +168,8 @@ def build_step(
         return _build_group(root, ds, step, features, recompute=recompute, **common)
     if step not in STEP_DATASETS:
         raise ValueError(f"unknown feature step {step!r}: choose one of {', '.join([*STEP_DATASETS, *STEP_GROUPS])}")
-    with overlapped_outputs():  # published when it returns (or, within a group's, when the group's steps are built)
+    # Unsharded, published when it returns (or, in a group, by the group's end). A shard's steps already run side by side.
+    with overlapped_outputs() if shard is None else nullcontext():
         if step == "daily":
             return build_daily(root, ds, **common)
         if step == "window":
