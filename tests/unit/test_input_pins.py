@@ -196,10 +196,18 @@ def test_a_pin_taken_while_the_partition_is_republished_holds_one_whole_version(
     writer = subprocess.Popen([sys.executable, "-c", WRITER, final, "300"], cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
     versions = set()
+    gave_up = 0
     try:
         while writer.poll() is None:
             target = tmp_path / "pins" / str(len(versions))
-            p = storage.pin_partition(root, EXAMPLES, DAYS[0], target)
+            try:
+                p = storage.pin_partition(root, EXAMPLES, DAYS[0], target)
+            except OSError as err:
+                # On a loaded machine the writer can republish under every one of a pin's attempts: the pin then says
+                # so (and leaves nothing) instead of holding a mixed version.
+                assert "times while it was being pinned: pin it again later" in str(err) and not target.exists()
+                gave_up += 1
+                continue
             tokens = {(Path(p.location) / name).read_text() for name in ("a.txt", "b.txt", "c.txt")}
             assert len(tokens) == 1, f"a pin mixed versions: {[t[:8] for t in tokens]}"
             assert set(p.files) == {"a.txt", "b.txt", "c.txt", storage.MARKER}
@@ -208,7 +216,7 @@ def test_a_pin_taken_while_the_partition_is_republished_holds_one_whole_version(
     finally:
         writer.wait(timeout=60)
     assert writer.returncode == 0
-    assert len(versions) > 1  # pinned while it was republished
+    assert len(versions) > 1, f"{len(versions)} pins taken, {gave_up} gave up"  # pinned while it was republished
     assert sorted(os.listdir(Path(final).parent)) == [f"ds={DAYS[0]}"]  # nothing left behind
 
 
