@@ -357,11 +357,10 @@ class _Finishing:
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="output-finish")
-        self.running: list[Future[None]] = []
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first output's that failed: the ones after it are discarded
 
     def add(self, output: ExitStack) -> None:
-        self.running.append(self.pool.submit(self._finish, output))
+        self.pool.submit(self._finish, output)
 
     def _finish(self, output: ExitStack) -> None:
         if self.error is not None:  # its files are discarded, its folder removed: nothing of it becomes visible
