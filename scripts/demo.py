@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,10 +37,14 @@ from core import config  # noqa: E402
 
 # The terminal: Airflow's own output goes to the demo log instead (see send_output_to).
 CONSOLE = sys.stdout
+STOPPING = threading.Event()  # a signal asked the demo to stop (StopOnSignal)
 
 
 def say(message: str) -> None:
-    print(f"[pinflow demo {time.strftime('%H:%M:%S')}] {message}", file=CONSOLE, flush=True)
+    try:
+        print(f"[pinflow demo {time.strftime('%H:%M:%S')}] {message}", file=CONSOLE, flush=True)
+    except OSError:  # the terminal is gone (SIGHUP): the demo goes on stopping; Airflow's side is in the demo log
+        pass
 
 
 def send_output_to(log_file: Path) -> None:
@@ -66,6 +71,154 @@ def load_dags() -> dict[str, Any]:
 
 class DemoFailed(Exception):
     pass
+
+
+class Stopped(BaseException):
+    """The demo was stopped by a signal. Not an Exception: dag.test() and Airflow's task runner take any Exception
+    for one task's failure and go on with the run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopOnSignal:
+    """Ctrl-C, SIGTERM (``kill``, ``make`` stopped) and SIGHUP (the terminal closed) stop the demo and the job it
+    waits for, and nothing is retried.
+
+    dag.test() runs every task in this process, and Airflow's task runner takes SIGTERM for the running task alone
+    (its handler calls the operator's on_kill, then the run goes on to the task's retry) and Ctrl-C for the task's
+    failure, while the task's job runs in process groups of its own, out of reach of the terminal's Ctrl-C. So within
+    this block the three signals stay with the demo: between tasks a signal stops it at once; while a task runs, the
+    task's job is cancelled (through the operator's on_kill, as Airflow's handler would; again every few seconds, for
+    a job submitted meanwhile), and so is any job the job history still has active; the task ends on that, and no
+    task or retry starts after it. A second signal stops at once (the cancelling still happens before the exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    AGAIN_S = 5.0
+
+    def __init__(self) -> None:
+        from services import job_history
+
+        self.history = job_history
+        self.since = job_history.now()  # the jobs of this demo (one demo per PINFLOW_HOME: its lock)
+        self.signum: int | None = None
+        self.stopped_at: Any = None
+        self.task_name = ""  # the task running, or the last one
+        self.in_task = self.shield = self.finishing = False
+        self.kill_task: Any = None  # the SIGTERM handler Airflow's task runner set for the task: its on_kill
+        self.canceller: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> StopOnSignal:
+        from airflow.sdk.definitions import dag as sdk_dag
+
+        self.install, self.run_task = signal.signal, sdk_dag._run_task
+        self.previous = {sig: self.install(sig, self.on_signal) for sig in self.SIGNALS}
+        self.patches: list[Any] = [mock.patch.object(signal, "signal", self.keep_ours),
+                                   mock.patch.object(sdk_dag, "_run_task", self.task)]
+        for patch in self.patches:
+            patch.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for patch in reversed(self.patches):
+            patch.stop()
+        for sig, handler in self.previous.items():
+            self.install(sig, handler)
+
+    def keep_ours(self, signum: int, handler: Any) -> Any:
+        """signal.signal within the block: the three signals keep the demo's handler; the one Airflow's task runner
+        sets for SIGTERM is kept to cancel the task's job."""
+        if signum not in self.SIGNALS:
+            return self.install(signum, handler)
+        if signum == signal.SIGTERM and callable(handler):
+            self.kill_task = handler
+        return self.on_signal
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if self.finishing:  # stopped(): its cancelling is bounded (the backends' grace) and must not be cut short
+            return
+        STOPPING.set()
+        if self.shield:
+            self.signum = self.signum or signum
+            return
+        if self.signum is not None or not self.in_task:
+            self.signum = self.signum or signum
+            raise Stopped(self.signum)
+        self.signum, self.stopped_at = signum, self.history.now()
+        say(f"{signal.Signals(signum).name}: stopping the demo; cancelling the job of {self.task_name} (send it again "
+            "to stop at once)")
+        self.canceller = threading.Thread(target=self.cancel_while_in_task, name="demo-stop", daemon=True)
+        self.canceller.start()
+
+    @contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A signal within stops the demo at the block's end: loading the DAGs takes any exception for an import
+        error of the DAG file it was raised in."""
+        self.shield = True
+        try:
+            yield
+        finally:
+            self.shield = False
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+    def task(self, **kwargs: Any) -> Any:
+        """dag.test()'s ``_run_task``: no task starts once the demo is stopping, and none ends without stopping it."""
+        if self.signum is not None:
+            raise Stopped(self.signum)
+        ti = kwargs["ti"]
+        self.task_name, self.kill_task, self.in_task = f"{ti.dag_id}.{ti.task_id}", None, True
+        try:
+            result = self.run_task(**kwargs)
+        finally:
+            self.in_task = False
+            if self.signum is None:  # its on_kill is for its job only: a finished task's job is not cancelled
+                self.kill_task = None
+        if self.signum is not None:
+            raise Stopped(self.signum)
+        return result
+
+    def cancel_while_in_task(self) -> None:
+        while True:
+            self.cancel_jobs()
+            deadline = time.monotonic() + self.AGAIN_S
+            while self.in_task and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not self.in_task:
+                return
+
+    def cancel_jobs(self) -> None:
+        """The task's job (its operator's on_kill; a job already ended is left as it is), and every job of the demo
+        that the job history has active."""
+        from operators.backends import get_backend
+
+        with self.lock:
+            if self.kill_task is not None:
+                self.kill_task(signal.SIGTERM, None)
+            for row in self.history.rows(states=self.history.ACTIVE, since=self.since):
+                if row["job_id"]:
+                    get_backend(row["backend"]).cancel(row["job_id"])
+
+    def stopped(self, stop: Stopped) -> int:
+        """Cancel what may still run, record the cancelled jobs of the history as cancelled (their tasks recorded a
+        killed job's failure), say what was stopped; the exit status of a process stopped by that signal."""
+        self.finishing = True
+        if self.canceller is not None:
+            self.canceller.join()
+        self.cancel_jobs()
+        name = signal.Signals(stop.signum).name
+        if self.stopped_at is not None:
+            for row in self.history.rows(states=[self.history.FAILED], since=self.since):
+                if row["ended_at"] and row["ended_at"] >= self.stopped_at:
+                    self.history.note(self.history.mark_ended, row["backend"], row["job_id"], self.history.CANCELLED,
+                                      reason=f"the demo was stopped ({name})", ended_at=row["ended_at"].timestamp())
+        where = (f" in {self.task_name}, whose job was cancelled" if self.stopped_at is not None
+                 else f" after {self.task_name}" if self.task_name else "")
+        say(f"stopped ({name}){where}. What was published stays and nothing half-written is visible; `make demo` runs "
+            "the chain again")
+        return 128 + stop.signum
 
 
 RUN_PREFIX = "demo__"
@@ -132,6 +285,8 @@ class FailedJobsSaid:
             self.say_new()
 
     def say_new(self) -> None:
+        if STOPPING.is_set():  # the jobs the stop cancels end as killed ones: not a failure to be retried
+            return
         history = self.history
         try:
             rows = history.rows(dag_id=self.dag_id, run_id=self.run_id, states=[history.FAILED, history.LOST],
@@ -197,33 +352,36 @@ def main(argv: list[str] | None = None) -> int:
             "this one with another PINFLOW_HOME")
         return 1
 
-    world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
-                        impressions_per_user=args.impressions_per_user)
-    world_file = storage.join(root, "synthetic-world.json")
-    recorded = storage.read_json(world_file) if storage.exists(world_file) else {}
-    if recorded.get("config") == world.__dict__:
-        world_summary = recorded["summary"]
-        say(f"synthetic world already under {root}: {world_summary['events']} events")
-    else:
-        say(f"generating the synthetic world ({args.days} days, {args.users} users with "
-            f"{args.impressions_per_user} impressions a day, {args.pins} pins) under {root}")
-        world_summary = generate_world(root, world)
-        storage.write_json(world_file, {"config": world.__dict__, "summary": world_summary})
-    days: list[str] = list(world_summary["days"])
+    with StopOnSignal() as stop:
+        try:
+            world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
+                                impressions_per_user=args.impressions_per_user)
+            world_file = storage.join(root, "synthetic-world.json")
+            recorded = storage.read_json(world_file) if storage.exists(world_file) else {}
+            if recorded.get("config") == world.__dict__:
+                world_summary = recorded["summary"]
+                say(f"synthetic world already under {root}: {world_summary['events']} events")
+            else:
+                say(f"generating the synthetic world ({args.days} days, {args.users} users with "
+                    f"{args.impressions_per_user} impressions a day, {args.pins} pins) under {root}")
+                world_summary = generate_world(root, world)
+                storage.write_json(world_file, {"config": world.__dict__, "summary": world_summary})
+            days: list[str] = list(world_summary["days"])
 
-    say(f"Airflow task logs: {log_file}")
-    send_output_to(log_file)
-    try:
-        return run_chain(args, root, log_file, days, world_summary, started)
-    except DemoFailed as err:
-        say(f"FAILED: {err}")
-        return 1
-    except Exception as err:  # its traceback goes to the log, which may be on the full disk: say it here too
-        from core.failures import disk_full
+            say(f"Airflow task logs: {log_file}")
+            send_output_to(log_file)
+            return run_chain(args, root, log_file, days, world_summary, started, stop)
+        except Stopped as stopped:
+            return stop.stopped(stopped)
+        except DemoFailed as err:
+            say(f"FAILED: {err}")
+            return 1
+        except Exception as err:  # its traceback goes to the log, which may be on the full disk: say it here too
+            from core.failures import disk_full
 
-        full = f" (the disk is full: free space under {home} and run the demo again)" if disk_full(err) else ""
-        say(f"FAILED: {type(err).__name__}: {err}{full}; details in {log_file}")
-        raise
+            full = f" (the disk is full: free space under {home} and run the demo again)" if disk_full(err) else ""
+            say(f"FAILED: {type(err).__name__}: {err}{full}; details in {log_file}")
+            raise
 
 
 # The quality bar of issue 5: every head reaches this share of the oracle's lift over chance,
@@ -249,14 +407,16 @@ def quality_bar_met(metrics: dict[str, Any]) -> bool | None:
 
 
 def run_chain(
-    args: argparse.Namespace, root: str, log_file: Path, days: list[str], world_summary: dict[str, Any], started: float
+    args: argparse.Namespace, root: str, log_file: Path, days: list[str], world_summary: dict[str, Any], started: float,
+    stop: StopOnSignal,
 ) -> int:
     import pendulum
 
     from core import storage
     from core.contracts import EXAMPLES, RAW_PINS, VALIDATION_REPORTS
 
-    dags = load_dags()
+    with stop.shielded():
+        dags = load_dags()
     features_started = time.monotonic()
     for ds in days:
         t0 = time.monotonic()

@@ -78,7 +78,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 _LONG_FIRST = (
     "test_train_torchrun.py", "test_production_stack.py", "test_backfill.py", "test_real_data.py", "test_chain.py",
     "test_training_operator.py", "test_local_agent_kill.py", "test_approval.py", "test_hpo_dag.py", "test_ui_pages.py",
-    "test_sharded_tables.py", "test_validation_dag.py", "test_corpus_inference.py", "test_s3_chain.py",
+    "test_sharded_tables.py", "test_validation_dag.py", "test_demo_stop.py", "test_corpus_inference.py", "test_s3_chain.py",
     "test_train_s3.py", "test_gpu_check.py", "test_orphan_lease.py", "test_local_backend.py",
 )
 
