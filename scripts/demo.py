@@ -341,6 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     from core import claims, storage
     from features.synthetic import WorldConfig, generate_world
 
+    # Checked before anything runs (the training DAG's params would refuse them only after every day's features).
+    if args.days < 2:
+        parser.error(f"--days {args.days}: at least 2 (the demo trains on the days before the last and evaluates on "
+                     "the last)")
+    if not 1 <= args.train_days <= 30:
+        parser.error(f"--train-days {args.train_days}: 1 to 30 (the training DAG's train_days)")
+    if args.epochs is not None and not 1 <= args.epochs <= 100:
+        parser.error(f"--epochs {args.epochs}: 1 to 100 (the training DAG's epochs)")
+    try:
+        world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
+                            impressions_per_user=args.impressions_per_user)
+    except ValueError as err:
+        parser.error(f"{err} (--start YYYY-MM-DD; --users, --pins, --impressions-per-user at least 1)")
+
     started = time.monotonic()
     root = cfg.storage_root
     home = Path(cfg.home)
@@ -354,8 +368,6 @@ def main(argv: list[str] | None = None) -> int:
 
     with StopOnSignal() as stop:
         try:
-            world = WorldConfig(start=args.start, days=args.days, users=args.users, pins=args.pins, seed=args.seed,
-                                impressions_per_user=args.impressions_per_user)
             world_file = storage.join(root, "synthetic-world.json")
             recorded = storage.read_json(world_file) if storage.exists(world_file) else {}
             if recorded.get("config") == world.__dict__:

@@ -49,3 +49,25 @@ def test_each_failed_job_of_the_run_is_said_once_as_it_fails(tmp_path: Path, mon
     assert len(lines) == 1, lines  # once, though the watch read the history many times and once more at its end
     assert "pin_ranker_training train: try 1 failed (INFRA): preflight: 0.4 GB free under /c, needs 1.6 GB" in lines[0]
     assert "Airflow retries it while the task has retries left" in lines[0] and str(tmp_path / "demo.log") in lines[0]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--days", "1"], "--days 1: at least 2 (the demo trains on the days before the last and evaluates on the last)"),
+    (["--train-days", "0"], "--train-days 0: 1 to 30"),
+    (["--epochs", "101"], "--epochs 101: 1 to 100"),
+    (["--users", "0"], "users=0 must be >= 1"),
+    (["--start", "2026-13-01"], "partition day '2026-13-01' is not a date in the form YYYY-MM-DD"),
+])
+def test_arguments_the_chain_would_refuse_late_are_refused_before_anything_runs(args, said, capsys, tmp_path,
+                                                                                 monkeypatch):
+    """Before, --days 1 or --epochs 0 built every day's features and then failed on the training DAG's params."""
+    monkeypatch.setenv("PINFLOW_STORAGE_ROOT", str(tmp_path / "storage"))
+    spec = importlib.util.spec_from_file_location("pinflow_demo_args_under_test", DEMO)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(args)
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "storage").exists()  # no world generated
