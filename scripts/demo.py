@@ -60,6 +60,24 @@ def send_output_to(log_file: Path) -> None:
     os.close(fd)
 
 
+def airflow_problem() -> str | None:
+    """Why Airflow is not ready for the demo (run by hand, without the environment ``make demo`` sets), or None.
+    Checked before Airflow is imported: without AIRFLOW_HOME it would make ``~/airflow`` and an empty database there."""
+    if not os.environ.get("AIRFLOW_HOME"):
+        return ("AIRFLOW_HOME is not set: run the demo with `make demo`, which points Airflow at its home under "
+                "PINFLOW_HOME, these DAGs and plugins, and creates its SQLite database; to run this script by hand, "
+                "`eval \"$(make -s print-env)\"` and `make install` first")
+    import sqlalchemy as sa
+    from airflow import settings
+
+    engine = settings.engine
+    assert engine is not None  # set up when airflow is imported
+    if not sa.inspect(engine).has_table("dag_run"):
+        return (f"Airflow's metadata database ({engine.url}) has no tables: `make install` (which `make demo` "
+                "runs) creates it")
+    return None
+
+
 def load_dags() -> dict[str, Any]:
     from airflow.dag_processing.dagbag import DagBag
 
@@ -354,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                             impressions_per_user=args.impressions_per_user)
     except ValueError as err:
         parser.error(f"{err} (--start YYYY-MM-DD; --users, --pins, --impressions-per-user at least 1)")
+    if problem := airflow_problem():
+        say(f"FAILED: {problem}")
+        return 1
 
     started = time.monotonic()
     root = cfg.storage_root

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,3 +74,20 @@ def test_arguments_the_chain_would_refuse_late_are_refused_before_anything_runs(
     assert exit_.value.code == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "storage").exists()  # no world generated
+
+
+def test_run_by_hand_without_airflows_environment_it_says_how_and_makes_no_airflow_home(tmp_path):
+    """Before, `python scripts/demo.py` without the Makefile's environment made ~/airflow with an empty database and
+    failed on `no such table: task_instance`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(HOME=str(tmp_path), PINFLOW_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, str(DEMO)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "AIRFLOW_HOME is not set: run the demo with `make demo`" in proc.stdout
+    assert not (tmp_path / "airflow").exists()
+
+    env.update(AIRFLOW_HOME=str(tmp_path / "home" / "airflow"),
+               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path / 'empty.db'}")
+    proc = subprocess.run([sys.executable, str(DEMO)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"Airflow's metadata database (sqlite:///{tmp_path / 'empty.db'}) has no tables: `make install`" in proc.stdout
