@@ -372,9 +372,6 @@ def main(argv: list[str] | None = None) -> int:
                             impressions_per_user=args.impressions_per_user)
     except ValueError as err:
         parser.error(f"{err} (--start YYYY-MM-DD; --users, --pins, --impressions-per-user at least 1)")
-    if problem := airflow_problem():
-        say(f"FAILED: {problem}")
-        return 1
 
     started = time.monotonic()
     root = cfg.storage_root
@@ -385,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     except claims.Claimed as held:
         say(f"FAILED: another demo is running with PINFLOW_HOME={home} ({held.holder}): wait for it to end, or run "
             "this one with another PINFLOW_HOME")
+        return 1
+    if problem := airflow_problem():
+        say(f"FAILED: {problem}")
         return 1
 
     with StopOnSignal() as stop:
