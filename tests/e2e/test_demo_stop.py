@@ -49,7 +49,7 @@ def test_sigterm_stops_the_demo_and_cancels_its_training_job_without_a_retry(air
     home = tmp_path / "home"
     (home / "airflow").mkdir(parents=True)
     with sqlite3.connect(airflow_db) as source, sqlite3.connect(home / "airflow" / "airflow.db") as copy:
-        source.backup(copy)  # the session's migrated metadata database: a home of its own, none of the chain's runs
+        source.backup(copy)  # the session's migrated metadata database (with the runs of earlier tests): a home of its own
     history_url = f"sqlite:///{home / 'job_history.db'}"
     env = {**os.environ, "PINFLOW_HOME": str(home), "AIRFLOW_HOME": str(home / "airflow"),
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow' / 'airflow.db'}",
@@ -92,5 +92,5 @@ def test_sigterm_stops_the_demo_and_cancels_its_training_job_without_a_retry(air
     assert rows == [(job["job_name"], "CANCELLED", "the demo was stopped (SIGTERM)")]
     with sqlite3.connect(home / "airflow" / "airflow.db") as db:
         trains = db.execute("SELECT state, try_number FROM task_instance WHERE dag_id = 'pin_ranker_training' AND "
-                            "task_id = 'train'").fetchall()
+                            "task_id = 'train' AND run_id = 'demo__2026-11-03__pin_ranker'").fetchall()
     assert trains == [("up_for_retry", 1)], trains  # what Airflow made of the cancelled job; its retry never ran
