@@ -126,7 +126,6 @@ class StopOnSignal:
         self.in_task = self.shield = self.finishing = False
         self.kill_task: Any = None  # the SIGTERM handler Airflow's task runner set for the task: its on_kill
         self.canceller: threading.Thread | None = None
-        self.lock = threading.Lock()
 
     def __enter__(self) -> StopOnSignal:
         from airflow.sdk.definitions import dag as sdk_dag
@@ -212,16 +211,15 @@ class StopOnSignal:
         that the job history has active."""
         from operators.backends import get_backend
 
-        with self.lock:
-            try:
-                if self.kill_task is not None:
-                    self.kill_task(signal.SIGTERM, None)
-                for row in self.history.rows(states=self.history.ACTIVE, since=self.since):
-                    if row["job_id"]:
-                        get_backend(row["backend"]).cancel(row["job_id"])
-            except Exception as err:  # noqa: BLE001 - the stop goes on; the log says what could not be cancelled
-                print(f"demo stop: cancelling failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-                say(f"could not cancel every job ({type(err).__name__}: {err}): look for it in the job history")
+        try:
+            if self.kill_task is not None:
+                self.kill_task(signal.SIGTERM, None)
+            for row in self.history.rows(states=self.history.ACTIVE, since=self.since):
+                if row["job_id"]:
+                    get_backend(row["backend"]).cancel(row["job_id"])
+        except Exception as err:  # noqa: BLE001 - the stop goes on; the log says what could not be cancelled
+            print(f"demo stop: cancelling failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            say(f"could not cancel every job ({type(err).__name__}: {err}): look for it in the job history")
 
     def stopped(self, stop: Stopped) -> int:
         """Cancel what may still run, record the cancelled jobs of the history as cancelled (their tasks recorded a

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -18,6 +18,16 @@ from services import job_history as history
 
 pytestmark = pytest.mark.unit
 DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo.py"
+
+
+
+def load_demo() -> ModuleType:
+    """scripts/demo.py as a module of its own (a fresh one each time: its terminal is patched per test)."""
+    spec = importlib.util.spec_from_file_location("pinflow_demo_under_test", DEMO)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
 
 
 def failed_job(name: str, run_id: str, reason: str, url: str) -> None:
@@ -32,10 +42,7 @@ def failed_job(name: str, run_id: str, reason: str, url: str) -> None:
 def test_each_failed_job_of_the_run_is_said_once_as_it_fails(tmp_path: Path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'history.db'}"
     monkeypatch.setenv("PINFLOW_JOB_HISTORY__URL", url)
-    spec = importlib.util.spec_from_file_location("pinflow_demo_under_test", DEMO)
-    assert spec is not None and spec.loader is not None
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_demo()
     terminal = io.StringIO()
     monkeypatch.setattr(demo, "CONSOLE", terminal)
     run_id = "demo__2026-11-07__pin_ranker"
@@ -65,10 +72,7 @@ def test_arguments_the_chain_would_refuse_late_are_refused_before_anything_runs(
                                                                                  monkeypatch):
     """Before, --days 1 or --epochs 0 built every day's features and then failed on the training DAG's params."""
     monkeypatch.setenv("PINFLOW_STORAGE_ROOT", str(tmp_path / "storage"))
-    spec = importlib.util.spec_from_file_location("pinflow_demo_args_under_test", DEMO)
-    assert spec is not None and spec.loader is not None
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_demo()
     with pytest.raises(SystemExit) as exit_:
         demo.main(args)
     assert exit_.value.code == 2
